@@ -1,0 +1,159 @@
+"""Dataclass configs: building from dicts / YAML files / dotted ``key=value`` overrides, with
+validation that fails with a one-line message naming the problem (and the closest valid key)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+
+class RecurformerError(ValueError):
+    """A user-facing error: the CLI prints its message on one line, without a traceback."""
+
+
+T = TypeVar("T")
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(sorted(valid))})"
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check (and gently coerce) ``value`` against the annotation ``tp``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except RecurformerError as e:
+                errors.append(str(e))
+        raise RecurformerError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise RecurformerError(f"{where} must be one of {list(typing.get_args(tp))}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise RecurformerError(f"{where} must be a list, got {value!r}")
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        out = [_coerce(v, inner, where) for v in value]
+        return tuple(out) if origin is tuple else out
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise RecurformerError(f"{where} must be true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise RecurformerError(f"{where} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(float(value)) if float(value).is_integer() else int(value)
+            except ValueError:
+                pass
+        raise RecurformerError(f"{where} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise RecurformerError(f"{where} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise RecurformerError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise RecurformerError."""
+    if not isinstance(data, dict):
+        raise RecurformerError(f"{where or cls.__name__} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{where}.{key}" if where else key
+        if key not in fields:
+            raise RecurformerError(f"unknown config key '{name}'{_suggest(key, list(fields))}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value, name)  # type: ignore[arg-type]
+        else:
+            kwargs[key] = _coerce(value, tp, f"config key '{name}'")
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        raise RecurformerError(f"{where or cls.__name__}: {e}") from None
+    return obj
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    return dataclasses.asdict(obj)
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}``; values are parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise RecurformerError(f"--set expects key=value, got '{item}'")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise RecurformerError(f"--set {key}: '{p}' is not a section")
+        node[parts[-1]] = value
+    return out
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge (``over`` wins)."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise RecurformerError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecurformerError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise RecurformerError(f"config file {p} must hold a mapping at the top level")
+    return data

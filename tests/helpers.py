@@ -1,0 +1,36 @@
+"""Shared fixtures. ``TEST_CONFIGS`` lists, for every registered model, small configs that the
+streaming-equivalence test runs; a model missing here fails ``test_every_model_has_test_configs``."""
+
+from __future__ import annotations
+
+import torch
+
+TEST_CONFIGS: dict[str, list[dict]] = {
+    "llama": [dict(vocab_size=61, dim=32, n_layers=2, n_heads=4)],
+    "sliding_window": [
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, window=5),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=2, window=2),
+    ],
+    "memory_attention": [
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8),
+        dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, chunk_size=5, memory_qkv="separate", memory_source="post_wo", init_memory="learned"),
+        dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, chunk_size=3, memory_ffn=False),
+    ],
+}
+
+
+def all_cases() -> list[tuple[str, dict]]:
+    return [(name, cfg) for name, cfgs in TEST_CONFIGS.items() for cfg in cfgs]
+
+
+def case_id(case: tuple[str, dict]) -> str:
+    name, cfg = case
+    return name + "-" + "-".join(f"{k}={v}" for k, v in cfg.items() if k not in ("vocab_size", "dim", "n_layers", "n_heads"))
+
+
+def randomize_params(model: torch.nn.Module, std: float = 0.3) -> None:
+    """Replace every parameter (norm gains and zero-initialised tensors included) by random
+    values, so tests don't pass only because of a special initialisation."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * std + (1.0 if p.dim() == 1 else 0.0))

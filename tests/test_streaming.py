@@ -1,0 +1,160 @@
+"""The streaming contract, for every model in the registry: one call over T tokens equals any
+split into consecutive calls that pass the state along (token by token included), in logits and
+in the final state; causality; state utilities; clear errors."""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+
+from recurformer import RecurformerError, build_model
+from recurformer.models import REGISTRY
+from recurformer.nn import State
+
+from helpers import TEST_CONFIGS, all_cases, case_id, randomize_params
+
+CASES = all_cases()
+
+
+def test_every_model_has_test_configs() -> None:
+    assert set(TEST_CONFIGS) == set(REGISTRY)
+
+
+def run_split(model, tokens, cuts, state=None):
+    logits, a = [], 0
+    for b in list(cuts) + [tokens.shape[1]]:
+        out = model(tokens[:, a:b], state=state)
+        logits.append(out.logits)
+        state = out.state
+        a = b
+    return torch.cat(logits, 1), state
+
+
+def random_cuts(T: int, rng: random.Random) -> list[int]:
+    k = rng.randint(1, 6)
+    return sorted(rng.sample(range(1, T), k))
+
+
+def assert_states_equal(s1: State, s2: State, rtol: float, atol: float) -> None:
+    f1, f2 = s1.to_flat(), s2.to_flat()
+    assert f1.keys() == f2.keys()
+    for k in f1:
+        a, b = f1[k], f2[k]
+        if "fresh" in k:
+            continue
+        assert a.shape == b.shape, k
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=f"state field {k}")
+        else:
+            assert torch.equal(a, b), k
+
+
+# float64 with large random weights (std 0.3: a chaotic network, where a wrong state shows at
+# once); float32 with std 0.1, where float32 itself is still accurate to ~1e-6 (at std 0.3 a
+# whole float32 forward differs from float64 by ~1e-3 after a few chunks of recurrence).
+@pytest.mark.parametrize(
+    "dtype,std,rtol,atol", [(torch.float64, 0.3, 1e-10, 1e-10), (torch.float32, 0.1, 1e-5, 1e-5)], ids=["f64", "f32"]
+)
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_whole_equals_chunked_equals_stepwise(case, dtype, std, rtol, atol) -> None:
+    name, cfg = case
+    rng = random.Random(zlib.crc32(case_id(case).encode()))
+    model = build_model(name, cfg).to(dtype).eval()
+    randomize_params(model, std)
+    B, T = 2, 77
+    tokens = torch.randint(0, cfg["vocab_size"], (B, T))
+    with torch.no_grad():
+        whole = model(tokens)
+        for _ in range(3):
+            logits, state = run_split(model, tokens, random_cuts(T, rng))
+            torch.testing.assert_close(logits, whole.logits, rtol=rtol, atol=atol)
+            assert_states_equal(state, whole.state, rtol, atol)
+        stepwise, state = run_split(model, tokens, range(1, T))
+        torch.testing.assert_close(stepwise, whole.logits, rtol=rtol, atol=atol)
+        assert_states_equal(state, whole.state, rtol, atol)
+    # the logits are not trivially equal: the model really depends on earlier tokens
+    other = tokens.clone()
+    other[:, 0] = (other[:, 0] + 1) % cfg["vocab_size"]
+    with torch.no_grad():
+        assert not torch.allclose(model(other).logits[:, 1:], whole.logits[:, 1:])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_causality(case) -> None:
+    name, cfg = case
+    model = build_model(name, cfg).double().eval()
+    randomize_params(model)
+    T = 40
+    tokens = torch.randint(0, cfg["vocab_size"], (1, T))
+    with torch.no_grad():
+        base = model(tokens).logits
+        for t in (0, 13, 39):
+            pert = tokens.clone()
+            pert[0, t] = (pert[0, t] + 7) % cfg["vocab_size"]
+            logits = model(pert).logits
+            torch.testing.assert_close(logits[:, :t], base[:, :t], rtol=0, atol=0)
+            assert not torch.allclose(logits[:, t], base[:, t])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_reset_row_equals_fresh_start(case) -> None:
+    """Resetting row 0 at a chunk boundary makes it continue exactly like a new document, while
+    row 1 carries on."""
+    name, cfg = case
+    model = build_model(name, cfg).double().eval()
+    randomize_params(model)
+    C = cfg.get("chunk_size", 1)
+    T1, T2 = 3 * C if C > 1 else 11, 19
+    a = torch.randint(0, cfg["vocab_size"], (2, T1))
+    b = torch.randint(0, cfg["vocab_size"], (2, T2))
+    with torch.no_grad():
+        s = model(a).state
+        s = s.reset(torch.tensor([True, False]))
+        out = model(b, state=s)
+        fresh0 = model(b[:1]).logits
+        cont1 = model(torch.cat((a, b), 1)[1:]).logits[:, T1:]
+    torch.testing.assert_close(out.logits[:1], fresh0, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(out.logits[1:], cont1, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_state_utilities(name) -> None:
+    cfg = TEST_CONFIGS[name][0]
+    model = build_model(name, cfg)
+    tokens = torch.randint(0, cfg["vocab_size"], (3, 10))
+    out = model(tokens, targets=tokens)
+    out.loss.backward(retain_graph=True)
+    st = out.state
+    flat = st.to_flat()
+    det = st.detach()
+    assert all(not t.requires_grad for t in det.to_flat().values())
+    moved = st.to(torch.float64)
+    assert all(t.dtype == torch.float64 for t in moved.to_flat().values() if t.is_floating_point())
+    again = type(st).from_flat(flat)
+    assert_states_equal(again, st, 0, 0)
+    assert det.batch_size == 3
+
+
+def test_errors_are_one_line() -> None:
+    with pytest.raises(RecurformerError, match="unknown model 'lama'.*llama"):
+        build_model("lama")
+    with pytest.raises(RecurformerError, match="unknown config key 'model.chunk_sise'.*chunk_size"):
+        build_model("memory_attention", {"chunk_sise": 4})
+    with pytest.raises(RecurformerError, match="must be an integer"):
+        build_model("llama", {"dim": "wide"})
+    model = build_model("llama", TEST_CONFIGS["llama"][0])
+    with pytest.raises(RecurformerError, match="token id 61 is outside the vocabulary"):
+        model(torch.tensor([[1, 61]]))
+    with pytest.raises(RecurformerError, match="token id -1"):
+        model(torch.tensor([[-1, 2]]))
+    other = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0])
+    with pytest.raises(RecurformerError, match="state is a MemoryState, but Llama expects a KVState"):
+        model(torch.tensor([[1, 2]]), state=other.init_state(1))
+    with pytest.raises(RecurformerError, match="batch size 2, tokens have 1"):
+        model(torch.tensor([[1, 2]]), state=model.init_state(2))
+    bigger = build_model("llama", dict(TEST_CONFIGS["llama"][0], n_layers=3))
+    with pytest.raises(RecurformerError, match="state"):
+        model(torch.tensor([[1, 2]]), state=bigger.init_state(1))
