@@ -207,6 +207,10 @@ class StreamingLM(nn.Module):
             raise RecurformerError(f"state does not fit this {type(self).__name__} (made by a model of another size)")
         return state
 
+    def info_lines(self) -> list[str]:
+        """Extra architecture facts for ``recurformer info`` (e.g. state size formulas)."""
+        return []
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
