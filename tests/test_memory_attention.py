@@ -1,0 +1,135 @@
+"""Memory Attention against a literal reading of seed 000 Algorithm 1 and the properties the
+model-core issue asks for."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import pytest
+
+import recurformer.models.memory_attention as ma
+from recurformer import build_model
+from recurformer.cli import main as cli_main
+from recurformer.nn import apply_rope, rope_cos_sin
+
+from helpers import randomize_params
+
+CFG = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8)
+
+
+def reference_forward(model: ma.MemoryAttention, tokens: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1, one chunk at a time, nothing batched or cached: Q/K/V of the concatenation
+    [M'; X_t] (memory queries computed, then their rows discarded), RoPE over the concatenation
+    at positions 0..2C-1, a square causal mask, O_t = output[:, C:]."""
+    c = model.config
+    C, H = c.chunk_size, c.n_heads
+    B, T = tokens.shape
+    assert T % C == 0
+    h = model.tok_emb(tokens)
+    cos, sin = rope_cos_sin(torch.arange(2 * C), c.head_dim, c.rope_theta, h.dtype)
+    for li, block in enumerate(model.layers):
+        att = block.attn
+        x_all = block.attn_norm(h)
+        mem = model.init_memory[li].expand(B, C, c.dim) if c.init_memory == "learned" else torch.zeros(B, C, c.dim, dtype=h.dtype)
+        outs = []
+        for t in range(T // C):
+            x = x_all[:, t * C : (t + 1) * C]
+            m = mem
+            if c.memory_ffn:
+                m = m + att.mem_ffn(att.mem_ffn_norm(m))
+            if c.memory_norm:
+                m = att.mem_norm(m)
+            wk, wv = (att.wkm, att.wvm) if c.memory_qkv == "separate" else (att.wk, att.wv)
+            seq_q = torch.cat((att.wq(m), att.wq(x)), 1)  # memory queries from wq (the code used wk: a bug)
+            seq_k = torch.cat((wk(m), att.wk(x)), 1)
+            seq_v = torch.cat((wv(m), att.wv(x)), 1)
+            q, k, v = (s.view(B, 2 * C, H, -1).transpose(1, 2) for s in (seq_q, seq_k, seq_v))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, 2C, d]
+            o = o.transpose(1, 2).reshape(B, 2 * C, c.dim)[:, C:]  # discard the memory rows
+            out = att.wo(o)
+            mem = o if c.memory_source == "pre_wo" else out
+            outs.append(out)
+        h = h + torch.cat(outs, 1)
+        h = h + block.ffn(block.ffn_norm(h))
+    return F.linear(model.norm(h), model.tok_emb.weight)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, dict(memory_qkv="separate"), dict(memory_source="post_wo"), dict(init_memory="learned"), dict(memory_ffn=False, memory_norm=False)],
+    ids=["shared", "separate", "post_wo", "learned", "no_ffn_norm"],
+)
+def test_matches_algorithm_1(extra) -> None:
+    model = build_model("memory_attention", dict(CFG, **extra)).double().eval()
+    randomize_params(model, 0.2)
+    tokens = torch.randint(0, 61, (2, 5 * 8))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, reference_forward(model, tokens), rtol=1e-10, atol=1e-10)
+
+
+def test_gradient_crosses_chunks_through_memory() -> None:
+    model = build_model("memory_attention", CFG).double()
+    randomize_params(model, 0.2)
+    tokens = torch.randint(0, 61, (1, 3 * 8))
+    emb = {}
+    handle = model.tok_emb.register_forward_hook(lambda m, i, o: emb.setdefault("out", o))
+    out = model(tokens, targets=tokens)
+    handle.remove()
+    loss3 = F.cross_entropy(out.logits[0, 16:], tokens[0, 16:])  # a loss on chunk 3 only
+    g_emb, *g_par = torch.autograd.grad(loss3, [emb["out"], *model.layers[0].attn.mem_ffn.parameters()])
+    assert g_emb[0, :8].abs().sum() > 0  # chunk 1's tokens reach chunk 3's loss (only via memory)
+    assert all(g.abs().sum() > 0 for g in g_par)
+    assert out.state.memory[0].requires_grad  # the returned state is not detached
+
+
+def test_zero_memory_stays_zero() -> None:
+    model = build_model("memory_attention", CFG)
+    randomize_params(model, 0.5)
+    layer = model.layers[0].attn
+    z = torch.zeros(3, 8, 32)
+    assert torch.equal(layer.evolve(z), z)
+    k, v = layer.memory_kv(z, *rope_cos_sin(torch.arange(8), 8, 1e4, torch.float32))
+    assert not k.any() and not v.any()
+
+
+def test_positions_never_exceed_2c_minus_1(monkeypatch) -> None:
+    seen: list[int] = []
+
+    def spy(positions, *a, **k):
+        seen.append(int(positions.max()))
+        return rope_cos_sin(positions, *a, **k)
+
+    monkeypatch.setattr(ma, "rope_cos_sin", spy)
+    model = build_model("memory_attention", CFG)
+    tokens = torch.randint(0, 61, (1, 203))
+    state = None
+    for piece in tokens.split(50, dim=1):  # streaming across calls too
+        state = model(piece, state=state).state
+    assert seen and max(seen) == 2 * 8 - 1
+
+
+def test_shared_qkv_saves_two_d_squared_per_layer() -> None:
+    shared = build_model("memory_attention", dict(CFG, memory_qkv="shared")).num_params()
+    separate = build_model("memory_attention", dict(CFG, memory_qkv="separate")).num_params()
+    assert separate - shared == 2 * 32 * 32 * CFG["n_layers"]
+
+
+@pytest.mark.parametrize("name,expected", [("memory_attention", 11.14e6), ("llama", 7.16e6)])
+def test_seed_config_parameter_count(name, expected, capsys) -> None:
+    args = ["info", "--model", name, "--set", "dim=288", "--set", "n_layers=6", "--set", "n_heads=6", "--set", "vocab_size=4096"]
+    if name == "memory_attention":
+        args += ["--set", "chunk_size=32", "--set", "memory_qkv=shared"]
+    assert cli_main(args) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("parameters:"))
+    count = int(line.split()[1].replace(",", ""))
+    assert abs(count - expected) / expected < 0.005, line
+
+
+def test_reset_mid_chunk_is_a_clear_error() -> None:
+    from recurformer import RecurformerError
+
+    model = build_model("memory_attention", CFG)
+    st = model(torch.randint(0, 61, (2, 5))).state.reset(torch.tensor([True, False]))
+    with pytest.raises(RecurformerError, match="only at a chunk boundary"):
+        model(torch.randint(0, 61, (2, 3)), state=st)
