@@ -43,7 +43,29 @@ def cmd_info(args: argparse.Namespace) -> None:
         print(line)
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {"info": cmd_info}
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from .data import prepare
+    from .train import DataConfig
+
+    if not args.dataset and not args.text:
+        raise RecurformerError("give --dataset NAME or --text FILE ...")
+    dc = DataConfig(dataset=args.dataset, text_files=args.text or [], tokenizer=args.tokenizer, vocab_size=args.vocab_size)
+    out = args.out or dc.resolved_dir()
+    meta = prepare(out, dataset=args.dataset, text_files=args.text or None, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
+    print(f"prepared {out}: " + ", ".join(f"{k}={v}" for k, v in meta.items() if not isinstance(v, (dict, list))))
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from .train import train_main
+
+    if not args.config and not args.resume:
+        raise RecurformerError("give --config FILE (see configs/) or --resume DIR")
+    last = train_main(args.config, args.set, args.resume)
+    if last:
+        print("done: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {"info": cmd_info, "prepare": cmd_prepare, "train": cmd_train}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="print a model's configuration and parameter counts")
     p.add_argument("--model", help=f"one of: {', '.join(model_names())}")
     p.add_argument("--config", help="a YAML config file (its model section is used)")
+    _add_set(p)
+
+    p = sub.add_parser("prepare", help="tokenize a corpus into train/val token files")
+    p.add_argument("--dataset", help="tinystories-sample, tinystories-repeat, warpeace, books, tinystories (hub)")
+    p.add_argument("--text", nargs="+", metavar="FILE", help="your own text files instead of a dataset")
+    p.add_argument("--tokenizer", choices=["bpe", "byte"], default="bpe")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--out", help="output directory (default: prepared/<dataset>-<tokenizer><vocab>)")
+
+    p = sub.add_parser("train", help="train a model (stateful TBPTT) from a YAML config")
+    p.add_argument("--config", help="YAML file with model/data/train sections (see configs/)")
+    p.add_argument("--resume", help="a run or checkpoint directory to continue exactly")
     _add_set(p)
     return ap
 

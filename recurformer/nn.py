@@ -207,6 +207,19 @@ class StreamingLM(nn.Module):
             raise RecurformerError(f"state does not fit this {type(self).__name__} (made by a model of another size)")
         return state
 
+    def generate(self, prompt: Any, max_new_tokens: int, temperature: float, **kwargs: Any) -> list[list[int]]:
+        """Sample ``max_new_tokens`` after ``prompt`` (see ``recurformer.generate.generate``).
+        ``temperature=0`` is greedy; there is no default on purpose."""
+        from .generate import generate
+
+        return generate(self, prompt, max_new_tokens, temperature, **kwargs)
+
+    def stream(self, prompt: Any, max_new_tokens: int, temperature: float, **kwargs: Any):
+        """Iterator form of ``generate``: yields the new tokens [B] one step at a time."""
+        from .generate import stream
+
+        return stream(self, prompt, max_new_tokens, temperature, **kwargs)
+
     def info_lines(self) -> list[str]:
         """Extra architecture facts for ``recurformer info`` (e.g. state size formulas)."""
         return []

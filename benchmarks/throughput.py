@@ -1,0 +1,113 @@
+"""Training and evaluation throughput of every model in the seeds' configuration
+(dim 288, 6 layers, 6 heads, vocab 4096; Memory Attention chunk 32 with shared memory Q/K/V).
+
+Training: forward + backward + AdamW step on B x T tokens (default 8 x 256), tokens/s.
+Evaluation: one no-grad forward at T=4096 (batch 1), seconds.
+Each row in fp32 and under bf16 autocast (when the CPU supports it). Rows are measured side by
+side in one run, interleaved over repeats, and the median is reported.
+
+    python benchmarks/throughput.py [--models memory_attention,llama] [--repeats 5] [--out docs/throughput.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from recurformer import build_model
+from recurformer.models import model_names
+
+SEED_CONFIG = dict(vocab_size=4096, dim=288, n_layers=6, n_heads=6)
+EXTRA = {"memory_attention": dict(chunk_size=32, memory_qkv="shared"), "sliding_window": dict(window=256)}
+
+
+def autocast(precision: str):
+    if precision == "bf16":
+        return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step_fn(name: str, precision: str, B: int, T: int, device: str):
+    torch.manual_seed(0)
+    model = build_model(name, dict(SEED_CONFIG, **EXTRA.get(name, {}))).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 4096, (B, T), device=device)
+    state = None
+
+    def step() -> None:
+        nonlocal state
+        with autocast(precision):
+            out = model(x, state=state, targets=x)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state = out.state.detach() if name != "llama" else None  # the KV cache of llama would grow
+
+    return step
+
+
+def eval_fn(name: str, precision: str, T: int, device: str):
+    torch.manual_seed(0)
+    model = build_model(name, dict(SEED_CONFIG, **EXTRA.get(name, {}))).to(device).eval()
+    x = torch.randint(0, 4096, (1, T), device=device)
+
+    def run() -> None:
+        with torch.no_grad(), autocast(precision):
+            model(x)
+
+    return run
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(m for m in ["memory_attention", "llama", "sliding_window"] if m in model_names()))
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--eval-len", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="docs/throughput.json")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = [(m, p) for m in args.models.split(",") for p in args.precisions.split(",")]
+    train = {r: train_step_fn(*r, args.batch, args.seq, device) for r in rows}
+    evals = {r: eval_fn(*r, args.eval_len, device) for r in rows}
+    for r in rows:  # warm-up
+        train[r]()
+        evals[r]()
+    times: dict = {r: {"train": [], "eval": []} for r in rows}
+    for _ in range(args.repeats):  # interleaved, so machine noise hits every row alike
+        for r in rows:
+            times[r]["train"].append(timed(train[r]))
+            times[r]["eval"].append(timed(evals[r]))
+    results = []
+    print(f"{'model':<18}{'prec':<6}{'train tok/s':>13}{'eval T=' + str(args.eval_len) + ' (s)':>18}")
+    for (m, p), t in times.items():
+        tps = args.batch * args.seq / statistics.median(t["train"])
+        ev = statistics.median(t["eval"])
+        results.append(dict(model=m, precision=p, train_tokens_per_s=round(tps), eval_seconds=round(ev, 3)))
+        print(f"{m:<18}{p:<6}{tps:>13,.0f}{ev:>18.3f}")
+    meta = dict(
+        torch=torch.__version__, device=device, threads=torch.get_num_threads(), machine=platform.machine(),
+        batch=args.batch, seq=args.seq, eval_len=args.eval_len, repeats=args.repeats,
+    )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(dict(meta=meta, results=results), indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

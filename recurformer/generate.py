@@ -1,0 +1,172 @@
+"""Streaming generation through the streaming contract: the prompt is read in one call, then one
+token per call, carrying the model state (a KV cache for Llama, a bounded cache for the sliding
+window, memory + partial-chunk cache for Memory Attention, ...). Recurrent models therefore
+generate with constant memory at any length.
+
+A ``Session`` (model state + next-token logits + sampler RNG) can be saved to a safetensors file
+and continued later with exactly the result of one uninterrupted run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from .config import RecurformerError
+from .nn import State, StreamingLM
+
+
+@dataclass
+class Session:
+    """A generation in progress: ``state`` covers every token read or emitted so far and
+    ``logits`` [B, V] are the next-token logits (None before the first token)."""
+
+    state: State
+    logits: Tensor | None = None
+    generator: torch.Generator = field(default_factory=torch.Generator)
+
+
+def new_session(model: StreamingLM, batch_size: int = 1, seed: int | None = None) -> Session:
+    device = model.tok_emb.weight.device
+    g = torch.Generator(device=device)
+    g.manual_seed(0 if seed is None else seed)
+    return Session(state=model.init_state(batch_size, device), generator=g)
+
+
+def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """Set logits outside the top-k set and outside the nucleus (the smallest set of tokens whose
+    probability reaches ``top_p``) to -inf. At least one token always survives."""
+    logits = logits.float()
+    if top_k is not None and top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # probability mass strictly before each token
+        drop_sorted = before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator) -> Tensor:
+    """[B, V] -> [B]. ``temperature == 0`` is greedy (argmax)."""
+    if temperature < 0:
+        raise RecurformerError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def read(model: StreamingLM, session: Session, tokens: Tensor) -> Session:
+    """Feed ``tokens`` [B, T] (a prompt, or forced tokens) and update the session."""
+    out = model(tokens.to(session.state.fresh.device), state=session.state)
+    session.state = out.state
+    session.logits = out.logits[:, -1].float()
+    return session
+
+
+@torch.no_grad()
+def stream(
+    model: StreamingLM,
+    prompt: Tensor | Sequence[int] | None,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    session: Session | None = None,
+    stop_tokens: Sequence[int] = (),
+) -> Iterator[Tensor]:
+    """Yield new tokens [B] one step at a time. Rows that produced a stop token yield -1 from then
+    on; the iterator ends when every row has stopped or after ``max_new_tokens``. ``session``
+    continues an earlier generation (and is updated in place)."""
+    was_training = model.training
+    model.eval()
+    try:
+        if prompt is not None and not isinstance(prompt, Tensor):
+            prompt = torch.tensor([list(prompt)], dtype=torch.long)
+        if session is None:
+            if prompt is None or prompt.numel() == 0:
+                raise RecurformerError("generation needs a prompt (or a session to continue)")
+            session = new_session(model, prompt.shape[0], seed)
+        if prompt is not None and prompt.numel() > 0:
+            read(model, session, prompt)
+        if session.logits is None:
+            raise RecurformerError("the session has no next-token logits: give a prompt")
+        B = session.logits.shape[0]
+        done = torch.zeros(B, dtype=torch.bool, device=session.logits.device)
+        stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=done.device)
+        for _ in range(max_new_tokens):
+            tok = sample(session.logits, temperature, top_k, top_p, session.generator)
+            read(model, session, tok[:, None])
+            yield torch.where(done, torch.full_like(tok, -1), tok)
+            done |= torch.isin(tok, stops)
+            if bool(done.all()):
+                break
+    finally:
+        model.train(was_training)
+
+
+def generate(
+    model: StreamingLM,
+    prompt: Tensor | Sequence[int] | None,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    session: Session | None = None,
+    stop_tokens: Sequence[int] = (),
+) -> list[list[int]]:
+    """The generated tokens of every row (a stop token ends its row and is included)."""
+    steps = list(stream(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, session, stop_tokens))
+    if not steps:
+        return []
+    out = torch.stack(steps, 1).tolist()
+    return [[t for t in row if t >= 0] for row in out]
+
+
+def save_session(session: Session, path: str | Path, model_name: str) -> None:
+    """Write a session to one safetensors file (atomically)."""
+    p = Path(path)
+    tensors = {f"state.{k}": v.cpu() for k, v in session.state.to_flat().items()}
+    if session.logits is not None:
+        tensors["logits"] = session.logits.cpu()
+    tensors["generator"] = session.generator.get_state()
+    tmp = p.with_name(p.name + ".tmp")
+    save_file(tensors, tmp, metadata={"model": model_name, "state_class": type(session.state).__name__})
+    tmp.replace(p)
+
+
+def load_session(path: str | Path, model: StreamingLM, model_name: str) -> Session:
+    p = Path(path)
+    if not p.is_file():
+        raise RecurformerError(f"session file not found: {p}")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(p, "pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(p)
+    except (SafetensorError, OSError) as e:
+        raise RecurformerError(f"cannot read session {p}: {str(e).splitlines()[0]}") from None
+    if meta.get("model") != model_name:
+        raise RecurformerError(f"session {p} was made by a '{meta.get('model')}' model, not '{model_name}'")
+    device = model.tok_emb.weight.device
+    flat = {k[len("state.") :]: v for k, v in tensors.items() if k.startswith("state.")}
+    state = model.state_cls.from_flat(flat).to(device)
+    model.check_state(state, state.batch_size)
+    g = torch.Generator(device=device)
+    g.set_state(tensors["generator"])
+    logits = tensors.get("logits")
+    return Session(state=state, logits=None if logits is None else logits.to(device), generator=g)

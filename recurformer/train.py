@@ -1,0 +1,438 @@
+"""One training loop for every registered model: stateful segment training (seed 000 §4), i.e.
+truncated BPTT with the model state carried across steps.
+
+Each optimizer step reads ``grad_accum`` consecutive segments of ``seq_len`` tokens from B
+streams (row b of segment k+1 continues row b of segment k: *data continuity*). The state
+returned by segment k is the initial state of segment k+1 (*state persistence*); it is detached
+every ``truncation`` segments, where the summed loss of those segments is backpropagated. A row
+whose stream wraps to its start has its state reset. The four ablation modes of seed Table 2 are
+``state: carry|reset`` x ``data_order: contiguous|shuffled``.
+
+Runs on one process or under ``torchrun`` (DDP): every rank owns its own streams and carried
+state, which are never broadcast or averaged; gradients are all-reduced once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from . import checkpoint as ckpt
+from .config import RecurformerError, from_dict, load_yaml, merge, parse_overrides
+from .models import build_model, make_config
+from .nn import State, StreamingLM
+
+
+@dataclass
+class DataConfig:
+    dataset: str | None = "tinystories-sample"  # a bundled dataset name, or None with text_files
+    text_files: list[str] = field(default_factory=list)
+    tokenizer: Literal["bpe", "byte"] = "bpe"
+    vocab_size: int = 4096
+    dir: str | None = None  # prepared data directory (default: prepared/<dataset>-<tokenizer><vocab>)
+
+    def resolved_dir(self) -> Path:
+        if self.dir:
+            return Path(self.dir)
+        name = self.dataset or "text"
+        return Path("prepared") / f"{name}-{self.tokenizer}{self.vocab_size if self.tokenizer == 'bpe' else ''}"
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = "runs/default"
+    batch_size: int = 8  # streams per rank
+    seq_len: int = 256  # tokens per segment (the TBPTT window)
+    steps: int = 1000  # optimizer steps
+    grad_accum: int = 1  # segments per optimizer step (consecutive segments of the same streams)
+    truncation: int = 1  # segments backpropagated through before the state is detached
+    state: Literal["carry", "reset"] = "carry"
+    data_order: Literal["contiguous", "shuffled"] = "contiguous"
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    compile: bool = False
+    eval_every: int = 200
+    eval_batches: int = 10
+    log_every: int = 10
+    save_every: int = 500
+    keep_last: int = 3
+    seed: int = 0
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        for k in ("batch_size", "seq_len", "steps", "grad_accum", "truncation", "eval_every", "log_every", "save_every"):
+            if getattr(self, k) < 1:
+                raise RecurformerError(f"config key 'train.{k}' must be >= 1, got {getattr(self, k)}")
+        if self.grad_accum % self.truncation:
+            raise RecurformerError(f"train.grad_accum ({self.grad_accum}) must be a multiple of train.truncation ({self.truncation})")
+
+
+@dataclass
+class RunConfig:
+    model: dict[str, Any] = field(default_factory=lambda: {"name": "memory_attention"})
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def load_run_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
+    raw = load_yaml(path) if path else {}
+    raw = merge(raw, parse_overrides(overrides))
+    cfg = from_dict(RunConfig, raw)
+    if "name" not in cfg.model:
+        raise RecurformerError("config key 'model.name' is required (e.g. memory_attention)")
+    make_config(cfg.model["name"], {k: v for k, v in cfg.model.items() if k != "name"})  # validate now
+    return cfg
+
+
+def build_from_run_config(cfg: RunConfig, vocab_size: int | None = None) -> StreamingLM:
+    values = {k: v for k, v in cfg.model.items() if k != "name"}
+    if vocab_size is not None:
+        values.setdefault("vocab_size", vocab_size)
+    return build_model(cfg.model["name"], values)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def autocast_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast where it pays (CUDA with bf16, CPUs with avx512_bf16/AMX), fp32 otherwise."""
+    if precision == "auto":
+        ok = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16()
+        precision = "bf16" if ok else "fp32"
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine from lr to min_lr."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on >= 2-D weights only (not norms, not biases)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+# ----------------------------------------------------------------------------------------------
+# optimizer and RNG state <-> safetensors/JSON (no pickles)
+
+
+def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd = opt.state_dict()
+    tensors = {f"opt.{pid}.{k}": v for pid, st in sd["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)}
+    groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups}
+
+
+def optimizer_from_flat(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for k, v in tensors.items():
+        if k.startswith("opt."):
+            _, pid, name = k.split(".", 2)
+            state.setdefault(int(pid), {})[name] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    t = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        t["rng.cuda"] = torch.cuda.get_rng_state()
+    np_state = np.random.get_state()
+    return t, {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    py = meta["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = meta["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Holds everything that a checkpoint must restore: model, optimizer, step, data streams,
+    carried state, RNG. ``run()`` trains to ``train.steps``."""
+
+    def __init__(self, cfg: RunConfig, resume: str | None = None, show_progress: bool = True) -> None:
+        from .data import ContiguousStreams, ShuffledWindows, Tokenizer, load_prepared, prepare
+
+        self.cfg = cfg
+        t = cfg.train
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.device = pick_device(t.device)
+        if self.world > 1:
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+                torch.cuda.set_device(self.device)
+            if not dist.is_initialized():
+                dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
+        self.show_progress = show_progress and self.rank == 0
+        self.out_dir = Path(t.out_dir)
+
+        resumed = ckpt.load_checkpoint(resume, with_train_state=True) if resume else None
+        if resumed is not None:
+            saved = resumed["config"]
+            if saved.get("model", {}).get("name") != cfg.model["name"]:
+                raise RecurformerError(
+                    f"checkpoint {resumed['dir']} holds a '{saved.get('model', {}).get('name')}' model, the config asks for '{cfg.model['name']}'"
+                )
+
+        # data: prepared on first use (rank 0), then memory-mapped
+        data_dir = cfg.data.resolved_dir()
+        if not (data_dir / "meta.json").is_file():
+            if self.rank == 0:
+                prepare(
+                    data_dir, dataset=cfg.data.dataset, text_files=cfg.data.text_files or None,
+                    tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
+                )
+            if self.world > 1:
+                dist.barrier()
+        self.meta, train_tokens, self.val_tokens, self.tokenizer = load_prepared(data_dir)
+        self.data_dir = data_dir
+        self.tokenizer_json = (data_dir / "tokenizer.json").read_text()
+
+        torch.manual_seed(t.seed)
+        self.model = build_from_run_config(cfg, self.meta["vocab_size"]).to(self.device)
+        if self.model.config.vocab_size < self.meta["vocab_size"]:
+            raise RecurformerError(f"model.vocab_size {self.model.config.vocab_size} < the data's vocabulary {self.meta['vocab_size']}")
+        self.opt = make_optimizer(self.model, t)
+        self.ddp: torch.nn.Module = self.model
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            # the carried state is not a module buffer, and buffers are not broadcast either
+            self.ddp = DDP(self.model, broadcast_buffers=False)
+        self.forward = torch.compile(self.ddp) if t.compile else self.ddp
+
+        if t.data_order == "contiguous":
+            self.streams: Any = ContiguousStreams(train_tokens, t.batch_size, t.seq_len, rank=self.rank, world_size=self.world)
+        else:
+            self.streams = ShuffledWindows(train_tokens, t.batch_size, t.seq_len, rank=self.rank, world_size=self.world, seed=t.seed)
+        self.state: State | None = None
+        self.step = 0
+        self.tokens_seen = 0
+        if resumed is not None:
+            self._restore(resumed)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- state of the run ------------------------------------------------------------------------
+    def _config_dict(self) -> dict[str, Any]:
+        d = asdict(self.cfg)
+        d["model"] = {"name": self.cfg.model["name"], **asdict(self.model.config)}
+        d["data"]["dir"] = str(self.data_dir)
+        return d
+
+    def save(self) -> Path | None:
+        """Gather every rank's carried state and data cursor; rank 0 writes one checkpoint."""
+        local = {
+            "streams": self.streams.state_dict(),
+            "state": self.state.to("cpu").to_flat() if self.state is not None else None,
+        }
+        everyone = [local]
+        if self.world > 1:
+            everyone = [None] * self.world  # type: ignore[list-item]
+            dist.all_gather_object(everyone, local)
+        if self.rank != 0:
+            return None
+        tensors, opt_meta = optimizer_to_flat(self.opt)
+        rng_t, rng_meta = rng_state()
+        tensors.update(rng_t)
+        for r, loc in enumerate(everyone):
+            if loc["state"] is not None:
+                tensors.update({f"rank{r}.state.{k}": v for k, v in loc["state"].items()})
+        train_json = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "world_size": self.world,
+            "optimizer": opt_meta,
+            "rng": rng_meta,
+            "streams": [loc["streams"] for loc in everyone],
+            "state_class": type(self.model.init_state(1, "cpu")).__name__,
+        }
+        return ckpt.save_checkpoint(
+            self.out_dir, self.step, self.model.state_dict(), self._config_dict(), self.tokenizer_json,
+            tensors, train_json, keep_last=self.cfg.train.keep_last,
+        )
+
+    def _restore(self, resumed: dict[str, Any]) -> None:
+        tj, tt = resumed["train_json"], resumed["train_tensors"]
+        if tj.get("world_size", 1) != self.world:
+            raise RecurformerError(f"checkpoint was written by {tj.get('world_size')} ranks; resume it on the same number (got {self.world})")
+        ckpt.load_model_weights(self.model, resumed["model"], str(resumed["dir"]))
+        optimizer_from_flat(self.opt, tt, tj["optimizer"])
+        set_rng_state(tt, tj["rng"])
+        self.streams.load_state_dict(tj["streams"][self.rank])
+        prefix = f"rank{self.rank}.state."
+        flat = {k[len(prefix) :]: v for k, v in tt.items() if k.startswith(prefix)}
+        if flat:
+            state = self.model.state_cls.from_flat(flat).to(self.device)
+            self.state = self.model.check_state(state, self.cfg.train.batch_size)
+        self.step = tj["step"]
+        self.tokens_seen = tj["tokens_seen"]
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _segment(self, batch: Any, state: State | None) -> tuple[torch.Tensor, State]:
+        t = self.cfg.train
+        if t.state == "reset" or state is None:
+            state = self.model.init_state(t.batch_size, self.device)
+        elif bool(batch.wrapped.any()):
+            state = state.reset(batch.wrapped.to(self.device))
+        x, y = batch.x.to(self.device), batch.y.to(self.device)
+        with autocast_context(t.precision, self.device):
+            out = self.forward(x, state=state, targets=y)
+        return out.loss, out.state
+
+    def train_step(self) -> float:
+        """One optimizer step over ``grad_accum`` consecutive segments; returns the mean loss."""
+        t = self.cfg.train
+        lr = lr_at(self.step, t)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        total = 0.0
+        groups = t.grad_accum // t.truncation
+        for gi in range(groups):
+            sync = gi == groups - 1
+            ctx = self.ddp.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
+            with ctx:
+                loss_sum = 0.0
+                state = self.state
+                for _ in range(t.truncation):
+                    loss, state = self._segment(self.streams.next_batch(), state)
+                    loss_sum = loss_sum + loss
+                (loss_sum / t.grad_accum).backward()
+                self.state = state.detach()  # the TBPTT boundary
+                total += float(loss_sum.detach())
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += t.grad_accum * t.batch_size * t.seq_len * self.world
+        mean = total / t.grad_accum
+        if not math.isfinite(mean):
+            raise RecurformerError(
+                f"loss became {mean} at step {self.step}; stopped (the last good checkpoint in {self.out_dir} is kept)"
+            )
+        return mean
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over ``eval_batches`` consecutive validation segments of B fresh streams,
+        carrying the state between them in ``carry`` mode."""
+        from .data import ContiguousStreams
+
+        t = self.cfg.train
+        self.model.eval()
+        streams = ContiguousStreams(self.val_tokens, t.batch_size, t.seq_len, rank=self.rank, world_size=self.world)
+        state, losses = None, []
+        for _ in range(t.eval_batches):
+            b = streams.next_batch()
+            if t.state == "reset" or state is None:
+                state = self.model.init_state(t.batch_size, self.device)
+            elif bool(b.wrapped.any()):
+                state = state.reset(b.wrapped.to(self.device))
+            with autocast_context(t.precision, self.device):
+                out = self.model(b.x.to(self.device), state=state, targets=b.y.to(self.device))
+            state = out.state
+            losses.append(float(out.loss))
+        self.model.train()
+        loss = float(np.mean(losses))
+        if self.world > 1:
+            v = torch.tensor([loss], device=self.device)
+            dist.all_reduce(v)
+            loss = float(v) / self.world
+        return loss
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.rank == 0:
+            with open(self.out_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def run(self) -> dict[str, Any]:
+        t = self.cfg.train
+        self.model.train()
+        bar = tqdm(total=t.steps, initial=self.step, disable=not self.show_progress, desc="train", dynamic_ncols=True)
+        last: dict[str, Any] = {}
+        t0, tok0 = time.perf_counter(), self.tokens_seen
+        try:
+            while self.step < t.steps:
+                loss = self.train_step()
+                bar.update(1)
+                if self.step % t.log_every == 0 or self.step == t.steps:
+                    dt = time.perf_counter() - t0
+                    tps = (self.tokens_seen - tok0) / max(dt, 1e-9)
+                    t0, tok0 = time.perf_counter(), self.tokens_seen
+                    last = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "tokens": self.tokens_seen, "tok_per_s": tps}
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+                    self.log(last)
+                if self.step % t.eval_every == 0 or self.step == t.steps:
+                    val = self.evaluate()
+                    last = {**last, "step": self.step, "val_loss": val}
+                    self.log({"step": self.step, "val_loss": val, "tokens": self.tokens_seen})
+                    if self.show_progress:
+                        tqdm.write(f"step {self.step}: val loss {val:.4f}")
+                if self.step % t.save_every == 0 or self.step == t.steps:
+                    path = self.save()
+                    if path is not None and self.show_progress:
+                        tqdm.write(f"saved {path}")
+        finally:
+            bar.close()
+        return last
+
+
+def train_main(config: str | None, overrides: list[str] | None, resume: str | None) -> dict[str, Any]:
+    if resume and not config:
+        saved = ckpt.load_checkpoint(resume)["config"]  # resume with the run's own config
+        saved["model"] = {k: v for k, v in saved["model"].items()}
+        cfg = from_dict(RunConfig, merge(saved, parse_overrides(overrides)))
+    else:
+        cfg = load_run_config(config, overrides)
+    trainer = Trainer(cfg, resume=resume)
+    try:
+        return trainer.run()
+    finally:
+        if trainer.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
