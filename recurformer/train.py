@@ -248,7 +248,9 @@ class Trainer:
         self.forward = torch.compile(self.ddp) if t.compile else self.ddp
 
         if t.data_order == "contiguous":
-            self.streams: Any = ContiguousStreams(train_tokens, t.batch_size, t.seq_len, rank=self.rank, world_size=self.world)
+            self.streams: Any = ContiguousStreams(
+                train_tokens, t.batch_size, t.seq_len, rank=self.rank, world_size=self.world, bos_id=self.meta["bos_id"]
+            )
         else:
             self.streams = ShuffledWindows(train_tokens, t.batch_size, t.seq_len, rank=self.rank, world_size=self.world, seed=t.seed)
         self.state: State | None = None

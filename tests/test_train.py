@@ -1,0 +1,174 @@
+"""The trainer: exact resume, the carried state and its detach boundary, atomic checkpoints,
+and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import recurformer.checkpoint as ckpt
+from recurformer import RecurformerError
+from recurformer.cli import main as cli_main
+from recurformer.train import RunConfig, Trainer, load_run_config
+
+WORDS = "the a cat dog ran sat on mat big small red blue happy sad tree house went saw".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) + "." for _ in range(300)]
+    path = d / "corpus.txt"
+    path.write_text("<|endoftext|>".join(docs))
+    return path
+
+
+def run_config(corpus: Path, tmp: Path, **train) -> RunConfig:
+    over = [
+        "model.name=memory_attention", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.chunk_size=8",
+        "data.dataset=null", f"data.text_files=[{corpus}]", "data.tokenizer=byte", f"data.dir={tmp / 'prepared'}",
+        f"train.out_dir={tmp / 'run'}", "train.batch_size=3", "train.seq_len=32", "train.steps=6", "train.warmup=2",
+        "train.precision=fp32", "train.eval_every=3", "train.eval_batches=2", "train.save_every=3", "train.log_every=1",
+    ]
+    over += [f"train.{k}={v}" for k, v in train.items()]
+    return load_run_config(None, over)
+
+
+def test_resume_is_exact(corpus, tmp_path) -> None:
+    full = Trainer(run_config(corpus, tmp_path / "a", steps=6, save_every=100, grad_accum=2), show_progress=False)
+    losses_full = [full.train_step() for _ in range(6)]
+
+    half = Trainer(run_config(corpus, tmp_path / "b", steps=3, grad_accum=2), show_progress=False)
+    losses_half = [half.train_step() for _ in range(3)]
+    half.save()
+    resumed = Trainer(run_config(corpus, tmp_path / "b", steps=6, grad_accum=2), resume=str(tmp_path / "b" / "run"), show_progress=False)
+    assert resumed.step == 3
+    losses_half += [resumed.train_step() for _ in range(3)]
+
+    assert losses_half == losses_full  # bitwise
+    for (n, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), n
+    sa, sb = full.opt.state_dict()["state"], resumed.opt.state_dict()["state"]
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(sa[i][k], sb[i][k])
+    fa, fb = full.state.to_flat(), resumed.state.to_flat()
+    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+    assert full.streams.state_dict() == resumed.streams.state_dict()
+
+
+@pytest.mark.parametrize("mode", ["carry", "reset"])
+def test_loss_depends_on_previous_batch_only_when_carrying(corpus, tmp_path, mode) -> None:
+    tr = Trainer(run_config(corpus, tmp_path, state=mode), show_progress=False)
+    b1, b2 = tr.streams.next_batch(), tr.streams.next_batch()
+    _, s1 = tr._segment(b1, None)
+    b1p = type(b1)(b1.x.clone(), b1.y, b1.wrapped)
+    b1p.x[:, 5:] = (b1p.x[:, 5:] + 1) % 200
+    _, s1p = tr._segment(b1p, None)
+    with torch.no_grad():
+        loss, _ = tr._segment(b2, s1.detach())
+        loss_p, _ = tr._segment(b2, s1p.detach())
+    assert (loss != loss_p) if mode == "carry" else (loss == loss_p)
+
+
+def test_no_gradient_crosses_the_detach_boundary(corpus, tmp_path) -> None:
+    tr = Trainer(run_config(corpus, tmp_path, truncation=2, grad_accum=2), show_progress=False)
+    tr.train_step()
+    flat = tr.state.to_flat()
+    assert all(t.grad_fn is None and not t.requires_grad for t in [*tr.state.memory, *tr.state.mem_k])
+    # inside a truncation window the gradient does reach the earlier segment
+    emb = []
+    h = tr.model.tok_emb.register_forward_hook(lambda m, i, o: emb.append(o))
+    l1, s = tr._segment(tr.streams.next_batch(), tr.state)
+    l2, s2 = tr._segment(tr.streams.next_batch(), s)
+    h.remove()
+    g_within = torch.autograd.grad(l2, emb[0], retain_graph=True)[0]
+    assert g_within.abs().sum() > 0
+    l3, _ = tr._segment(tr.streams.next_batch(), s2.detach())
+    assert not l3.grad_fn is None
+    with pytest.raises(RuntimeError):  # the first segment is not in l3's graph at all
+        torch.autograd.grad(l3, emb[0])
+    assert flat  # the carried state is a real, non-empty state
+
+
+def test_crash_mid_write_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch) -> None:
+    tr = Trainer(run_config(corpus, tmp_path), show_progress=False)
+    tr.train_step()
+    good = tr.save()
+    tr.train_step()
+    calls = {"n": 0}
+    real = ckpt.save_file
+
+    def dying(tensors, path, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:  # weights written, then the process "dies" mid-way
+            Path(path).write_bytes(b"\x00" * 10)
+            raise KeyboardInterrupt
+        return real(tensors, path, *a, **k)
+
+    monkeypatch.setattr(ckpt, "save_file", dying)
+    with pytest.raises(KeyboardInterrupt):
+        tr.save()
+    assert ckpt.resolve(tmp_path / "run") == good
+    loaded = ckpt.load_checkpoint(tmp_path / "run", with_train_state=True)
+    assert loaded["train_json"]["step"] == 1
+    monkeypatch.setattr(ckpt, "save_file", real)
+    Trainer(run_config(corpus, tmp_path), resume=str(tmp_path / "run"), show_progress=False)
+
+
+def test_nan_loss_stops_with_message_and_keeps_checkpoint(corpus, tmp_path) -> None:
+    tr = Trainer(run_config(corpus, tmp_path), show_progress=False)
+    tr.train_step()
+    good = tr.save()
+    with torch.no_grad():
+        tr.model.tok_emb.weight[0, 0] = float("nan")
+    with pytest.raises(RecurformerError, match="loss became nan at step 2.*last good checkpoint"):
+        tr.train_step()
+    assert ckpt.resolve(tmp_path / "run") == good
+
+
+def test_bad_inputs_are_one_line_errors(corpus, tmp_path, capsys) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  name: memory_attention\ntrain:\n  stpes: 3\n")
+    assert cli_main(["train", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "recurformer: error: unknown config key 'train.stpes' (did you mean 'steps'?)"
+    cfg.write_text("model:\n  name: memory_attention\ntrain:\n  steps: many\n")
+    assert cli_main(["train", "--config", str(cfg)]) == 2
+    assert "train.steps' must be an integer" in capsys.readouterr().err
+    assert cli_main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+    with pytest.raises(RecurformerError, match="not found|does not exist|missing"):
+        Trainer(load_run_config(None, ["model.name=llama", "data.dataset=null", f"data.text_files=[{tmp_path / 'missing.txt'}]",
+                                       f"data.dir={tmp_path / 'p2'}", "data.tokenizer=byte"]), show_progress=False)
+    # a checkpoint of another architecture
+    tr = Trainer(run_config(corpus, tmp_path), show_progress=False)
+    tr.train_step()
+    tr.save()
+    other = run_config(corpus, tmp_path)
+    other.model = {"name": "llama", "dim": 32, "n_layers": 2, "n_heads": 2}
+    with pytest.raises(RecurformerError, match="holds a 'memory_attention' model, the config asks for 'llama'"):
+        Trainer(other, resume=str(tmp_path / "run"), show_progress=False)
+    # a corrupted safetensors file
+    weights = ckpt.resolve(tmp_path / "run") / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(RecurformerError, match="corrupted or truncated"):
+        Trainer(run_config(corpus, tmp_path), resume=str(tmp_path / "run"), show_progress=False)
+
+
+def test_cli_train_end_to_end(corpus, tmp_path, capsys) -> None:
+    args = ["train", "--set", "model.name=llama", "--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
+            "--set", "data.dataset=null", "--set", f"data.text_files=[{corpus}]", "--set", "data.tokenizer=byte",
+            "--set", f"data.dir={tmp_path / 'prep'}", "--set", f"train.out_dir={tmp_path / 'r'}", "--set", "train.steps=4",
+            "--set", "train.batch_size=2", "--set", "train.seq_len=16", "--set", "train.eval_every=2", "--set", "train.precision=fp32"]
+    assert cli_main(args) == 2  # no --config: told to give one
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  name: llama\n")
+    assert cli_main(["train", "--config", str(cfg)] + args[1:]) == 0
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    assert any("val_loss" in ln for ln in lines) and len(lines) >= 4
+    assert (ckpt.resolve(tmp_path / "r") / "tokenizer.json").is_file()
