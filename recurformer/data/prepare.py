@@ -1,0 +1,259 @@
+"""Turn a corpus into a prepared dataset directory: ``train.bin``, ``val.bin``, ``tokenizer.json``, ``meta.json``.
+
+The ``.bin`` files are raw little-endian token arrays (uint16, or uint32 for vocabularies over
+65535) that ``load_prepared`` memory-maps. Each document is preceded by BOS (as in the authors'
+pretokenisation), so documents are concatenated into one stream per split; the ``-repeat``
+variant also ends each document with EOS, as the authors' ``tinystories_repeat`` did.
+The BPE tokenizer is trained on the train split only. The directory is written to a temporary
+sibling and renamed into place, so an interrupted ``prepare`` never leaves a half-written dataset.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import json
+import lzma
+import os
+import random
+import shutil
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from recurformer.config import RecurformerError
+from recurformer.data.tokenizer import FILENAME as TOKENIZER_FILE
+from recurformer.data.tokenizer import Tokenizer
+
+EOT = "<|endoftext|>"
+DATASETS = ("tinystories-sample", "tinystories-repeat", "warpeace", "books", "tinystories")
+TOKENIZERS = ("bpe", "byte")
+REPEAT_PROMPT = "Repeat above."
+BPE_TRAIN_MAX_DOCS = 100_000  # larger train splits train the BPE on a seeded random sample of documents
+FILES = ("train.bin", "val.bin", TOKENIZER_FILE, "meta.json")
+
+
+def _log(msg: str) -> None:
+    print(f"[prepare] {msg}", flush=True)
+
+
+def _split_docs(text: str) -> list[str]:
+    return [d.strip() for d in text.split(EOT) if d.strip()]
+
+
+def bundled_corpus(name: str) -> list[str]:
+    """Documents of a bundled ``recurformer/data/corpora/<name>.txt.xz`` file."""
+    blob = resources.files("recurformer.data").joinpath("corpora", f"{name}.txt.xz")
+    try:
+        return _split_docs(lzma.decompress(blob.read_bytes()).decode("utf-8"))
+    except (OSError, lzma.LZMAError) as e:
+        raise RecurformerError(f"bundled corpus {name}.txt.xz is missing or corrupt: {e}") from None
+
+
+def split_contiguous(docs: Sequence[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """The last ``val_fraction`` of the characters is val; the document at the cut is split at a line break."""
+    total = sum(len(d) for d in docs)
+    cut = total * (1.0 - val_fraction)
+    train: list[str] = []
+    val: list[str] = []
+    seen = 0
+    for doc in docs:
+        if seen + len(doc) <= cut:
+            train.append(doc)
+        elif seen >= cut:
+            val.append(doc)
+        else:
+            local = int(cut - seen)
+            at = doc.rfind("\n", 0, local)
+            at = at if at > 0 else local
+            train.append(doc[:at].strip())
+            val.append(doc[at:].strip())
+        seen += len(doc)
+    return [d for d in train if d], [d for d in val if d]
+
+
+def _read_text_files(paths: Sequence[str | Path]) -> list[str]:
+    docs: list[str] = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise RecurformerError(f"text file {p} does not exist")
+        try:
+            text = p.read_text(encoding="utf-8-sig").replace("\r\n", "\n")
+        except (OSError, UnicodeDecodeError) as e:
+            raise RecurformerError(f"cannot read text file {p} as UTF-8: {e}") from None
+        docs.extend(_split_docs(text))
+    if not docs:
+        raise RecurformerError(f"text files {', '.join(map(str, paths))} contain no text")
+    return docs
+
+
+def _hub_tinystories() -> tuple[list[str], list[str]]:
+    try:
+        import datasets
+    except ImportError:
+        raise RecurformerError(
+            "dataset 'tinystories' needs the `datasets` package (pip install 'recurformer[hub]'); "
+            "use 'tinystories-sample' for the bundled offline sample"
+        ) from None
+    try:
+        ds = datasets.load_dataset("roneneldan/TinyStories")
+    except Exception as e:  # network/hub errors come in many types
+        msg = f"{type(e).__name__}: {e}".splitlines()[0]
+        raise RecurformerError(f"could not load roneneldan/TinyStories from the Hugging Face hub (no network?): {msg}") from None
+    return [t.strip() for t in ds["train"]["text"] if t.strip()], [t.strip() for t in ds["validation"]["text"] if t.strip()]
+
+
+def _unknown_dataset(name: str) -> RecurformerError:
+    close = difflib.get_close_matches(name, DATASETS, n=1, cutoff=0.5)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return RecurformerError(f"unknown dataset {name!r}{hint}; valid datasets: {', '.join(DATASETS)} (or pass text_files)")
+
+
+def load_documents(
+    dataset: str | None, text_files: Sequence[str | Path] | None, val_fraction: float
+) -> tuple[list[str], list[str], str]:
+    """(train documents, val documents, description of the source)."""
+    if dataset in ("tinystories-sample", "tinystories-repeat"):
+        train, val = bundled_corpus("tinystories_train"), bundled_corpus("tinystories_val")
+        if dataset == "tinystories-repeat":
+            train, val = ([f"{s}\n{REPEAT_PROMPT}\n{s}" for s in docs] for docs in (train, val))
+        return train, val, "bundled TinyStories sample, lower-cased (recurformer/data/corpora, CDLA-Sharing-1.0)"
+    if dataset == "warpeace":
+        train, val = split_contiguous(bundled_corpus("warpeace"), val_fraction)
+        return train, val, f"bundled War and Peace (public domain), last {val_fraction:.0%} is val"
+    if dataset == "books":
+        return bundled_corpus("books_train"), bundled_corpus("books_val"), "bundled Project Gutenberg books (public domain), split by book"
+    if dataset == "tinystories":
+        train, val = _hub_tinystories()
+        return train, val, "Hugging Face roneneldan/TinyStories (train / validation splits)"
+    if dataset is not None:
+        raise _unknown_dataset(dataset)
+    assert text_files is not None
+    train, val = split_contiguous(_read_text_files(text_files), val_fraction)
+    return train, val, f"text files {', '.join(str(Path(p).resolve()) for p in text_files)}, last {val_fraction:.0%} is val"
+
+
+def _write_tokens(path: Path, docs: Sequence[str], tok: Tokenizer, dtype: np.dtype, append_eos: bool, desc: str) -> int:
+    """Encode ``docs`` (BOS + doc [+ EOS] each) and append them to ``path``; returns the token count."""
+    n = 0
+    step = 256
+    with path.open("wb") as f, tqdm(total=len(docs), desc=desc, unit="doc", leave=False) as bar:
+        for i in range(0, len(docs), step):
+            encoded = tok.encode_batch(docs[i : i + step])
+            tail = [tok.eos_id] if append_eos else []
+            flat = itertools.chain.from_iterable([tok.bos_id, *ids, *tail] for ids in encoded)
+            arr = np.fromiter(flat, dtype=dtype)
+            f.write(arr.tobytes())
+            n += arr.size
+            bar.update(len(encoded))
+    return n
+
+
+def prepare(
+    out_dir: str | Path,
+    dataset: str | None = None,
+    text_files: list[str] | None = None,
+    tokenizer: str = "bpe",
+    vocab_size: int = 4096,
+    val_fraction: float = 0.05,
+    seed: int = 0,
+) -> dict:
+    """Prepare ``dataset`` (one of ``DATASETS``) or ``text_files`` into ``out_dir``; returns the meta dict."""
+    out = Path(out_dir)
+    if (dataset is None) == (not text_files):
+        raise RecurformerError("prepare needs exactly one of dataset=... or text_files=[...]")
+    if dataset is not None and dataset not in DATASETS:
+        raise _unknown_dataset(dataset)
+    if tokenizer not in TOKENIZERS:
+        raise RecurformerError(f"unknown tokenizer {tokenizer!r}; valid tokenizers: {', '.join(TOKENIZERS)}")
+    if not 0.0 < val_fraction < 1.0:
+        raise RecurformerError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / "meta.json").is_file())):
+        raise RecurformerError(f"{out} exists and is not a prepared dataset directory; refusing to overwrite it")
+
+    _log(f"reading {dataset or f'{len(text_files or [])} text file(s)'}")
+    train, val, source = load_documents(dataset, text_files, val_fraction)
+    if not train or not val:
+        raise RecurformerError(f"dataset {dataset or 'text_files'} has an empty {'train' if not train else 'val'} split")
+
+    if tokenizer == "byte":
+        tok = Tokenizer.byte()
+    else:
+        sample = train if len(train) <= BPE_TRAIN_MAX_DOCS else random.Random(seed).sample(train, BPE_TRAIN_MAX_DOCS)
+        _log(f"training byte-level BPE (vocab {vocab_size}) on {len(sample):,} train documents")
+        tok = Tokenizer.train_bpe(sample, vocab_size)
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 65535 else np.uint32)
+    append_eos = dataset == "tinystories-repeat"
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        counts = {}
+        for split, docs in (("train", train), ("val", val)):
+            n = _write_tokens(tmp / f"{split}.bin", docs, tok, dtype, append_eos, f"encode {split}")
+            counts[split] = n
+            _log(f"{split}: {len(docs):,} documents, {n:,} tokens")
+        tok.save(tmp)
+        meta = {
+            "format_version": 1,
+            "dataset": dataset or "text_files",
+            "source": source,
+            "tokenizer": tok.kind,
+            "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id,
+            "dtype": dtype.name,
+            "append_eos": append_eos,
+            "train_documents": len(train),
+            "train_tokens": counts["train"],
+            "val_documents": len(val),
+            "val_tokens": counts["val"],
+            "val_fraction": val_fraction,
+            "seed": seed,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"wrote {out}")
+    return meta
+
+
+def load_prepared(directory: str | Path) -> tuple[dict, np.memmap, np.memmap, Tokenizer]:
+    """(meta, train tokens, val tokens, tokenizer) of a ``prepare``d directory, checking sizes against meta."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise RecurformerError(f"prepared dataset directory {d} does not exist (run prepare first)")
+    for name in FILES:
+        if not (d / name).is_file():
+            raise RecurformerError(f"prepared dataset {d} is missing {name} (re-run prepare)")
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+        dtype = np.dtype(meta["dtype"])
+        sizes = {split: int(meta[f"{split}_tokens"]) for split in ("train", "val")}
+        vocab_size = int(meta["vocab_size"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise RecurformerError(f"corrupt {d / 'meta.json'}: {type(e).__name__}: {e}".splitlines()[0]) from None
+    if dtype not in (np.uint16, np.uint32):
+        raise RecurformerError(f"{d / 'meta.json'}: dtype must be uint16 or uint32, got {dtype.name}")
+    arrays = []
+    for split, n in sizes.items():
+        path = d / f"{split}.bin"
+        size = path.stat().st_size
+        if n < 1 or size != n * dtype.itemsize:
+            raise RecurformerError(
+                f"{path} has {size} bytes but meta.json says {n} {dtype.name} tokens ({n * dtype.itemsize} bytes); re-run prepare"
+            )
+        arrays.append(np.memmap(path, dtype=dtype, mode="r"))
+    tok = Tokenizer.load(d)
+    if tok.vocab_size != vocab_size:
+        raise RecurformerError(f"{d / TOKENIZER_FILE} has vocab size {tok.vocab_size} but meta.json says {vocab_size}")
+    return meta, arrays[0], arrays[1], tok

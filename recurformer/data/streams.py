@@ -1,0 +1,190 @@
+"""Batch iterators over a 1-D token array (usually a ``np.memmap``) for stateful TBPTT.
+
+``ContiguousStreams`` is the seed paper's "data continuity" (§4): every row of a batch is its own
+stream that reads a fixed region of the corpus in order, so row b of batch k+1 is the exact
+continuation of row b of batch k and a recurrent state carried per row stays meaningful. Unlike
+the authors' loader (llama2rnn.md §3) it tells the trainer when a row restarts (``wrapped``) so the
+row's state can be reset, splits the streams across DDP ranks by construction, and resumes exactly.
+``ShuffledWindows`` is the ablation without continuity; ``eval_windows`` gives fixed long windows.
+
+Both iterators are counter-based: the state is just the number of batches drawn (the cursors and
+random offsets are pure functions of it), so every rank can resume from any rank's state dict.
+Batches are built by slicing the array with one fancy index; there are no per-token Python loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from recurformer.config import RecurformerError
+
+
+@dataclass
+class Batch:
+    """``x``/``y``: LongTensor[B, T] (``y`` = ``x`` shifted by one); ``wrapped``: BoolTensor[B]."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    wrapped: torch.Tensor
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.x.to(device), self.y.to(device), self.wrapped.to(device))
+
+
+def _check_common(tokens: np.ndarray, batch_size: int, seq_len: int, rank: int, world_size: int) -> None:
+    if tokens.ndim != 1:
+        raise RecurformerError(f"token array must be 1-D, got shape {tuple(tokens.shape)}")
+    if batch_size < 1 or seq_len < 1 or world_size < 1:
+        raise RecurformerError(f"batch_size, seq_len, world_size must be >= 1, got {batch_size}, {seq_len}, {world_size}")
+    if not 0 <= rank < world_size:
+        raise RecurformerError(f"rank must be in [0, {world_size}), got {rank}")
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
+    """LongTensor[len(starts), length] with row i = tokens[starts[i] : starts[i] + length]."""
+    idx = starts.astype(np.int64)[:, None] + np.arange(length, dtype=np.int64)[None, :]
+    return torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
+
+
+def _check_state(d: dict, expected: dict[str, int], kind: str) -> int:
+    if d.get("kind") != kind:
+        raise RecurformerError(f"data state dict is for {d.get('kind')!r}, not {kind!r}")
+    for key, value in expected.items():
+        if d.get(key) != value:
+            raise RecurformerError(f"data state dict mismatch: {key}={d.get(key)!r} but this loader has {key}={value}")
+    step = d.get("step")
+    if not isinstance(step, int) or step < 0:
+        raise RecurformerError(f"data state dict has a bad step {step!r}")
+    return step
+
+
+class ContiguousStreams:
+    """``batch_size * world_size`` streams over equal contiguous regions; rank r owns rows r*B..(r+1)*B-1.
+
+    Each batch advances every stream by ``seq_len`` tokens (windows of T+1 overlap by one token).
+    When fewer than T+1 tokens remain in a region, the stream restarts at its region start (the
+    tail is skipped) and ``wrapped`` is True for that row in that batch. With ``bos_id`` given,
+    each region start (except the first) is moved forward to the next BOS token, so every stream
+    starts - and restarts - at a document boundary (regions are then only nearly equal).
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch_size: int,
+        seq_len: int,
+        rank: int = 0,
+        world_size: int = 1,
+        bos_id: int | None = None,
+    ) -> None:
+        _check_common(tokens, batch_size, seq_len, rank, world_size)
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.rank, self.world_size, self.bos_id = rank, world_size, bos_id
+        n = batch_size * world_size
+        bounds = [s * (len(tokens) // n) for s in range(n)] + [len(tokens)]
+        if bos_id is not None:
+            bounds[1:-1] = [self._next_bos(b, bounds[i + 2]) for i, b in enumerate(bounds[1:-1])]
+        self.region_start = np.array(bounds[:-1], dtype=np.int64)
+        self.region_len = np.diff(np.array(bounds, dtype=np.int64))
+        if self.region_len.min() < seq_len + 1:
+            raise RecurformerError(
+                f"{len(tokens)} tokens are too few for {n} streams of seq_len {seq_len}: "
+                f"each stream region needs >= {seq_len + 1} tokens, the smallest has {int(self.region_len.min())}"
+            )
+        # Windows per pass over a region: starts 0, T, 2T, ... while start + T + 1 <= region length.
+        self.windows_per_pass = (self.region_len - 1) // seq_len
+        self.rows = slice(rank * batch_size, (rank + 1) * batch_size)
+        self.step = 0
+
+    def _next_bos(self, start: int, limit: int, chunk: int = 1 << 20) -> int:
+        """First position >= start (and < limit) holding BOS; ``start`` itself if there is none."""
+        for lo in range(start, limit, chunk):
+            hit = np.flatnonzero(np.asarray(self.tokens[lo : min(lo + chunk, limit)]) == self.bos_id)
+            if hit.size:
+                return lo + int(hit[0])
+        return start
+
+    def cursors(self) -> np.ndarray:
+        """Offset within its region where each of the ``batch_size * world_size`` streams reads next."""
+        return (self.step % self.windows_per_pass) * self.seq_len
+
+    def next_batch(self) -> Batch:
+        wrapped = (self.step % self.windows_per_pass[self.rows] == 0) & (self.step > 0)
+        starts = self.region_start[self.rows] + self.cursors()[self.rows]
+        xy = _windows(self.tokens, starts, self.seq_len + 1)
+        self.step += 1
+        return Batch(xy[:, :-1], xy[:, 1:], torch.from_numpy(wrapped))
+
+    def _identity(self) -> dict[str, int]:
+        return {
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "seq_len": self.seq_len,
+            "num_tokens": len(self.tokens),
+            "bos_id": -1 if self.bos_id is None else self.bos_id,
+        }
+
+    def state_dict(self) -> dict:
+        return {"kind": "contiguous", "step": self.step, **self._identity(), "cursors": self.cursors().tolist()}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.step = _check_state(d, self._identity(), "contiguous")
+
+
+class ShuffledWindows:
+    """Independent uniformly random windows of T+1 tokens per row (no continuity: ``wrapped`` all True).
+
+    Batch k of rank r uses the generator seeded by ``(seed, rank, k)``, so resuming needs only k.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch_size: int,
+        seq_len: int,
+        rank: int = 0,
+        world_size: int = 1,
+        bos_id: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        _check_common(tokens, batch_size, seq_len, rank, world_size)
+        if len(tokens) < seq_len + 1:
+            raise RecurformerError(f"{len(tokens)} tokens are too few for windows of seq_len {seq_len} (+1)")
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.rank, self.world_size, self.bos_id, self.seed = rank, world_size, bos_id, seed
+        self.step = 0
+
+    def next_batch(self) -> Batch:
+        rng = np.random.default_rng([self.seed, self.rank, self.step])
+        starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+        xy = _windows(self.tokens, starts, self.seq_len + 1)
+        self.step += 1
+        return Batch(xy[:, :-1], xy[:, 1:], torch.ones(self.batch_size, dtype=torch.bool))
+
+    def _identity(self) -> dict[str, int]:
+        return {
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "seq_len": self.seq_len,
+            "num_tokens": len(self.tokens),
+            "seed": self.seed,
+        }
+
+    def state_dict(self) -> dict:
+        return {"kind": "shuffled", "step": self.step, **self._identity(), "rng": "numpy default_rng([seed, rank, step])"}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.step = _check_state(d, self._identity(), "shuffled")
+
+
+def eval_windows(tokens: np.ndarray, length: int, n: int, seed: int = 0) -> torch.Tensor:
+    """LongTensor[n, length + 1]: windows at deterministic random offsets (same seed -> same windows)."""
+    if tokens.ndim != 1 or len(tokens) < length + 1:
+        raise RecurformerError(f"{len(tokens)} tokens are too few for evaluation windows of length {length} (+1)")
+    if n < 1 or length < 1:
+        raise RecurformerError(f"eval_windows needs n >= 1 and length >= 1, got n={n}, length={length}")
+    starts = np.random.default_rng(seed).integers(0, len(tokens) - length, size=n)
+    return _windows(tokens, starts, length + 1)
