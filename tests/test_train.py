@@ -164,7 +164,7 @@ def test_cli_train_end_to_end(corpus, tmp_path, capsys) -> None:
     args = ["train", "--set", "model.name=llama", "--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
             "--set", "data.dataset=null", "--set", f"data.text_files=[{corpus}]", "--set", "data.tokenizer=byte",
             "--set", f"data.dir={tmp_path / 'prep'}", "--set", f"train.out_dir={tmp_path / 'r'}", "--set", "train.steps=4",
-            "--set", "train.batch_size=2", "--set", "train.seq_len=16", "--set", "train.eval_every=2", "--set", "train.precision=fp32"]
+            "--set", "train.batch_size=2", "--set", "train.seq_len=16", "--set", "train.eval_every=2", "--set", "train.precision=fp32", "--set", "train.log_every=1"]
     assert cli_main(args) == 2  # no --config: told to give one
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model:\n  name: llama\n")
