@@ -196,15 +196,32 @@ class TransformerXL(StreamingLM):
             vis = vis & (d < M)
         return (vis[None] & (j[None] >= (M - valid)[:, None, None])).unsqueeze(1)
 
+    def receptive_start(self, p: int) -> int:
+        """Earliest position of a document whose token can change the logits at position p (positions
+        from the document start): each layer reaches back to the memory of the query's segment,
+        S(q) - M (with same_length: q - (M-1)), and a logit goes through n_layers layers."""
+        c: TransformerXLConfig = self.config  # type: ignore[assignment]
+        q = p
+        for _ in range(c.n_layers):
+            q = q - (c.memory_len - 1) if c.same_length else (q // c.segment_len) * c.segment_len - c.memory_len
+        return max(q, 0)
+
+    def max_context(self) -> int:
+        """The largest p - receptive_start(p) + 1 far from the document start: the effective context
+        (the seed's N·L + L for M = L; N·M + L when L divides M; N·(M-1) + 1 with same_length)."""
+        c: TransformerXLConfig = self.config  # type: ignore[assignment]
+        far = (c.n_layers + 1) * (c.memory_len + c.segment_len)
+        return max(p - self.receptive_start(p) + 1 for p in range(far, far + c.segment_len))
+
     def info_lines(self) -> list[str]:
         c: TransformerXLConfig = self.config  # type: ignore[assignment]
         L, M, N, D = c.segment_len, c.memory_len, c.n_layers, c.dim
         per_row = M * D * N
-        span = f"{N * (M - 1) + 1} tokens (same_length: N·(M-1)+1)" if c.same_length else f"{N * M + L} tokens (N·M + L)"
+        rule = "N·(M-1) + 1 with same_length" if c.same_length else "the seed's N·L + L when M = L; N·M + L when L divides M"
         return [
             f"segment L = {L}, memory M = {M}, clamp_len = {c.clamp_len}, same_length = {c.same_length}",
             f"XL memory = M × d × layers × batch = {M} × {D} × {N} × B = {per_row:,} floats per batch row"
             f" = {4 * per_row:,} bytes ({4 * per_row / 2**20:.2f} MiB) per row at fp32",
-            f"+ partial segment: up to (L-1) × d × layers = {(L - 1) * D * N:,} floats per row",
-            f"max effective context (receptive field): {span}",
+            f"+ partial segment in the state: up to (L-1) × d × layers = {(L - 1) * D * N:,} floats per row",
+            f"effective context (receptive field of a logit): up to {self.max_context():,} tokens ({rule})",
         ]
