@@ -16,6 +16,12 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, chunk_size=5, memory_qkv="separate", memory_source="post_wo", init_memory="learned"),
         dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, chunk_size=3, memory_ffn=False),
     ],
+    "transformer_xl": [
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=8),
+        dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, segment_len=5, mem_len=7, clamp_len=6),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=6, mem_len=4, same_length=True),
+        dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, segment_len=3, mem_len=0),
+    ],
 }
 
 

@@ -10,11 +10,13 @@ from ..nn import ModelConfig, StreamingLM
 from .llama import Llama, LlamaConfig
 from .memory_attention import MemoryAttention, MemoryAttentionConfig
 from .sliding_window import SlidingWindow, SlidingWindowConfig
+from .transformer_xl import TransformerXL, TransformerXLConfig
 
 REGISTRY: dict[str, tuple[type[ModelConfig], type[StreamingLM]]] = {
     "llama": (LlamaConfig, Llama),
     "sliding_window": (SlidingWindowConfig, SlidingWindow),
     "memory_attention": (MemoryAttentionConfig, MemoryAttention),
+    "transformer_xl": (TransformerXLConfig, TransformerXL),
 }
 
 
