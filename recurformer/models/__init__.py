@@ -7,6 +7,7 @@ from typing import Any
 
 from ..config import RecurformerError, _suggest, from_dict
 from ..nn import ModelConfig, StreamingLM
+from .block_recurrent import BlockRecurrent, BlockRecurrentConfig
 from .llama import Llama, LlamaConfig
 from .memory_attention import MemoryAttention, MemoryAttentionConfig
 from .sliding_window import SlidingWindow, SlidingWindowConfig
@@ -15,6 +16,7 @@ REGISTRY: dict[str, tuple[type[ModelConfig], type[StreamingLM]]] = {
     "llama": (LlamaConfig, Llama),
     "sliding_window": (SlidingWindowConfig, SlidingWindow),
     "memory_attention": (MemoryAttentionConfig, MemoryAttention),
+    "block_recurrent": (BlockRecurrentConfig, BlockRecurrent),
 }
 
 
