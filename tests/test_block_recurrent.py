@@ -67,7 +67,6 @@ def reference(model: BlockRecurrent, tokens: torch.Tensor) -> torch.Tensor:
                         ks, vs = K[b, [j + W for j in js], h], V[b, [j + W for j in js], h]
                         qq = q[b, t, h]
                         if c.position == "rope":  # window positions: previous block 0..W-1, current W..2W-1
-                            pos = lambda p: torch.tensor([p - (blk - 1) * W])  # noqa: E731
                             cs = rope_cos_sin(torch.tensor([p - (blk - 1) * W for p in [t] + js]), d, c.rope_theta, x.dtype)
                             rot = apply_rope(torch.cat((qq[None], ks)), *cs)
                             qq, ks = rot[0], rot[1:]

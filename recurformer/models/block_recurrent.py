@@ -16,7 +16,7 @@ u = Norm(c) + ids (learned state IDs, added only to the projection input):
 four query sets (Q_x, Q2_x from x; Q_c, Q2_c from u) and two key/value sets (K_x, V_x shared by
 token self-attention and state->token attention; K_c, V_c by state self-attention and
 token->state attention); no position bias between state and tokens. The state update, once per
-completed block, replaces the residual by a gate (eq. in §3.2):
+completed block, replaces the residual by a gate (the paper's equations):
 
     fixed:  g = σ(b_g),                                   c' = c ⊙ g + z ⊙ (1 - g)
     lstm:   i = σ(W_i h + b_i - 1), f = σ(W_f h + b_f + 1), c' = c ⊙ f + z ⊙ i
@@ -253,17 +253,18 @@ class Layer(nn.Module):
         self.ffn_norm = RMSNorm(D, cfg.norm_eps)
         self.ffn = FFN(D, cfg.hidden, D, cfg.mlp)
 
-    def window_bias(self, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """[H, W, 2W] additive attention bias for block offsets i over [previous ; current] block:
-        key j is visible iff 1 <= (W + i) - j <= W; T5 bias (or 0 with RoPE) where visible, -inf
-        elsewhere. Queries at offsets r..r+n-1 use ``[:, r : r + n, : W + r + n]``."""
+    def window_bias(self, r: int, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """[H, n, W + r + n] additive attention bias for queries at block offsets i = r..r+n-1
+        over [previous block ; current block so far]: key j is visible iff 1 <= (W + i) - j <= W
+        (the W previous tokens, not the token itself); T5 bias (or 0 with RoPE) where visible,
+        -inf elsewhere."""
         W = self.cfg.block_size
-        dist = (W + torch.arange(W, device=device))[:, None] - torch.arange(2 * W, device=device)[None, :]
+        dist = (W + torch.arange(r, r + n, device=device))[:, None] - torch.arange(W + r + n, device=device)[None, :]
         vis = (dist >= 1) & (dist <= W)
         if self.cfg.position == "t5":
             b = self.rel_bias(t5_buckets(dist, self.cfg.t5_buckets, self.cfg.t5_max_distance)).permute(2, 0, 1).to(dtype)
         else:
-            b = torch.zeros(1, W, 2 * W, dtype=dtype, device=device)
+            b = torch.zeros(1, *dist.shape, dtype=dtype, device=device)
         return b.masked_fill(~vis, float("-inf"))
 
     def forward(
@@ -276,7 +277,6 @@ class Layer(nn.Module):
         k = self.qk.key(split_heads(self.wk(xn), self.n_heads))
         v = split_heads(self.wv(xn), self.n_heads)
         q2 = self.qk2.query(split_heads(self.wq2(xn), self.n_heads)) if self.cell is not None else None
-        bias = self.qk.bias(self.window_bias(x.dtype, x.device))
         if cfg.position == "rope":
             cos, sin = rope_cos_sin(torch.arange(2 * W, device=x.device), cfg.head_dim, cfg.rope_theta, x.dtype)
         if cell is not None:
@@ -295,7 +295,7 @@ class Layer(nn.Module):
                 kr = apply_rope(kx, cos[: W + r + n], sin[: W + r + n])
             else:
                 kr = kx
-            o = merge_heads(attend(qa, kr, vx, bias[:, r : r + n, : W + r + n]))
+            o = merge_heads(attend(qa, kr, vx, self.qk.bias(self.window_bias(r, n, x.dtype, x.device))))
             if cell is not None:
                 o = torch.cat((o, merge_heads(attend(q2[:, :, a : a + n], kc, vc))), dim=-1)  # type: ignore[index]
             outs.append(o)
