@@ -220,6 +220,12 @@ class StreamingLM(nn.Module):
 
         return stream(self, prompt, max_new_tokens, temperature, **kwargs)
 
+    @property
+    def reset_boundary(self) -> int:
+        """A row's state can be reset only after a multiple of this many tokens (the chunk,
+        segment or block length of models that process tokens in groups; 1 otherwise)."""
+        return 1
+
     def info_lines(self) -> list[str]:
         """Extra architecture facts for ``recurformer info`` (e.g. state size formulas)."""
         return []

@@ -22,6 +22,14 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=6, mem_len=4, same_length=True),
         dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, segment_len=3, mem_len=0),
     ],
+    "block_recurrent": [  # all six gate x cell combinations
+        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="fixed", cell="skip"),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=2, block_size=5, gate="fixed", cell="single", num_states=3, position="rope", recurrent_layers=(0,)),
+        dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, block_size=3, gate="fixed", cell="dual", recurrent_layers=(0, 2), mlp="relu"),
+        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="lstm", cell="skip", num_states=6, position="rope"),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, block_size=6, gate="lstm", cell="single", recurrent_layers=(-1,), mlp="relu"),
+        dict(vocab_size=61, dim=24, n_layers=1, n_heads=2, block_size=4, gate="lstm", cell="dual", recurrent_layers=(0,), t5_buckets=4, t5_max_distance=3),
+    ],
 }
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..config import RecurformerError, _suggest, from_dict
 from ..nn import ModelConfig, StreamingLM
+from .block_recurrent import BlockRecurrent, BlockRecurrentConfig
 from .llama import Llama, LlamaConfig
 from .memory_attention import MemoryAttention, MemoryAttentionConfig
 from .sliding_window import SlidingWindow, SlidingWindowConfig
@@ -17,6 +18,7 @@ REGISTRY: dict[str, tuple[type[ModelConfig], type[StreamingLM]]] = {
     "sliding_window": (SlidingWindowConfig, SlidingWindow),
     "memory_attention": (MemoryAttentionConfig, MemoryAttention),
     "transformer_xl": (TransformerXLConfig, TransformerXL),
+    "block_recurrent": (BlockRecurrentConfig, BlockRecurrent),
 }
 
 

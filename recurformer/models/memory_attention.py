@@ -152,6 +152,10 @@ class MemoryAttention(StreamingLM):
             self.init_memory = nn.Parameter(torch.zeros(config.n_layers, config.chunk_size, config.dim))
         self.init_weights()
 
+    @property
+    def reset_boundary(self) -> int:
+        return self.config.chunk_size  # type: ignore[attr-defined]
+
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> MemoryState:  # type: ignore[override]
         c: MemoryAttentionConfig = self.config  # type: ignore[assignment]
         dt = self.tok_emb.weight.dtype

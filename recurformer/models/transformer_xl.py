@@ -124,6 +124,10 @@ class TransformerXL(StreamingLM):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.init_weights()
 
+    @property
+    def reset_boundary(self) -> int:
+        return self.config.segment_len  # type: ignore[attr-defined]
+
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> XLState:  # type: ignore[override]
         c: TransformerXLConfig = self.config  # type: ignore[assignment]
         dt = self.tok_emb.weight.dtype

@@ -1,0 +1,415 @@
+"""Block-Recurrent Transformer (Hutchins et al. 2022, seed 002), as the authors' meliad code runs
+it (shared/notes/brt_xl_rmt.md §1).
+
+The sequence is cut into blocks of W tokens. Every layer attends over a sliding window: a token
+sees exactly the W previous tokens, not itself (meliad's mask, -W <= k - q < 0); the keys of the
+previous block are cached, and at a document start they are zeros, an unmasked "attend to
+nothing" sink as in meliad. Token self-attention gets a T5 relative bias (32 buckets, max
+distance 128, per layer), or RoPE as an option.
+
+Recurrent layers (default: the third-from-last) also keep S state vectors c [S, D]. With
+u = Norm(c) + ids (learned state IDs, added only to the projection input):
+
+    vertical (tokens x):   o = Wo [Attn(Q_x; K_x, V_x) ; Attn(Q2_x; K_c, V_c)],  x' = x + o, then FFN
+    horizontal (state c):  y = [Attn(Q_c; K_c, V_c) ; Attn(Q2_c; K_x, V_x over prev + current block)]
+
+four query sets (Q_x, Q2_x from x; Q_c, Q2_c from u) and two key/value sets (K_x, V_x shared by
+token self-attention and state->token attention; K_c, V_c by state self-attention and
+token->state attention); no position bias between state and tokens. The state update, once per
+completed block, replaces the residual by a gate (the paper's equations):
+
+    fixed:  g = σ(b_g),                                   c' = c ⊙ g + z ⊙ (1 - g)
+    lstm:   i = σ(W_i h + b_i - 1), f = σ(W_f h + b_f + 1), c' = c ⊙ f + z ⊙ i
+
+where h is the hidden activation feeding the output layer of the gated module (meliad's MLP._gate).
+Configurations: skip  c' = gate(c, Wp y)                                    (h = y)
+                dual  c1 = gate(c, Wp y);  c' = gate2(c1, FFN(Norm(c1)))    (h = FFN hidden)
+                single c' = gate(c, tanh(FFN(y)))                            (h = FFN hidden)
+
+The tokens of a block cross-attend to the state left by the previous block; the state is
+updated only when a block completes, so a trailing partial block is kept in the state (its keys
+and values) and whole == chunked == stepwise. Layers run one after another over the whole call
+(meliad's default, no feedback). Gradients flow through every block of one call; the trainer
+decides where to detach. A per-row reset (``fresh``) restores the learned initial state and a zero
+key/value cache, lazily at the next call, and only at a block boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import RecurformerError
+from ..nn import ModelConfig, RMSNorm, State, StreamingLM, apply_rope, attend, merge_heads, rope_cos_sin, split_heads
+
+
+@dataclass
+class BlockRecurrentConfig(ModelConfig):
+    block_size: int = 512  # W: tokens per block = attention window
+    num_states: int | None = None  # S: state vectors per recurrent layer (None: S = W)
+    recurrent_layers: tuple[int, ...] = (-3,)  # layer indices, negative from the end (-3: layer 10 of 12)
+    gate: Literal["fixed", "lstm"] = "fixed"
+    cell: Literal["skip", "single", "dual"] = "skip"
+    position: Literal["t5", "rope"] = "t5"  # token self-attention positions
+    t5_buckets: int = 32
+    t5_max_distance: int = 128
+    mlp: Literal["swiglu", "relu"] = "swiglu"  # relu: meliad's 2-matrix MLP (used for the paper's param count)
+    qk_norm: bool = True  # meliad's normalize_keys: L2-normalised q, k times a learned per-head scale
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size < 1:
+            raise RecurformerError(f"config key 'block_size' must be >= 1, got {self.block_size}")
+        if self.num_states is not None and self.num_states < 1:
+            raise RecurformerError(f"config key 'num_states' must be >= 1, got {self.num_states}")
+        if self.t5_buckets < 2 or self.t5_max_distance < self.t5_buckets // 2 + 1:
+            raise RecurformerError("config keys 't5_buckets' >= 2 and 't5_max_distance' > t5_buckets/2 required")
+        idx = self.recurrent_layer_ids
+        if len(set(idx)) != len(idx):
+            raise RecurformerError(f"config key 'recurrent_layers' names a layer twice: {list(self.recurrent_layers)}")
+
+    @property
+    def states(self) -> int:
+        return self.block_size if self.num_states is None else self.num_states
+
+    @property
+    def recurrent_layer_ids(self) -> list[int]:
+        out = []
+        for i in self.recurrent_layers:
+            if not -self.n_layers <= i < self.n_layers:
+                raise RecurformerError(f"recurrent layer index {i} is out of range for {self.n_layers} layers")
+            out.append(i % self.n_layers)
+        return out
+
+
+@dataclass
+class BlockRecurrentState(State):
+    """``k``/``v``: per layer [B, H, W + r, d], un-rotated keys/values of the previous block (zeros
+    at a document start) followed by the r tokens of the current block read so far (same r for all
+    rows). ``cell``: per recurrent layer [B, S, D], the recurrent state left by the last complete
+    block."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    cell: list[Tensor]
+
+
+class FFN(nn.Module):
+    """d_in -> hidden -> d_out; ``hidden(x)`` is the activation fed to the output layer (what the
+    LSTM gates read). swiglu: silu(W1 x) * W3 x; relu: relu(W1 x). No biases."""
+
+    def __init__(self, d_in: int, hidden: int, d_out: int, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.w1 = nn.Linear(d_in, hidden, bias=False)
+        if kind == "swiglu":
+            self.w3 = nn.Linear(d_in, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_out, bias=False)
+
+    def hidden(self, x: Tensor) -> Tensor:
+        return F.silu(self.w1(x)) * self.w3(x) if self.kind == "swiglu" else F.relu(self.w1(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(self.hidden(x))
+
+
+class Gate(nn.Module):
+    """c' = c ⊙ keep + z ⊙ write. fixed: keep = σ(b), write = 1 - keep; lstm: keep = f =
+    σ(W_f h + b_f + 1), write = i = σ(W_i h + b_i - 1)."""
+
+    def __init__(self, kind: str, d_hidden: int, dim: int) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "fixed":
+            self.bias = nn.Parameter(torch.zeros(dim))
+        else:
+            self.wi = nn.Linear(d_hidden, dim)
+            self.wf = nn.Linear(d_hidden, dim)
+
+    def values(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """(keep, write), broadcastable to [B, S, D]."""
+        if self.kind == "fixed":
+            g = torch.sigmoid(self.bias.to(h.dtype))
+            return g, 1 - g
+        return torch.sigmoid(self.wf(h) + 1), torch.sigmoid(self.wi(h) - 1)
+
+    def forward(self, c: Tensor, z: Tensor, h: Tensor) -> Tensor:
+        keep, write = self.values(h)
+        return c * keep + z * write
+
+
+def qk_normalize(x: Tensor) -> Tensor:
+    """x / sqrt(|x|^2 + 1e-6) over the head dim (meliad's key/query normalisation; zero stays zero)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+class QK(nn.Module):
+    """Query/key treatment of one attention: with ``qk_norm``, logits = s_h (q̂·k̂ + bias) with a
+    learned per-head scale s_h (init 1) instead of q·k / sqrt(d) + bias."""
+
+    def __init__(self, cfg: "BlockRecurrentConfig") -> None:
+        super().__init__()
+        self.on = cfg.qk_norm
+        self.sqrt_d = math.sqrt(cfg.head_dim)
+        if self.on:
+            self.scale = nn.Parameter(torch.ones(cfg.n_heads))
+
+    def key(self, k: Tensor) -> Tensor:
+        return qk_normalize(k) if self.on else k
+
+    def query(self, q: Tensor) -> Tensor:
+        """[B, H, T, d] -> queries for ``attend`` (which divides by sqrt(d))."""
+        return qk_normalize(q) * (self.scale.to(q.dtype)[:, None, None] * self.sqrt_d) if self.on else q
+
+    def bias(self, b: Tensor) -> Tensor:
+        """[H, Tq, Tk] additive bias -> as ``attend`` must add it."""
+        return b * self.scale.to(b.dtype)[:, None, None] if self.on else b
+
+
+def t5_buckets(distance: Tensor, num_buckets: int, max_distance: int) -> Tensor:
+    """Unidirectional T5 buckets for distances q - k >= 0: exact below num_buckets/2, then
+    logarithmic up to max_distance, clipped to the last bucket."""
+    exact = num_buckets // 2
+    n = distance.clamp(min=0)
+    log_part = exact + (
+        torch.log(n.double().clamp(min=1) / exact) / math.log(max_distance / exact) * (num_buckets - exact)
+    ).long()
+    return torch.where(n < exact, n, log_part.clamp(max=num_buckets - 1))
+
+
+class StateCell(nn.Module):
+    """The horizontal direction of a recurrent layer: state IDs, the state's Q/K/V/Q2 projections
+    and the gated update."""
+
+    def __init__(self, cfg: BlockRecurrentConfig) -> None:
+        super().__init__()
+        D, S = cfg.dim, cfg.states
+        self.n_heads, self.kind = cfg.n_heads, cfg.cell
+        self.norm = RMSNorm(D, cfg.norm_eps)
+        self.ids = nn.Parameter(torch.zeros(S, D))  # learned state IDs, N(0, 1) (meliad)
+        self.wq = nn.Linear(D, D, bias=False)
+        self.wq2 = nn.Linear(D, D, bias=False)
+        self.wk = nn.Linear(D, D, bias=False)
+        self.wv = nn.Linear(D, D, bias=False)
+        self.qk_self, self.qk_cross = QK(cfg), QK(cfg)  # state -> state, state -> tokens
+        if cfg.cell in ("skip", "dual"):
+            self.proj = nn.Linear(2 * D, D, bias=False)
+            self.gate = Gate(cfg.gate, 2 * D, D)
+        if cfg.cell == "dual":
+            self.ffn_norm = RMSNorm(D, cfg.norm_eps)
+            self.ffn = FFN(D, cfg.hidden, D, cfg.mlp)
+            self.ffn_gate = Gate(cfg.gate, cfg.hidden, D)
+        if cfg.cell == "single":
+            self.ffn = FFN(2 * D, cfg.hidden, D, cfg.mlp)
+            self.ffn_gate = Gate(cfg.gate, cfg.hidden, D)
+
+    def project(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """c [B, S, D] -> (u, K_c, V_c) with u = Norm(c) + ids, K_c/V_c [B, H, S, d]."""
+        u = self.norm(c) + self.ids.to(c.dtype)
+        return u, split_heads(self.wk(u), self.n_heads), split_heads(self.wv(u), self.n_heads)  # keys normalised by the user
+
+    def update(self, c: Tensor, u: Tensor, kc: Tensor, vc: Tensor, kx: Tensor, vx: Tensor) -> Tensor:
+        """One block step. kc/vc: the state's keys (normalised if qk_norm)/values; kx/vx
+        [B, H, 2W, d]: token keys/values of the previous and current block (keys as the token
+        queries see them). Returns c' [B, S, D]."""
+        qs = self.qk_self.query(split_heads(self.wq(u), self.n_heads))
+        qs2 = self.qk_cross.query(split_heads(self.wq2(u), self.n_heads))
+        y = torch.cat((merge_heads(attend(qs, kc, vc)), merge_heads(attend(qs2, kx, vx))), dim=-1)  # [B, S, 2D]
+        if self.kind == "single":
+            hid = self.ffn.hidden(y)
+            return self.ffn_gate(c, torch.tanh(self.ffn.w2(hid)), hid)
+        c = self.gate(c, self.proj(y), y)
+        if self.kind == "dual":
+            hid = self.ffn.hidden(self.ffn_norm(c))
+            c = self.ffn_gate(c, self.ffn.w2(hid), hid)
+        return c
+
+
+class Layer(nn.Module):
+    """Pre-norm layer with sliding-window attention over blocks; ``cell`` makes it recurrent."""
+
+    def __init__(self, cfg: BlockRecurrentConfig, recurrent: bool) -> None:
+        super().__init__()
+        D = cfg.dim
+        self.cfg = cfg
+        self.n_heads = cfg.n_heads
+        self.attn_norm = RMSNorm(D, cfg.norm_eps)
+        self.wq = nn.Linear(D, D, bias=False)
+        self.wk = nn.Linear(D, D, bias=False)
+        self.wv = nn.Linear(D, D, bias=False)
+        if cfg.position == "t5":
+            self.rel_bias = nn.Embedding(cfg.t5_buckets, cfg.n_heads)
+        self.qk = QK(cfg)
+        self.cell = StateCell(cfg) if recurrent else None
+        if recurrent:
+            self.wq2 = nn.Linear(D, D, bias=False)  # token -> state queries
+            self.qk2 = QK(cfg)
+        self.wo = nn.Linear(2 * D if recurrent else D, D, bias=False)
+        self.ffn_norm = RMSNorm(D, cfg.norm_eps)
+        self.ffn = FFN(D, cfg.hidden, D, cfg.mlp)
+
+    def window_bias(self, r: int, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """[H, n, W + r + n] additive attention bias for queries at block offsets i = r..r+n-1
+        over [previous block ; current block so far]: key j is visible iff 1 <= (W + i) - j <= W
+        (the W previous tokens, not the token itself); T5 bias (or 0 with RoPE) where visible,
+        -inf elsewhere."""
+        W = self.cfg.block_size
+        dist = (W + torch.arange(r, r + n, device=device))[:, None] - torch.arange(W + r + n, device=device)[None, :]
+        vis = (dist >= 1) & (dist <= W)
+        if self.cfg.position == "t5":
+            b = self.rel_bias(t5_buckets(dist, self.cfg.t5_buckets, self.cfg.t5_max_distance)).permute(2, 0, 1).to(dtype)
+        else:
+            b = torch.zeros(1, *dist.shape, dtype=dtype, device=device)
+        return b.masked_fill(~vis, float("-inf"))
+
+    def forward(
+        self, x: Tensor, kcache: Tensor, vcache: Tensor, cell: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """x [B, T, D] (residual stream) -> (y, new kcache, new vcache, new cell)."""
+        cfg, W, T = self.cfg, self.cfg.block_size, x.shape[1]
+        xn = self.attn_norm(x)
+        q = self.qk.query(split_heads(self.wq(xn), self.n_heads))  # [B, H, T, d]
+        k = self.qk.key(split_heads(self.wk(xn), self.n_heads))
+        v = split_heads(self.wv(xn), self.n_heads)
+        q2 = self.qk2.query(split_heads(self.wq2(xn), self.n_heads)) if self.cell is not None else None
+        if cfg.position == "rope":
+            cos, sin = rope_cos_sin(torch.arange(2 * W, device=x.device), cfg.head_dim, cfg.rope_theta, x.dtype)
+        if cell is not None:
+            u, kc, vc = self.cell.project(cell)  # type: ignore[union-attr]
+            kc = self.qk2.key(kc)
+        outs: list[Tensor] = []
+        a = 0
+        while a < T:
+            r = kcache.shape[2] - W  # offset inside the current block
+            n = min(W - r, T - a)
+            kx = torch.cat((kcache, k[:, :, a : a + n]), dim=2)  # [B, H, W + r + n, d]
+            vx = torch.cat((vcache, v[:, :, a : a + n]), dim=2)
+            qa = q[:, :, a : a + n]
+            if cfg.position == "rope":  # window positions: previous block 0..W-1, current W..2W-1
+                qa = apply_rope(qa, cos[W + r : W + r + n], sin[W + r : W + r + n])
+                kr = apply_rope(kx, cos[: W + r + n], sin[: W + r + n])
+            else:
+                kr = kx
+            o = merge_heads(attend(qa, kr, vx, self.qk.bias(self.window_bias(r, n, x.dtype, x.device))))
+            if cell is not None:
+                o = torch.cat((o, merge_heads(attend(q2[:, :, a : a + n], kc, vc))), dim=-1)  # type: ignore[index]
+            outs.append(o)
+            if r + n == W:  # block complete: update the state, keep this block as the next window
+                if cell is not None:
+                    cell = self.cell.update(cell, u, kc, vc, kr, vx)  # type: ignore[union-attr]
+                    if a + n < T:
+                        u, kc, vc = self.cell.project(cell)  # type: ignore[union-attr]
+                        kc = self.qk2.key(kc)
+                kcache, vcache = kx[:, :, W:], vx[:, :, W:]
+            else:
+                kcache, vcache = kx, vx
+            a += n
+        h = x + self.wo(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
+        return h + self.ffn(self.ffn_norm(h)), kcache, vcache, cell
+
+
+class BlockRecurrent(StreamingLM):
+    state_cls = BlockRecurrentState
+
+    def __init__(self, config: BlockRecurrentConfig) -> None:
+        super().__init__(config)
+        self.rec_ids = config.recurrent_layer_ids
+        self.layers = nn.ModuleList(Layer(config, i in self.rec_ids) for i in range(config.n_layers))
+        self.initial_state = nn.Parameter(torch.zeros(len(self.rec_ids), config.states, config.dim))
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """The library's normal(0, std) init, then meliad's special ones: state IDs N(0, 1),
+        initial state N(0, 0.1), gate biases N(0, 0.1), gate kernels at 0.1 x the normal scale."""
+        super().init_weights()
+        std = self.config.init_std
+        with torch.no_grad():
+            self.initial_state.normal_(0.0, 0.1)
+            for m in self.modules():
+                if isinstance(m, StateCell):
+                    m.ids.normal_(0.0, 1.0)
+                if isinstance(m, Gate):
+                    if m.kind == "fixed":
+                        m.bias.normal_(0.0, 0.1)
+                    else:
+                        for lin in (m.wi, m.wf):
+                            lin.weight.normal_(0.0, 0.1 * std)
+                            lin.bias.normal_(0.0, 0.1)
+
+    @property
+    def reset_boundary(self) -> int:
+        return self.config.block_size  # type: ignore[attr-defined]
+
+    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> BlockRecurrentState:  # type: ignore[override]
+        c: BlockRecurrentConfig = self.config  # type: ignore[assignment]
+        dt = self.tok_emb.weight.dtype
+        B, H, W, d = batch_size, c.n_heads, c.block_size, c.head_dim
+        z = lambda *s: torch.zeros(*s, device=device, dtype=dt)  # noqa: E731
+        return BlockRecurrentState(
+            fresh=torch.ones(B, dtype=torch.bool, device=device),
+            k=[z(B, H, W, d) for _ in range(c.n_layers)],
+            v=[z(B, H, W, d) for _ in range(c.n_layers)],
+            cell=[z(B, c.states, c.dim) for _ in self.rec_ids],  # replaced by initial_state (fresh)
+        )
+
+    def body(self, h: Tensor, state: BlockRecurrentState) -> tuple[Tensor, BlockRecurrentState]:  # type: ignore[override]
+        c: BlockRecurrentConfig = self.config  # type: ignore[assignment]
+        W = c.block_size
+        ks, vs, cells = list(state.k), list(state.v), list(state.cell)
+        if bool(state.fresh.any()):
+            r = ks[0].shape[2] - W
+            if r:
+                raise RecurformerError(
+                    f"block_recurrent can reset a row only at a block boundary (current block has {r} of {W} tokens)"
+                )
+            f = state.fresh[:, None, None, None]
+            ks = [torch.where(f, torch.zeros_like(k), k) for k in ks]
+            vs = [torch.where(f, torch.zeros_like(v), v) for v in vs]
+            cells = [
+                torch.where(f[:, :, :, 0], self.initial_state[j].to(h.dtype).expand_as(x), x) for j, x in enumerate(cells)
+            ]
+        j = 0
+        for i, layer in enumerate(self.layers):
+            if layer.cell is not None:
+                h, ks[i], vs[i], cells[j] = layer(h, ks[i], vs[i], cells[j])
+                j += 1
+            else:
+                h, ks[i], vs[i], _ = layer(h, ks[i], vs[i], None)
+        return h, BlockRecurrentState(fresh=torch.zeros_like(state.fresh), k=ks, v=vs, cell=cells)
+
+    def param_breakdown(self) -> dict[str, int]:
+        """Parameters: embedding (tied head), state side of the recurrent cells (IDs, state
+        projections, gates, state FFN, initial state), token side of the recurrent layers, the
+        other layers, final norm."""
+        out = {"embedding": self.tok_emb.weight.numel(), "recurrent cell (state side)": self.initial_state.numel()}
+        out["recurrent layers (token side)"] = out["other layers"] = 0
+        for layer in self.layers:
+            if layer.cell is not None:
+                cell = sum(p.numel() for p in layer.cell.parameters())
+                out["recurrent cell (state side)"] += cell
+                out["recurrent layers (token side)"] += sum(p.numel() for p in layer.parameters()) - cell
+            else:
+                out["other layers"] += sum(p.numel() for p in layer.parameters())
+        out["final norm"] = self.norm.weight.numel()
+        return out
+
+    def info_lines(self) -> list[str]:
+        c: BlockRecurrentConfig = self.config  # type: ignore[assignment]
+        n_rec = len(self.rec_ids)
+        per_row = c.n_layers * 2 * c.dim * (c.block_size + c.block_size - 1) + n_rec * c.states * c.dim
+        parts = self.param_breakdown()
+        total = sum(parts.values())
+        lines = [
+            f"blocks of W={c.block_size} tokens, S={c.states} states; recurrent layers "
+            f"{[i + 1 for i in self.rec_ids]} (1-based) of {c.n_layers}; gate={c.gate}, cell={c.cell}, position={c.position}",
+            f"state per row: {c.n_layers} x 2 x (W + r) x D window keys/values + {n_rec} x S x D cell "
+            f"(<= {per_row:,} numbers)",
+        ]
+        lines += [f"params {k}: {v:,} ({100 * v / total:.1f}%)" for k, v in parts.items()]
+        lines.append(f"params without embedding: {total - parts['embedding']:,}")
+        return lines
