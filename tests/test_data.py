@@ -13,6 +13,7 @@ import torch
 from recurformer.config import RecurformerError
 from recurformer.data import ContiguousStreams, ShuffledWindows, Tokenizer, eval_windows, load_prepared, prepare
 from recurformer.data.prepare import REPEAT_PROMPT, bundled_corpus
+from recurformer.data.tokenizer import pieces
 
 # ---------------------------------------------------------------- streams
 
@@ -138,6 +139,14 @@ def test_bpe_round_trip_save_load_and_determinism(tmp_path: Path) -> None:
     b.save(tmp_path / "b")
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
     assert Tokenizer.load(tmp_path / "a").encode_batch(TEXTS) == a.encode_batch(TEXTS)
+
+
+def test_long_text_pieces_encode_like_whole_text() -> None:
+    text = bundled_corpus("warpeace")[0][:300_000]
+    tok = Tokenizer.train_bpe([text[:50_000]], 500)
+    parts = pieces(text, 10_000)
+    assert len(parts) > 20 and "".join(parts) == text
+    assert tok.encode(text) == tok._hf.encode(text, add_special_tokens=False).ids
 
 
 def test_tokenizer_missing_or_corrupt(tmp_path: Path) -> None:
