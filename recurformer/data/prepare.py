@@ -46,7 +46,7 @@ def _split_docs(text: str) -> list[str]:
 
 def bundled_corpus(name: str) -> list[str]:
     """Documents of a bundled ``recurformer/data/corpora/<name>.txt.xz`` file."""
-    blob = resources.files("recurformer.data").joinpath("corpora", f"{name}.txt.xz")
+    blob = resources.files("recurformer.data").joinpath("corpora").joinpath(f"{name}.txt.xz")
     try:
         return _split_docs(lzma.decompress(blob.read_bytes()).decode("utf-8"))
     except (OSError, lzma.LZMAError) as e:
