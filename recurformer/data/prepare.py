@@ -46,7 +46,7 @@ def _split_docs(text: str) -> list[str]:
 
 def bundled_corpus(name: str) -> list[str]:
     """Documents of a bundled ``recurformer/data/corpora/<name>.txt.xz`` file."""
-    blob = resources.files("recurformer.data").joinpath("corpora", f"{name}.txt.xz")
+    blob = resources.files("recurformer.data").joinpath("corpora").joinpath(f"{name}.txt.xz")
     try:
         return _split_docs(lzma.decompress(blob.read_bytes()).decode("utf-8"))
     except (OSError, lzma.LZMAError) as e:
@@ -136,19 +136,31 @@ def load_documents(
     return train, val, f"text files {', '.join(str(Path(p).resolve()) for p in text_files)}, last {val_fraction:.0%} is val"
 
 
+def _batches(docs: Sequence[str], max_chars: int = 1 << 22) -> list[Sequence[str]]:
+    """Consecutive groups of documents of about ``max_chars`` characters (bounds encoder memory)."""
+    groups, start, size = [], 0, 0
+    for i, doc in enumerate(docs):
+        size += len(doc)
+        if size >= max_chars:
+            groups.append(docs[start : i + 1])
+            start, size = i + 1, 0
+    if start < len(docs):
+        groups.append(docs[start:])
+    return groups
+
+
 def _write_tokens(path: Path, docs: Sequence[str], tok: Tokenizer, dtype: np.dtype, append_eos: bool, desc: str) -> int:
-    """Encode ``docs`` (BOS + doc [+ EOS] each) and append them to ``path``; returns the token count."""
+    """Encode ``docs`` (BOS + doc [+ EOS] each) into ``path``; returns the token count."""
     n = 0
-    step = 256
+    tail = [tok.eos_id] if append_eos else []
     with path.open("wb") as f, tqdm(total=len(docs), desc=desc, unit="doc", leave=False) as bar:
-        for i in range(0, len(docs), step):
-            encoded = tok.encode_batch(docs[i : i + step])
-            tail = [tok.eos_id] if append_eos else []
+        for group in _batches(docs):
+            encoded = tok.encode_batch(group)
             flat = itertools.chain.from_iterable([tok.bos_id, *ids, *tail] for ids in encoded)
             arr = np.fromiter(flat, dtype=dtype)
             f.write(arr.tobytes())
             n += arr.size
-            bar.update(len(encoded))
+            bar.update(len(group))
     return n
 
 

@@ -3,6 +3,11 @@
 Both kinds live behind one small class and are saved as one ``tokenizer.json`` so that a prepared
 dataset directory (and a checkpoint) carries everything needed to encode and decode text.
 Special tokens: BOS (prepended to every document) and EOS. ``decode`` drops special tokens.
+
+Long texts (books) are cut into ~64 KB pieces before they reach HF ``tokenizers``, which otherwise
+needs ~1 GB of memory for one 3 MB string. The cuts are made only where the GPT-2 pre-tokenizer
+always has a boundary (after a newline, before a non-space character), so encodings and BPE
+training counts are the same as for the uncut text.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import re
+
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -18,6 +25,23 @@ from recurformer.config import RecurformerError
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 FILENAME = "tokenizer.json"
+PIECE_CHARS = 1 << 16
+_CUT = re.compile(r"(?<=\n)(?=\S)")
+
+
+def pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
+    """``text`` cut into pieces of about ``size`` characters at newline -> non-space boundaries."""
+    if len(text) <= size:
+        return [text]
+    out, start = [], 0
+    while len(text) - start > size:
+        m = _CUT.search(text, start + size)
+        if m is None:
+            break
+        out.append(text[start : m.start()])
+        start = m.start()
+    out.append(text[start:])
+    return out
 
 
 class Tokenizer:
@@ -53,18 +77,22 @@ class Tokenizer:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-        hf.train_from_iterator(texts, trainer=trainer)
+        hf.train_from_iterator((p for t in texts for p in pieces(t)), trainer=trainer)
         return Tokenizer("bpe", hf)
 
     def encode(self, text: str) -> list[int]:
-        if self._hf is None:
-            return list(text.encode("utf-8"))
-        return self._hf.encode(text, add_special_tokens=False).ids
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if self._hf is None:
             return [list(t.encode("utf-8")) for t in texts]
-        return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
+        cut = [pieces(t) for t in texts]
+        flat = self._hf.encode_batch([p for ps in cut for p in ps], add_special_tokens=False)
+        out, i = [], 0
+        for ps in cut:
+            out.append([tok for e in flat[i : i + len(ps)] for tok in e.ids])
+            i += len(ps)
+        return out
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]
