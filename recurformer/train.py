@@ -238,6 +238,10 @@ class Trainer:
         self.model = build_from_run_config(cfg, self.meta["vocab_size"]).to(self.device)
         if self.model.config.vocab_size < self.meta["vocab_size"]:
             raise RecurformerError(f"model.vocab_size {self.model.config.vocab_size} < the data's vocabulary {self.meta['vocab_size']}")
+        if t.seq_len % self.model.reset_boundary:
+            raise RecurformerError(
+                f"train.seq_len ({t.seq_len}) must be a multiple of the model's chunk/segment/block length ({self.model.reset_boundary})"
+            )
         self.opt = make_optimizer(self.model, t)
         self.ddp: torch.nn.Module = self.model
         if self.world > 1:

@@ -1,0 +1,131 @@
+"""Seed 000's Tables 1 and 2 at CPU scale: train every configuration at length 256 on the same
+data with the same token budget (configs/repro/base.yaml), then evaluate loss on the last 256
+tokens at lengths 256..16384 (``recurformer eval``).
+
+Table 1 columns: Llama/RoPE, the same Llama evaluated with a 256 window, a trained sliding-window
+model, Memory Attention (full stateful training), plus Transformer-XL and Block-Recurrent at
+the same budget. Table 2 rows: the four training strategies of Memory Attention.
+
+    python benchmarks/extrapolation.py train --dataset tinystories-sample --jobs 2
+    python benchmarks/extrapolation.py eval  --dataset tinystories-sample [--eval-data warpeace]
+
+Runs go to runs/repro/<dataset>/<run>; evaluation JSON/markdown/PNG to docs/repro/.
+Training runs are skipped when their final checkpoint exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = ROOT / "configs" / "repro" / "base.yaml"
+
+MA = ["model.name=memory_attention", "model.chunk_size=32", "model.memory_qkv=shared"]
+RUNS: dict[str, list[str]] = {
+    "llama": ["model.name=llama"],
+    "sliding_window": ["model.name=sliding_window", "model.window=64"],
+    "memory_attention": MA + ["train.state=carry", "train.data_order=contiguous"],  # Full Stateful
+    "ma_no_stateful": MA + ["train.state=reset", "train.data_order=shuffled"],
+    "ma_only_data": MA + ["train.state=reset", "train.data_order=contiguous"],
+    "ma_only_model": MA + ["train.state=carry", "train.data_order=shuffled"],
+    "transformer_xl": ["model.name=transformer_xl", "model.segment_len=32"],
+    "block_recurrent": ["model.name=block_recurrent", "model.block_size=32"],
+}
+# (column label, run, extra eval flags)
+TABLE1 = [
+    ("Llama (RoPE)", "llama", []),
+    ("Llama, 256 window", "llama", ["--window", "256"]),
+    ("Sliding window 64 (trained)", "sliding_window", []),
+    ("Memory Attention", "memory_attention", []),
+    ("Transformer-XL", "transformer_xl", []),
+    ("Block-Recurrent", "block_recurrent", []),
+]
+TABLE2 = [
+    ("Mem (No Stateful)", "ma_no_stateful"),
+    ("Mem (Infinity Only Data)", "ma_only_data"),
+    ("Mem (Infinity Only Model)", "ma_only_model"),
+    ("Mem (Full Stateful)", "memory_attention"),
+]
+
+
+def run_dir(dataset: str, run: str) -> Path:
+    return ROOT / "runs" / "repro" / dataset / run
+
+
+def train_one(dataset: str, run: str, threads: int) -> str:
+    out = run_dir(dataset, run)
+    if (out / "latest").is_file():
+        return f"{run}: exists, skipped"
+    cmd = [sys.executable, "-m", "recurformer.cli", "train", "--config", str(BASE), "--set", f"data.dataset={dataset}",
+           "--set", f"train.out_dir={out}"]
+    for o in RUNS[run]:
+        cmd += ["--set", o]
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    t0 = time.time()
+    with open(out / "train.log", "w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    return f"{run}: rc={rc} in {time.time() - t0:.0f}s"
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    runs = args.runs.split(",") if args.runs else list(RUNS)
+    # prepare once, before parallel runs race to do it
+    subprocess.check_call([sys.executable, "-m", "recurformer.cli", "prepare", "--dataset", args.dataset], cwd=ROOT,
+                          stdout=subprocess.DEVNULL) if not (ROOT / "prepared" / f"{args.dataset}-bpe4096" / "meta.json").is_file() else None
+    with ThreadPoolExecutor(args.jobs) as ex:
+        for msg in ex.map(lambda r: train_one(args.dataset, r, args.threads), runs):
+            print(msg, flush=True)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    out_dir = ROOT / "docs" / "repro"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = args.dataset + (f"-on-{args.eval_data}" if args.eval_data else "")
+    results: dict[str, dict] = {}
+    jobs = [(label, run, extra) for label, run, extra in TABLE1] + [(label, run, []) for label, run in TABLE2]
+    seen = set()
+    for label, run, extra in jobs:
+        key = (run, tuple(extra))
+        if key in seen or not (run_dir(args.dataset, run) / "latest").is_file():
+            continue
+        seen.add(key)
+        js = out_dir / f"{tag}-{run}{'-w' + extra[1] if extra else ''}.json"
+        cmd = [sys.executable, "-m", "recurformer.cli", "eval", "--checkpoint", str(run_dir(args.dataset, run)),
+               "--lengths", args.lengths, "--last", "256", "--windows", str(args.windows), "--json", str(js), *extra]
+        if args.eval_data:
+            cmd += ["--data", str(ROOT / "prepared" / f"{args.eval_data}-bpe4096"), "--retokenize"]
+        print(" ".join(cmd[2:]), flush=True)
+        subprocess.check_call(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+        results[f"{run}{' '.join(extra)}"] = json.loads(js.read_text())
+    (out_dir / f"{tag}.json").write_text(json.dumps(results, indent=2))
+    print(f"wrote {out_dir / (tag + '.json')}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("train")
+    p.add_argument("--dataset", default="tinystories-sample")
+    p.add_argument("--runs", help=f"comma-separated subset of {','.join(RUNS)}")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p = sub.add_parser("eval")
+    p.add_argument("--dataset", default="tinystories-sample", help="the training dataset of the runs")
+    p.add_argument("--eval-data", help="evaluate on another prepared dataset (e.g. warpeace)")
+    p.add_argument("--lengths", default="256,512,1024,2048,4096")
+    p.add_argument("--windows", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    {"train": cmd_train, "eval": cmd_eval}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
