@@ -127,3 +127,19 @@ def load_model_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
         if own[k].shape != v.shape:
             raise RecurformerError(f"checkpoint {where}: '{k}' has shape {tuple(v.shape)}, the model expects {tuple(own[k].shape)}")
     model.load_state_dict(tensors)
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu"):
+    """(model in eval mode, model name, tokenizer or None, run config dict) from a checkpoint."""
+    from .data import Tokenizer
+    from .models import build_model
+
+    ck = load_checkpoint(path)
+    mcfg = dict(ck["config"].get("model", {}))
+    name = mcfg.pop("name", None)
+    if name is None:
+        raise RecurformerError(f"{ck['dir'] / 'config.json'} has no model.name")
+    model = build_model(name, mcfg)
+    load_model_weights(model, ck["model"], str(ck["dir"]))
+    tok = Tokenizer.load(ck["tokenizer_dir"]) if ck["tokenizer_dir"] is not None else None
+    return model.to(device).eval(), name, tok, ck["config"]

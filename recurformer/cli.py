@@ -65,7 +65,82 @@ def cmd_train(args: argparse.Namespace) -> None:
         print("done: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {"info": cmd_info, "prepare": cmd_prepare, "train": cmd_train}
+def _eval_tokens(args: argparse.Namespace, tok, config: dict, cache: dict):
+    """The evaluation token stream for one checkpoint: its own prepared val split by default,
+    or --dataset / --text encoded with the checkpoint's tokenizer."""
+    import numpy as np
+    from pathlib import Path
+
+    from .data import load_prepared
+    from .data.prepare import load_documents
+
+    if args.dataset or args.text:
+        if tok is None:
+            raise RecurformerError("this checkpoint has no tokenizer.json; evaluate it with --data DIR")
+        key = (args.dataset, tuple(args.text or ()), id(tok))
+        if key not in cache:
+            if args.dataset:
+                docs = load_documents(args.dataset, None, 0.05)[1]
+            else:
+                docs = [Path(f).read_text() for f in args.text] if all(Path(f).is_file() for f in args.text) else None
+                if docs is None:
+                    raise RecurformerError(f"text file not found: {next(f for f in args.text if not Path(f).is_file())}")
+            ids: list[int] = []
+            for d in docs:
+                ids += [tok.bos_id, *tok.encode(d)]
+            cache[key] = np.asarray(ids, dtype=np.int64)
+        return cache[key]
+    data_dir = args.data or config.get("data", {}).get("dir")
+    if not data_dir:
+        raise RecurformerError("the checkpoint does not name its data; give --data DIR, --dataset NAME or --text FILE")
+    _, _, val, data_tok = load_prepared(data_dir)
+    if tok is not None and data_tok.encode("The quick brown fox, 1984.") != tok.encode("The quick brown fox, 1984."):
+        raise RecurformerError(f"{data_dir} was tokenized with another tokenizer than the checkpoint's; use --dataset or --text")
+    return val
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from .checkpoint import load_model
+    from .evaluate import evaluate_lengths, markdown_table, plot, save_json
+    from .train import pick_device
+
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x]
+    except ValueError:
+        raise RecurformerError(f"--lengths must be comma-separated integers, got '{args.lengths}'") from None
+    device = pick_device(args.device)
+    results, cache = {}, {}
+    for path in args.checkpoint:
+        model, name, tok, config = load_model(path, device)
+        label = Path(path).name if not Path(path).name.startswith("step_") else Path(path).parent.name
+        if args.window:
+            if not hasattr(model, "set_window"):
+                raise RecurformerError(f"--window applies to dense attention models (llama), not {name}")
+            model.set_window(args.window)
+            label += f" (window {args.window})"
+        tokens = _eval_tokens(args, tok, config, cache)
+        if int(tokens.max()) >= model.config.vocab_size:
+            raise RecurformerError(f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}")
+        print(f"evaluating {label} ({name}) at lengths {lengths}, {args.windows} windows each, loss on the last {args.last} tokens")
+        rs = evaluate_lengths(model, tokens, lengths, args.last, args.windows, args.chunk, args.warm_state, args.batch_size, args.seed)
+        for r in rs:
+            print(f"  L={r.length:>6}: loss {r.loss:.4f}  acc {r.accuracy:.3f}  {r.tokens_per_s:,.0f} tok/s  peak RSS {r.peak_rss_mb:,.0f} MB")
+        results[label] = rs
+    print()
+    print(markdown_table(results))
+    out = Path(args.json)
+    meta = {k: v for k, v in vars(args).items() if k != "func"}
+    save_json(results, out, meta)
+    png = out.with_suffix(".png")
+    plot(results, png, f"loss on the last {args.last} tokens")
+    print(f"wrote {out} and {png}")
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "info": cmd_info, "prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +164,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file with model/data/train sections (see configs/)")
     p.add_argument("--resume", help="a run or checkpoint directory to continue exactly")
     _add_set(p)
+
+    p = sub.add_parser("eval", help="length-extrapolation evaluation (loss on the last tokens at several lengths)")
+    p.add_argument("--checkpoint", nargs="+", required=True, help="run or checkpoint directories (one line each in the plot)")
+    p.add_argument("--lengths", default="256,512,1024,2048,4096")
+    p.add_argument("--last", type=int, default=256, help="score only the last N tokens of each window")
+    p.add_argument("--windows", type=int, default=16, help="windows per length")
+    p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--warm-state", type=int, default=0, metavar="N", help="read N tokens before each window, unscored")
+    p.add_argument("--window", type=int, help="evaluate a dense model with a sliding-window mask of this size")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", help="a prepared dataset directory (default: the checkpoint's own)")
+    src.add_argument("--dataset", help="a bundled dataset's val split, encoded with the checkpoint's tokenizer")
+    src.add_argument("--text", nargs="+", help="text files, encoded with the checkpoint's tokenizer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", default="eval.json", help="output JSON (a PNG plot is written beside it)")
     return ap
 
 

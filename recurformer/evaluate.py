@@ -1,0 +1,123 @@
+"""Length-extrapolation evaluation (seed 000 §5.1): for each length L, K windows of L tokens;
+the model reads each window chunk by chunk through the streaming contract (so memory stays
+bounded for recurrent models at any L) and the loss / accuracy is taken on the last ``last``
+tokens only. Windows start from the initial state, or after reading a warm-up prefix."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .config import RecurformerError
+from .nn import StreamingLM
+
+
+@dataclass
+class LengthResult:
+    length: int
+    loss: float  # mean cross-entropy over the last `last` tokens of every window
+    accuracy: float  # argmax accuracy on the same tokens
+    scored_tokens: int
+    windows: int
+    tokens_per_s: float  # tokens read (windows x (warm + L)) per second
+    peak_rss_mb: float  # the process's peak resident memory so far (monotonic)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@torch.no_grad()
+def score_windows(model: StreamingLM, windows: torch.Tensor, last: int, chunk: int, batch_size: int = 8) -> tuple[float, float, int]:
+    """windows: [K, N + 1], read ``chunk`` tokens per call. Returns (summed loss, summed correct,
+    scored tokens) over the last ``last`` targets of each window."""
+    total_loss, correct, count = 0.0, 0.0, 0
+    device = model.tok_emb.weight.device
+    for rows in windows.split(batch_size):
+        rows = rows.to(device)
+        x, y = rows[:, :-1], rows[:, 1:]
+        T = x.shape[1]
+        first_scored = T - last
+        state = None
+        for a in range(0, T, chunk):
+            b = min(a + chunk, T)
+            out = model(x[:, a:b], state=state)
+            state = out.state
+            lo = max(a, first_scored)
+            if lo < b:
+                logits = out.logits[:, lo - a :]
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                tgt = y[:, lo:b]
+                total_loss += float(F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="sum"))
+                correct += float((logits.argmax(-1) == tgt).sum())
+                count += tgt.numel()
+    return total_loss, correct, count
+
+
+def evaluate_lengths(
+    model: StreamingLM,
+    tokens: np.ndarray,
+    lengths: list[int],
+    last: int = 256,
+    windows: int = 16,
+    chunk: int = 256,
+    warm: int = 0,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> list[LengthResult]:
+    from .data import eval_windows
+
+    model.eval()
+    out = []
+    for L in lengths:
+        if L < last:
+            raise RecurformerError(f"length {L} is shorter than --last {last}")
+        w = eval_windows(tokens, warm + L, windows, seed=seed)
+        t0 = time.perf_counter()
+        loss, corr, n = score_windows(model, w, last, chunk, batch_size)
+        dt = time.perf_counter() - t0
+        out.append(LengthResult(L, loss / n, corr / n, n, windows, windows * (warm + L) / dt, peak_rss_mb()))
+    return out
+
+
+def markdown_table(results: dict[str, list[LengthResult]]) -> str:
+    lengths = sorted({r.length for rs in results.values() for r in rs})
+    head = "| model | " + " | ".join(str(L) for L in lengths) + " |"
+    sep = "|---|" + "---|" * len(lengths)
+    rows = []
+    for label, rs in results.items():
+        by = {r.length: r for r in rs}
+        rows.append(f"| {label} | " + " | ".join(f"{by[L].loss:.3f}" if L in by else "" for L in lengths) + " |")
+    return "\n".join([head, sep, *rows])
+
+
+def plot(results: dict[str, list[LengthResult]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for label, rs in results.items():
+        ax.plot([r.length for r in rs], [r.loss for r in rs], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length L (trained at 256)")
+    ax.set_ylabel("loss on the last 256 tokens")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def save_json(results: dict[str, list[LengthResult]], path: Path, meta: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "results": {k: [asdict(r) for r in v] for k, v in results.items()}}, indent=2))
