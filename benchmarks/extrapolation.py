@@ -29,7 +29,7 @@ BASE = ROOT / "configs" / "repro" / "base.yaml"
 
 MA = ["model.name=memory_attention", "model.chunk_size=32", "model.memory_qkv=shared"]
 RUNS: dict[str, list[str]] = {
-    "llama": ["model.name=llama"],
+    "llama": ["model.name=llama", "train.state=reset"],  # a dense model: independent 256-token windows
     "sliding_window": ["model.name=sliding_window", "model.window=64"],
     "memory_attention": MA + ["train.state=carry", "train.data_order=contiguous"],  # Full Stateful
     "ma_no_stateful": MA + ["train.state=reset", "train.data_order=shuffled"],

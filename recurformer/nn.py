@@ -221,6 +221,11 @@ class StreamingLM(nn.Module):
         return stream(self, prompt, max_new_tokens, temperature, **kwargs)
 
     @property
+    def bounded_state(self) -> bool:
+        """Whether the state stays the same size at any length (False for a full KV cache)."""
+        return True
+
+    @property
     def reset_boundary(self) -> int:
         """A row's state can be reset only after a multiple of this many tokens (the chunk,
         segment or block length of models that process tokens in groups; 1 otherwise)."""

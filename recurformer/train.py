@@ -242,6 +242,10 @@ class Trainer:
             raise RecurformerError(
                 f"train.seq_len ({t.seq_len}) must be a multiple of the model's chunk/segment/block length ({self.model.reset_boundary})"
             )
+        if t.state == "carry" and not self.model.bounded_state:
+            raise RecurformerError(
+                f"{cfg.model['name']} carries a KV cache that grows without bound; train it with train.state=reset"
+            )
         self.opt = make_optimizer(self.model, t)
         self.ddp: torch.nn.Module = self.model
         if self.world > 1:

@@ -167,7 +167,7 @@ def test_cli_train_end_to_end(corpus, tmp_path, capsys) -> None:
             "--set", "train.batch_size=2", "--set", "train.seq_len=16", "--set", "train.eval_every=2", "--set", "train.precision=fp32", "--set", "train.log_every=1"]
     assert cli_main(args) == 2  # no --config: told to give one
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("model:\n  name: llama\n")
+    cfg.write_text("model:\n  name: llama\ntrain:\n  state: reset\n")
     assert cli_main(["train", "--config", str(cfg)] + args[1:]) == 0
     lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
     assert any("val_loss" in ln for ln in lines) and len(lines) >= 4

@@ -85,6 +85,10 @@ class Llama(StreamingLM):
         self.window = config.window
         self.init_weights()
 
+    @property
+    def bounded_state(self) -> bool:
+        return self.window is not None
+
     def set_window(self, window: int | None) -> None:
         """Evaluate with a sliding-window mask (the seed's "Slide Window" baseline is a normally
         trained Llama evaluated with a 256-token window)."""
