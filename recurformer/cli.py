@@ -138,8 +138,47 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(f"wrote {out} and {png}")
 
 
+def cmd_generate(args: argparse.Namespace) -> None:
+    import time
+
+    import torch
+
+    from .checkpoint import load_model
+    from .evaluate import peak_rss_mb
+    from .generate import load_session, new_session, save_session, stream
+    from .train import pick_device
+
+    model, name, tok, _ = load_model(args.checkpoint, pick_device(args.device))
+    if tok is None:
+        raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
+    session = load_session(args.load_state, model, name) if args.load_state else new_session(model, 1, args.seed)
+    ids = ([] if args.load_state else [tok.bos_id]) + tok.encode(args.prompt)
+    prompt = torch.tensor([ids], dtype=torch.long) if ids else None
+    stops = [tok.eos_id, tok.bos_id] if args.stop_at_eos else []
+    print(args.prompt, end="", flush=True)
+    out: list[int] = []
+    shown = ""
+    t0 = time.perf_counter()
+    for step in stream(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, session=session, stop_tokens=stops):
+        t = int(step[0])
+        if t < 0:
+            break
+        out.append(t)
+        text = tok.decode(out)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    dt = time.perf_counter() - t0
+    print(tok.decode(out)[len(shown):])
+    if args.save_state:
+        save_session(session, args.save_state, name)
+        print(f"[saved the generation state to {args.save_state}]", file=sys.stderr)
+    if args.stats:
+        print(f"[{len(out)} tokens in {dt:.2f}s: {len(out) / max(dt, 1e-9):,.1f} tok/s, peak RSS {peak_rss_mb():,.0f} MB]", file=sys.stderr)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
-    "info": cmd_info, "prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval,
+    "info": cmd_info, "prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
 }
 
 
@@ -181,6 +220,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default="eval.json", help="output JSON (a PNG plot is written beside it)")
+
+    p = sub.add_parser("generate", help="stream text from a checkpoint")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--prompt", default="")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True, help="stop at the end of a document")
+    p.add_argument("--save-state", metavar="FILE", help="save the generation state (safetensors) to continue later")
+    p.add_argument("--load-state", metavar="FILE", help="continue a saved generation (the prompt is appended)")
+    p.add_argument("--stats", action="store_true", help="print tokens/s and peak memory")
+    p.add_argument("--device", default="auto")
     return ap
 
 

@@ -1,0 +1,100 @@
+"""Streaming generation: tokens/s and resident memory after 1k, 8k and 64k generated tokens, for
+every model in the registry (each in a fresh process, random weights, greedy decoding through
+the streaming contract, batch 1). Recurrent models should stay flat in memory and speed; the
+Llama baseline's KV cache (and per-token attention cost) grows with the length.
+
+    python benchmarks/generation.py [--tokens 1024,8192,65536] [--out docs/generation.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from recurformer.models import model_names
+
+SMALL = dict(vocab_size=4096, dim=128, n_layers=4, n_heads=4)
+EXTRA = {
+    "memory_attention": dict(chunk_size=32),
+    "sliding_window": dict(window=256),
+    "transformer_xl": dict(segment_len=32),
+    "block_recurrent": dict(block_size=32),
+    "recurrent_transformer": dict(),
+}
+
+CHILD = """
+import json, sys, time, torch
+from recurformer import build_model
+from recurformer.generate import new_session, stream
+name, marks = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
+cfg = json.loads(sys.argv[3])
+torch.manual_seed(0)
+model = build_model(name, cfg).eval()
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+s = new_session(model, 1, seed=0)
+out, t0, last_t, last_n = [], time.perf_counter(), time.perf_counter(), 0
+it = stream(model, [1, 2, 3], max(marks), temperature=0.0, session=s)
+for n, _ in enumerate(it, 1):
+    if n in marks:
+        now = time.perf_counter()
+        out.append(dict(tokens=n, rss_mb=round(rss_mb(), 1), tok_per_s=round((n - last_n) / (now - last_t), 1)))
+        last_t, last_n = now, n
+print(json.dumps(out))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(model_names()))
+    ap.add_argument("--tokens", default="1024,8192,65536")
+    ap.add_argument("--out", default="docs/generation.json")
+    args = ap.parse_args()
+    results = {}
+    print(f"{'model':<22}" + "".join(f"{'@' + t:>22}" for t in args.tokens.split(",")) + f"{'mem ratio':>11}")
+    for name in args.models.split(","):
+        cfg = dict(SMALL, **EXTRA.get(name, {}))
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        res = subprocess.run([sys.executable, "-c", CHILD, name, args.tokens, json.dumps(cfg)], capture_output=True, text=True, env=env)
+        if res.returncode != 0:
+            print(f"{name:<22} failed: {res.stderr.strip().splitlines()[-1]}")
+            continue
+        rows = json.loads(res.stdout)
+        results[name] = {"config": cfg, "marks": rows}
+        cells = "".join(f"{r['tok_per_s']:>9,.0f} tok/s {r['rss_mb']:>5,.0f}MB" for r in rows)
+        print(f"{name:<22}{cells}{rows[-1]['rss_mb'] / rows[0]['rss_mb']:>10.2f}x", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    plot(results, Path(args.out).with_suffix(".png"))
+    print(f"wrote {args.out}")
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, r in results.items():
+        xs = [m["tokens"] for m in r["marks"]]
+        a.plot(xs, [m["rss_mb"] for m in r["marks"]], marker="o", label=name)
+        b.plot(xs, [m["tok_per_s"] for m in r["marks"]], marker="o", label=name)
+    for ax, y in ((a, "resident memory (MB)"), (b, "tokens/s (since the previous mark)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens generated")
+        ax.set_ylabel(y)
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
