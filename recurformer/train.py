@@ -286,6 +286,7 @@ class Trainer:
             everyone = [None] * self.world  # type: ignore[list-item]
             dist.all_gather_object(everyone, local)
         if self.rank != 0:
+            dist.barrier()  # wait until rank 0 has written the checkpoint
             return None
         tensors, opt_meta = optimizer_to_flat(self.opt)
         rng_t, rng_meta = rng_state()
@@ -302,10 +303,13 @@ class Trainer:
             "streams": [loc["streams"] for loc in everyone],
             "state_class": type(self.model.init_state(1, "cpu")).__name__,
         }
-        return ckpt.save_checkpoint(
+        path = ckpt.save_checkpoint(
             self.out_dir, self.step, self.model.state_dict(), self._config_dict(), self.tokenizer_json,
             tensors, train_json, keep_last=self.cfg.train.keep_last,
         )
+        if self.world > 1:
+            dist.barrier()
+        return path
 
     def _restore(self, resumed: dict[str, Any]) -> None:
         tj, tt = resumed["train_json"], resumed["train_tensors"]
@@ -362,6 +366,10 @@ class Trainer:
         self.step += 1
         self.tokens_seen += t.grad_accum * t.batch_size * t.seq_len * self.world
         mean = total / t.grad_accum
+        if self.world > 1:  # one scalar, so every rank logs (and stops on) the same number
+            v = torch.tensor([mean], device=self.device)
+            dist.all_reduce(v)
+            mean = float(v) / self.world
         if not math.isfinite(mean):
             raise RecurformerError(
                 f"loss became {mean} at step {self.step}; stopped (the last good checkpoint in {self.out_dir} is kept)"
