@@ -16,6 +16,14 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, chunk_size=5, memory_qkv="separate", memory_source="post_wo", init_memory="learned"),
         dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, chunk_size=3, memory_ffn=False),
     ],
+    "recurrent_transformer": [
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, impl="naive"),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=2, position="rope", block_size=3, residual_scale=True),
+        dict(vocab_size=61, dim=24, n_layers=2, n_heads=2, position="rope", block_size=3, impl="naive", qk_norm=False),
+        dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, block_size=5),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, block_size=4, impl="naive"),
+    ],
 }
 
 

@@ -106,7 +106,7 @@ def test_reset_row_equals_fresh_start(case) -> None:
     name, cfg = case
     model = build_model(name, cfg).double().eval()
     randomize_params(model)
-    C = cfg.get("chunk_size", 1)
+    C = cfg.get("chunk_size", cfg.get("block_size", 1))  # models that reset only at chunk/block boundaries
     T1, T2 = 3 * C if C > 1 else 11, 19
     a = torch.randint(0, cfg["vocab_size"], (2, T1))
     b = torch.randint(0, cfg["vocab_size"], (2, T2))

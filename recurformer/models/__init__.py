@@ -9,12 +9,14 @@ from ..config import RecurformerError, _suggest, from_dict
 from ..nn import ModelConfig, StreamingLM
 from .llama import Llama, LlamaConfig
 from .memory_attention import MemoryAttention, MemoryAttentionConfig
+from .recurrent_transformer import RecurrentTransformer, RecurrentTransformerConfig
 from .sliding_window import SlidingWindow, SlidingWindowConfig
 
 REGISTRY: dict[str, tuple[type[ModelConfig], type[StreamingLM]]] = {
     "llama": (LlamaConfig, Llama),
     "sliding_window": (SlidingWindowConfig, SlidingWindow),
     "memory_attention": (MemoryAttentionConfig, MemoryAttention),
+    "recurrent_transformer": (RecurrentTransformerConfig, RecurrentTransformer),
 }
 
 

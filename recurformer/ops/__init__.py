@@ -1,0 +1,1 @@
+"""Exact fast algorithms, each next to the slow reference it is tested against."""
