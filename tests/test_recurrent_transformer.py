@@ -233,3 +233,28 @@ def test_errors() -> None:
     s = model(torch.tensor([[1, 2, 3, 4, 5]])).state
     with pytest.raises(RecurformerError, match="only at a block boundary"):
         model(torch.tensor([[1]]), state=s.reset(torch.tensor([True])))
+
+
+@pytest.mark.parametrize("block,pos0,chunk", [(1, 0, 3), (2, 5, 5), (3, 7, 1)])
+def test_ops_tiled_query_chunks_equal_naive(block, pos0, chunk) -> None:
+    """The op alone, with a cache, an unfinished block, a document start inside the cache, ALiBi
+    and tile updates cut into query chunks of ``chunk`` rows."""
+    g = torch.Generator().manual_seed(block)
+    B, H, T, d, S = 2, 2, 37, 4, pos0
+    r0 = pos0 % block
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q, tk, tv = rnd(B, H, T, d), rnd(B, H, T, d), rnd(B, H, T, d)
+    past = dict(past_k=rnd(B, H, S, d), past_v=rnd(B, H, S, d), past_tk=rnd(B, H, r0, d), past_tv=rnd(B, H, r0, d))
+    W = rnd(H * d, 2 * H * d) * 0.5
+    x = rnd(B, T, H * d)
+
+    def finish(a, s, e):
+        z = torch.tanh(x[:, s:e] + a.transpose(1, 2).reshape(B, e - s, H * d))
+        k, v = (z @ W).view(B, e - s, 2, H, d).permute(2, 0, 3, 1, 4)
+        return z, k, v
+
+    kw = dict(block=block, pos0=pos0, start=torch.tensor([0, max(pos0 - r0 - block, 0)]), bias_fn=lambda dist: -0.3 * dist[None].double(), **past)
+    ref = recurrent_attention_naive(q, tk, tv, finish, **kw)
+    out = recurrent_attention_tiled(q, tk, tv, finish, query_chunk=chunk, **kw)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -164,10 +164,12 @@ def recurrent_attention_tiled(
     start: Tensor | None = None,
     scale: float | None = None,
     bias_fn: BiasFn | None = None,
+    query_chunk: int = 512,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The exact tiled forward (appendix Algorithm "Exact tiled forward pass", on blocks).
     q, tk, tv: [B, H, T, d] queries and temporary pairs of positions pos0..pos0+T-1.
-    Returns z [B, T, D] and the new persistent pairs k, v [B, H, T, d]."""
+    Returns z [B, T, D] and the new persistent pairs k, v [B, H, T, d]. A tile's queries are
+    processed ``query_chunk`` rows at a time (memory bound, same result)."""
     B, H, T, d = q.shape
     past_k, past_v, past_tk, past_tv, start, scale = _defaults(q, past_k, past_v, past_tk, past_tv, start, scale)
     stats = temporary_stats(q, tk, tv, past_tk, past_tv, block, scale, bias_fn)
@@ -194,15 +196,19 @@ def recurrent_attention_tiled(
         V = vs[t] if P == 1 else torch.cat(vs[t - P + 1 :], 2)
         qs, qe, ks0 = edges[lo], edges[hi + 1], edges[t - P + 1]
         st = (ms[lo], ls[lo], os_[lo]) if lo == hi else tuple(torch.cat(x[lo : hi + 1], 2) for x in (ms, ls, os_))
-        s = _scores(q[:, :, qs:qe], K, scale, st[0].dtype)
-        if bias_fn is not None:
-            key = (qs - ks0, qe - qs, e0 - ks0)
-            if key not in bias_cache:
-                i = torch.arange(qs, qe, device=q.device)
-                j = torch.arange(ks0, e0, device=q.device)
-                bias_cache[key] = bias_fn(i[:, None] - j[None, :]).to(s.dtype)
-            s = s + bias_cache[key]
-        m, l, o = merge(st, s, V)
+        parts = []
+        for c0 in range(qs, qe, query_chunk):  # rows are independent: bound the [B, H, rows, P] scores
+            c1 = min(qe, c0 + query_chunk)
+            s = _scores(q[:, :, c0:c1], K, scale, st[0].dtype)
+            if bias_fn is not None:
+                key = (c0 - ks0, c1 - c0, e0 - ks0)
+                if key not in bias_cache:
+                    i = torch.arange(c0, c1, device=q.device)
+                    j = torch.arange(ks0, e0, device=q.device)
+                    bias_cache[key] = bias_fn(i[:, None] - j[None, :]).to(s.dtype)
+                s = s + bias_cache[key]
+            parts.append(merge(tuple(x[:, :, c0 - qs : c1 - qs] for x in st), s, V))  # type: ignore[arg-type]
+        m, l, o = parts[0] if len(parts) == 1 else (torch.cat(x, 2) for x in zip(*parts))
         if lo == hi:
             ms[lo], ls[lo], os_[lo] = m, l, o
         else:
