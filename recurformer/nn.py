@@ -325,3 +325,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: 
     """softmax(q k^T / sqrt(d) + mask) v via PyTorch SDPA. ``mask`` is boolean (True = visible),
     broadcastable to [B, H, Tq, Tk]."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+
+
+def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> Tensor:
+    """ALiBi head slopes m_h = 2^(-max_bias * h / H), h = 1..H (Press et al. 2022; for H a power
+    of two these are the paper's slopes, otherwise the same geometric rule without MPT's fix)."""
+    h = torch.arange(1, n_heads + 1, dtype=torch.float64)
+    return torch.exp2(-max_bias * h / n_heads)

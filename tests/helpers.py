@@ -30,6 +30,14 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, block_size=6, gate="lstm", cell="single", recurrent_layers=(-1,), mlp="relu"),
         dict(vocab_size=61, dim=24, n_layers=1, n_heads=2, block_size=4, gate="lstm", cell="dual", recurrent_layers=(0,), t5_buckets=4, t5_max_distance=3),
     ],
+    "recurrent_transformer": [
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, impl="naive"),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=2, position="rope", block_size=3, residual_scale=True),
+        dict(vocab_size=61, dim=24, n_layers=2, n_heads=2, position="rope", block_size=3, impl="naive", qk_norm=False),
+        dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, block_size=5),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, block_size=4, impl="naive"),
+    ],
 }
 
 

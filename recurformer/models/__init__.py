@@ -10,6 +10,7 @@ from ..nn import ModelConfig, StreamingLM
 from .block_recurrent import BlockRecurrent, BlockRecurrentConfig
 from .llama import Llama, LlamaConfig
 from .memory_attention import MemoryAttention, MemoryAttentionConfig
+from .recurrent_transformer import RecurrentTransformer, RecurrentTransformerConfig
 from .sliding_window import SlidingWindow, SlidingWindowConfig
 from .transformer_xl import TransformerXL, TransformerXLConfig
 
@@ -19,6 +20,7 @@ REGISTRY: dict[str, tuple[type[ModelConfig], type[StreamingLM]]] = {
     "memory_attention": (MemoryAttentionConfig, MemoryAttention),
     "transformer_xl": (TransformerXLConfig, TransformerXL),
     "block_recurrent": (BlockRecurrentConfig, BlockRecurrent),
+    "recurrent_transformer": (RecurrentTransformerConfig, RecurrentTransformer),
 }
 
 

@@ -1,0 +1,199 @@
+"""Recurrent Transformer (seed 003): layerwise recurrence. Each layer's persistent key/value pair
+at position i is computed from that layer's *output* z_i, so later positions read already
+processed representations of earlier ones (§"The Recurrent Transformer layer"):
+
+    q_i = qkN(Q N(x_i)),   k~_i = qkN(K N(x_i)),   v~_i = V N(x_i)        (temporary pair)
+    a_i = Attn((k_1, v_1), ..., (k_{i-1}, v_{i-1}), (k~_i, v~_i); q_i)  + ALiBi or RoPE
+    z_i = x_i + α (Wo a_i + MLP(N(x_i + α Wo a_i)))                       (α = 1/sqrt(L) or 1)
+    k_i = qkN(K N(z_i)),    v_i = V N(z_i)                                (persistent pair)
+
+N = RMSNorm (shared by x and z, as in the seed and the authors' code), qkN = RMSNorm over the
+full D-dim q or k (all heads together, as the code), MLP = SwiGLU (library convention; the
+authors' code uses GELU). Scores are scaled by 1/sqrt(head_dim). ALiBi slopes 2^(-8h/H)
+(max bias 8) by default.
+
+Block variant (the seed's "future work"): with ``block_size`` b > 1, positions are grouped in
+blocks of b; a query sees the persistent pairs of earlier blocks and the temporary pairs of its
+own block up to itself, so persistent pairs are revealed b at a time (b = 1: the exact layer).
+The recurrent depth over N positions is N/b.
+
+``impl`` picks the evaluation: "tiled" (exact tiled forward, default) or "naive" (one block at a
+time over the growing prefix); see ``recurformer/ops/recurrent_attention.py``. Gradients: plain
+autograd through either (O(N^2) saved attention probabilities in total, like dense attention).
+
+Streaming: the state holds per layer the persistent pairs of every past position of the current
+document (the KV cache; decoding costs one extra K/V projection per token and layer vs a
+Transformer step) and the temporary pairs of an unfinished block. A row can be reset only at a
+block boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..config import RecurformerError
+from ..nn import ModelConfig, RMSNorm, State, StreamingLM, SwiGLU, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
+from ..ops.recurrent_attention import BiasFn, alibi_bias, recurrent_attention_naive, recurrent_attention_tiled
+
+
+@dataclass
+class RecurrentTransformerConfig(ModelConfig):
+    position: Literal["alibi", "rope"] = "alibi"
+    alibi_max_bias: float = 8.0
+    block_size: int = 1  # b: persistent pairs revealed b positions at a time (1 = the seed's layer)
+    impl: Literal["tiled", "naive"] = "tiled"
+    residual_scale: bool = False  # multiply the attention and MLP branches by 1/sqrt(n_layers)
+    qk_norm: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size < 1:
+            raise RecurformerError(f"config key 'block_size' must be >= 1, got {self.block_size}")
+        if self.alibi_max_bias <= 0:
+            raise RecurformerError(f"config key 'alibi_max_bias' must be positive, got {self.alibi_max_bias}")
+
+
+@dataclass
+class RecurrentState(State):
+    """Per layer: ``k``/``v`` [B, H, S, d], persistent pairs of positions pos-S..pos-1 (keys
+    rotated at their positions when RoPE is on); ``tk``/``tv`` [B, H, r, d], temporary pairs of
+    the r = pos mod b positions of the unfinished block. ``start[b]``: where row b's document
+    begins (earlier pairs are masked out)."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    tk: list[Tensor]
+    tv: list[Tensor]
+    start: Tensor  # [B] int64
+    pos: int
+
+
+class RecurrentLayer(nn.Module):
+    def __init__(self, cfg: RecurrentTransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.n_heads = cfg.n_heads
+        self.alpha = 1 / math.sqrt(cfg.n_layers) if cfg.residual_scale else 1.0
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = SwiGLU(cfg.dim, cfg.hidden)
+
+    def kv(self, u: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """Key and value [B, H, n, d] of u [B, n, D] (x: temporary pair, z: persistent pair)."""
+        n = self.attn_norm(u)
+        k = split_heads(self.k_norm(self.wk(n)), self.n_heads)
+        if rope is not None:
+            k = apply_rope(k, *rope)
+        return k, split_heads(self.wv(n), self.n_heads)
+
+    def forward(
+        self,
+        x: Tensor,
+        past: dict[str, Tensor],
+        *,
+        pos0: int,
+        start: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        bias_fn: BiasFn | None,
+        impl: str | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """x: [B, T, D] -> z [B, T, D] and this layer's new state slice."""
+        b = self.cfg.block_size
+        q = split_heads(self.q_norm(self.wq(self.attn_norm(x))), self.n_heads)  # [B, H, T, d]
+        if rope is not None:
+            q = apply_rope(q, *rope)
+        tk, tv = self.kv(x, rope)
+        alpha = self.alpha
+
+        def finish(a: Tensor, s: int, e: int) -> tuple[Tensor, Tensor, Tensor]:
+            h = x[:, s:e] + alpha * self.wo(merge_heads(a.to(x.dtype)))
+            z = h + alpha * self.ffn(self.ffn_norm(h))
+            k, v = self.kv(z, None if rope is None else (rope[0][s:e], rope[1][s:e]))
+            return z, k, v
+
+        op = recurrent_attention_tiled if (impl or self.cfg.impl) == "tiled" else recurrent_attention_naive
+        z, k, v = op(
+            q, tk, tv, finish, block=b, pos0=pos0, past_k=past["k"], past_v=past["v"],
+            past_tk=past["tk"], past_tv=past["tv"], start=start, bias_fn=bias_fn,
+        )  # fmt: skip
+        r = (pos0 + x.shape[1]) % b  # positions of the unfinished block after this call
+        tk_all, tv_all = torch.cat((past["tk"], tk), 2), torch.cat((past["tv"], tv), 2)
+        R = tk_all.shape[2]
+        new = {
+            "k": torch.cat((past["k"], k), 2),
+            "v": torch.cat((past["v"], v), 2),
+            "tk": tk_all[:, :, R - r :],
+            "tv": tv_all[:, :, R - r :],
+        }
+        return z, new
+
+
+class RecurrentTransformer(StreamingLM):
+    state_cls = RecurrentState
+
+    def __init__(self, config: RecurrentTransformerConfig) -> None:
+        super().__init__(config)
+        self.layers = nn.ModuleList(RecurrentLayer(config) for _ in range(config.n_layers))
+        self.register_buffer("slopes", alibi_slopes(config.n_heads, config.alibi_max_bias), persistent=False)
+        self.init_weights()
+
+    @property
+    def reset_boundary(self) -> int:
+        return self.config.block_size  # type: ignore[attr-defined]
+
+    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> RecurrentState:  # type: ignore[override]
+        c = self.config
+        dt = self.tok_emb.weight.dtype
+        empty = lambda: [torch.zeros(batch_size, c.n_heads, 0, c.head_dim, device=device, dtype=dt) for _ in range(c.n_layers)]  # noqa: E731
+        return RecurrentState(
+            fresh=torch.ones(batch_size, dtype=torch.bool, device=device),
+            k=empty(), v=empty(), tk=empty(), tv=empty(),
+            start=torch.zeros(batch_size, dtype=torch.long, device=device),
+            pos=0,
+        )  # fmt: skip
+
+    def position_signal(self, pos0: int, T: int, device: torch.device, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+        """(rope cos/sin for positions pos0..pos0+T-1 or None, bias function or None)."""
+        c: RecurrentTransformerConfig = self.config  # type: ignore[assignment]
+        if c.position == "rope":
+            return rope_cos_sin(torch.arange(pos0, pos0 + T, device=device), c.head_dim, c.rope_theta, dtype), None
+        return None, alibi_bias(self.slopes.to(dtype))
+
+    def body(self, h: Tensor, state: RecurrentState, impl: str | None = None) -> tuple[Tensor, RecurrentState]:  # type: ignore[override]
+        c: RecurrentTransformerConfig = self.config  # type: ignore[assignment]
+        B, T, _ = h.shape
+        pos0 = state.pos
+        if bool(state.fresh.any()) and pos0 % c.block_size:
+            raise RecurformerError(
+                f"recurrent_transformer can reset a row only at a block boundary (position {pos0} is not a multiple of block_size {c.block_size})"
+            )
+        start = torch.where(state.fresh, torch.full_like(state.start, pos0), state.start)
+        acc = torch.float32 if h.dtype in (torch.float16, torch.bfloat16) else h.dtype
+        rope, bias_fn = self.position_signal(pos0, T, h.device, acc)
+        if rope is not None:
+            rope = (rope[0].to(h.dtype), rope[1].to(h.dtype))
+        new: dict[str, list[Tensor]] = {k: [] for k in ("k", "v", "tk", "tv")}
+        for i, layer in enumerate(self.layers):
+            past = {k: getattr(state, k)[i] for k in new}
+            h, st = layer(h, past, pos0=pos0, start=start, rope=rope, bias_fn=bias_fn, impl=impl)
+            for k in new:
+                new[k].append(st[k])
+        return h, RecurrentState(fresh=torch.zeros_like(state.fresh), start=start, pos=pos0 + T, **new)
+
+    def info_lines(self) -> list[str]:
+        c: RecurrentTransformerConfig = self.config  # type: ignore[assignment]
+        return [
+            f"state: persistent K/V cache 2 * n_layers * dim = {2 * c.n_layers * c.dim} numbers per position (grows with the document)",
+            f"block_size b = {c.block_size}: recurrent depth N/b per layer; impl = {c.impl}; position = {c.position}",
+        ]
