@@ -158,3 +158,15 @@ def test_errors_are_one_line() -> None:
     bigger = build_model("llama", dict(TEST_CONFIGS["llama"][0], n_layers=3))
     with pytest.raises(RecurformerError, match="state"):
         model(torch.tensor([[1, 2]]), state=bigger.init_state(1))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_gradients_are_finite(case) -> None:
+    """One backward pass at the model's own initialisation gives finite gradients everywhere
+    (a -inf mask multiplied by a learned scale once made them NaN)."""
+    name, cfg = case
+    model = build_model(name, cfg)
+    tokens = torch.randint(0, cfg["vocab_size"], (2, 24))
+    model(tokens, targets=tokens).loss.backward()
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    assert not bad

@@ -167,8 +167,12 @@ class QK(nn.Module):
         return qk_normalize(q) * (self.scale.to(q.dtype)[:, None, None] * self.sqrt_d) if self.on else q
 
     def bias(self, b: Tensor) -> Tensor:
-        """[H, Tq, Tk] additive bias -> as ``attend`` must add it."""
-        return b * self.scale.to(b.dtype)[:, None, None] if self.on else b
+        """[H, Tq, Tk] additive bias -> as ``attend`` must add it. Only the finite part is scaled:
+        scaling the -inf of a mask would give the scale a NaN gradient (inf * 0)."""
+        if not self.on:
+            return b
+        finite = torch.isfinite(b)
+        return torch.where(finite, b.masked_fill(~finite, 0.0) * self.scale.to(b.dtype)[:, None, None], b)
 
 
 def t5_buckets(distance: Tensor, num_buckets: int, max_distance: int) -> Tensor:
