@@ -17,8 +17,9 @@ whose scored tokens are all correct (seed 003's "sequence-level accuracy"). The 
 passkey.
 
 Model. Seed 003's synthetic setting (one layer, width 128, MLP 512, 16 heads) unless overridden;
-every window / chunk / segment / block length field a model config has is set to ``context``
-(32 by default) so that a bounded model must use its state on tasks longer than that.
+every window / chunk / segment / block length field a model config has (with a finite default;
+llama's ``window=None`` stays full attention) is set to ``context`` (32 by default), so that a
+bounded model must use its state on tasks longer than that.
 """
 
 from __future__ import annotations
@@ -123,9 +124,9 @@ def model_values(name: str, values: dict[str, Any], vocab: int, context: int) ->
     it, the user's values, and the task's vocabulary."""
     if "vocab_size" in values and int(values["vocab_size"]) != vocab:
         raise RecurformerError(f"the task fixes vocab_size = {vocab}; set it with task.vocab_size instead")
-    fields = {f.name for f in dataclasses.fields(lookup(name)[0])}
+    fields = {f.name: f.default for f in dataclasses.fields(lookup(name)[0])}
     out = dict(MODEL_DEFAULTS)
-    out.update({k: context for k in CONTEXT_FIELDS if k in fields})
+    out.update({k: context for k in CONTEXT_FIELDS if fields.get(k) is not None})  # None: unlimited (llama's window)
     out.update({k: v for k, v in ONE_LAYER_FIELDS.items() if k in fields})
     out.update(values)
     out["vocab_size"] = vocab
