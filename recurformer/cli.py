@@ -1,4 +1,4 @@
-"""The ``recurformer`` command line: ``info``, ``prepare``, ``train``, ``eval``, ``generate``.
+"""The ``recurformer`` command line: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``synth``.
 
 Every user error (bad config key, missing file, wrong checkpoint, ...) is printed as one line
 ``recurformer: error: ...`` with exit code 2, never as a traceback."""
@@ -177,8 +177,27 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(f"[{len(out)} tokens in {dt:.2f}s: {len(out) / max(dt, 1e-9):,.1f} tok/s, peak RSS {peak_rss_mb():,.0f} MB]", file=sys.stderr)
 
 
+def cmd_synth(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from .synth import run_synth, result_dict, split_overrides, summary, synth_config
+
+    model_over, task_over, synth_over = split_overrides(args.set)
+    for key, value in (("steps", args.steps), ("lrs", args.lrs), ("n_train", args.n_train), ("n_test", args.n_test)):
+        if value is not None:
+            synth_over[key] = value
+    r = run_synth(args.task, args.model, model_over, task_over, synth_config(synth_over), log=print, device=args.device)
+    print(summary(r))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result_dict(r), indent=2))
+        print(f"wrote {args.json}")
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "info": cmd_info, "prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
+    "synth": cmd_synth,
 }
 
 
@@ -234,6 +253,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-state", metavar="FILE", help="continue a saved generation (the prompt is appended)")
     p.add_argument("--stats", action="store_true", help="print tokens/s and peak memory")
     p.add_argument("--device", default="auto")
+
+    from .data.synthetic import TASKS
+
+    p = sub.add_parser("synth", help="train a small model on a synthetic diagnostic task and report its accuracy")
+    p.add_argument("--task", required=True, choices=sorted(TASKS))
+    p.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}")
+    _add_set(p)
+    p.add_argument("--steps", type=int, help="optimizer steps per learning rate (default 500)")
+    p.add_argument("--lrs", help="comma-separated learning rates to sweep (default 5e-4,1e-3,3e-3)")
+    p.add_argument("--n-train", type=int, help="training examples (default: the task's MAD baseline)")
+    p.add_argument("--n-test", type=int, help="test examples (default 1280)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", help="write the full result as JSON here")
     return ap
 
 

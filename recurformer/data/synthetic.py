@@ -1,0 +1,344 @@
+"""Synthetic diagnostic tasks (seed 003 "Synthetic diagnostics": MAD + the copy task; seed 004's
+copying task with a delay; a passkey task for lengths beyond any window).
+
+Every task is a generator ``fn(rng, n, **params) -> (inputs, targets)`` of int64 arrays [n, T]
+in next-token form: the model reads ``inputs`` and is scored at position t on ``targets[t]``;
+``targets`` is ``IGNORE_INDEX`` (-100) wherever the task does not score. ``vocab_size`` is always
+the whole vocabulary the model needs (special tokens included). ``make_split`` draws a seeded,
+de-duplicated set of rows; splits built with disjoint ``exclude`` sets share no input row.
+
+Deviations from MAD (athms/mad-lab), on purpose:
+- training uses the same masked targets as the test (MAD trains the recall tasks on every
+  next token, including unpredictable keys and first-seen values);
+- fuzzy recall uses random motif sizes in training and test alike (MAD: test keys are max size);
+- compression is not provided: MAD decodes all tokens from the encoder's last position through a
+  separate AutoEncoder head, which is not a causal streaming LM (a causal LM can attend back to
+  the tokens, so the task would stop being a bottleneck).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..config import RecurformerError, _coerce, _suggest
+from ..nn import IGNORE_INDEX
+
+Arrays = tuple[np.ndarray, np.ndarray]
+
+
+def _shift(seq: np.ndarray, scored: np.ndarray) -> Arrays:
+    """seq, scored: [n, T+1] -> inputs seq[:, :-1], targets seq[:, 1:] where scored, else -100."""
+    return seq[:, :-1].copy(), np.where(scored[:, 1:], seq[:, 1:], IGNORE_INDEX)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise RecurformerError(msg)
+
+
+# ----------------------------------------------------------------------------------------------
+# MAD tasks
+
+
+def in_context_recall(rng: np.random.Generator, n: int, vocab_size: int = 16, seq_len: int = 128) -> Arrays:
+    """MAD in-context recall (multi-query). Baseline: vocab 16, length 128, 12,800 training
+    examples (1,280 test).
+
+    Keys are tokens [0, V/2), values [V/2, V). Each row draws a random key -> value map, then
+    ``seq_len/2`` (key, value) pairs with random keys; the last pair re-asks a key shown earlier.
+    inputs = pairs[:-1] (length seq_len - 1); a position is scored when the next token is the
+    value of a key that already appeared earlier in the row (its answer is in context)."""
+    _need(vocab_size >= 4 and vocab_size % 2 == 0, f"in_context_recall needs an even vocab_size >= 4, got {vocab_size}")
+    _need(seq_len >= 6 and seq_len % 2 == 0, f"in_context_recall needs an even seq_len >= 6, got {seq_len}")
+    nk, P = vocab_size // 2, seq_len // 2
+    mapping = rng.integers(nk, vocab_size, size=(n, nk))
+    keys = rng.integers(0, nk, size=(n, P))
+    keys[:, -1] = keys[np.arange(n), rng.integers(0, P - 1, size=n)]
+    seq = np.empty((n, seq_len), dtype=np.int64)
+    seq[:, 0::2] = keys
+    seq[:, 1::2] = np.take_along_axis(mapping, keys, axis=1)
+    scored = np.zeros_like(seq, dtype=bool)
+    for i in range(n):
+        seen: set[int] = set()
+        for p, k in enumerate(keys[i]):
+            scored[i, 2 * p + 1] = int(k) in seen
+            seen.add(int(k))
+    return _shift(seq, scored)
+
+
+def noisy_in_context_recall(
+    rng: np.random.Generator, n: int, vocab_size: int = 32, seq_len: int = 128, noise_vocab: int = 16, frac_noise: float = 0.2
+) -> Arrays:
+    """MAD noisy in-context recall. Baseline: vocab 32 (16 of them noise), length 128,
+    frac_noise 0.2, 12,800 training examples.
+
+    As ``in_context_recall`` with keys [0, K/2) and values [K/2, K), K = V - noise_vocab; each
+    pair slot except the last (the probe, a real pair re-asking an earlier real key) and the first
+    (so a real key exists) becomes two random noise tokens [K, V) with probability frac_noise.
+    Scored: values of real keys already seen earlier; noise is never scored."""
+    K = vocab_size - noise_vocab
+    _need(K >= 4 and K % 2 == 0 and noise_vocab >= 1, f"noisy_in_context_recall needs vocab_size - noise_vocab even and >= 4, got {K}")
+    _need(seq_len >= 6 and seq_len % 2 == 0, f"noisy_in_context_recall needs an even seq_len >= 6, got {seq_len}")
+    _need(0 <= frac_noise < 1, f"frac_noise must be in [0, 1), got {frac_noise}")
+    nk, P = K // 2, seq_len // 2
+    seq = np.empty((n, seq_len), dtype=np.int64)
+    scored = np.zeros_like(seq, dtype=bool)
+    for i in range(n):
+        mapping = rng.integers(nk, K, size=nk)
+        noise = rng.random(P) < frac_noise
+        noise[0] = noise[-1] = False
+        keys = rng.integers(0, nk, size=P)
+        real = np.flatnonzero(~noise[:-1])
+        keys[-1] = keys[rng.choice(real)]
+        seen: set[int] = set()
+        for p in range(P):
+            if noise[p]:
+                seq[i, 2 * p : 2 * p + 2] = rng.integers(K, vocab_size, size=2)
+                continue
+            seq[i, 2 * p], seq[i, 2 * p + 1] = keys[p], mapping[keys[p]]
+            scored[i, 2 * p + 1] = int(keys[p]) in seen
+            seen.add(int(keys[p]))
+    return _shift(seq, scored)
+
+
+def fuzzy_in_context_recall(rng: np.random.Generator, n: int, vocab_size: int = 16, seq_len: int = 128, max_motif: int = 3) -> Arrays:
+    """MAD fuzzy in-context recall. Baseline: vocab 16, length 128, motifs of at most 3 tokens,
+    12,800 training examples.
+
+    Pad = V - 1; key tokens [0, (V-1)/2), value tokens [(V-1)/2, V-1). Keys and values are motifs
+    of 1..max_motif distinct tokens. Each row is a list of (key motif, value motif) pairs: each
+    pair either introduces a new key with a random value motif (always for the first, otherwise
+    with probability 1/2) or repeats an earlier pair; the last pair always repeats one. The row is
+    left-padded with pad to seq_len + 1 tokens and shifted (inputs length seq_len). Scored: the
+    value tokens of repeated pairs."""
+    nk = (vocab_size - 1) // 2
+    _need(max_motif >= 1 and nk >= max_motif + 1, f"fuzzy_in_context_recall needs (vocab_size-1)/2 > max_motif, got vocab {vocab_size}")
+    _need(seq_len >= 4 * max_motif + 1, f"fuzzy_in_context_recall needs seq_len >= {4 * max_motif + 1}, got {seq_len}")
+    pad, budget = vocab_size - 1, seq_len + 1
+    seq = np.full((n, budget), pad, dtype=np.int64)
+    scored = np.zeros_like(seq, dtype=bool)
+    for i in range(n):
+        pairs: dict[tuple[int, ...], tuple[int, ...]] = {}
+        row: list[tuple[tuple[int, ...], tuple[int, ...], bool]] = []
+        used = 0
+        while True:
+            final = used + 4 * max_motif > budget
+            if pairs and (final or rng.random() < 0.5):
+                key = list(pairs)[rng.integers(len(pairs))]
+                row.append((key, pairs[key], True))
+            else:
+                key = tuple(int(t) for t in rng.choice(nk, size=rng.integers(1, max_motif + 1), replace=False))
+                if key in pairs:
+                    continue
+                pairs[key] = tuple(int(t) for t in rng.choice(np.arange(nk, 2 * nk), size=rng.integers(1, max_motif + 1), replace=False))
+                row.append((key, pairs[key], False))
+            used += len(row[-1][0]) + len(row[-1][1])
+            if final:
+                break
+        p = budget - used
+        for key, val, repeat in row:
+            seq[i, p : p + len(key)] = key
+            p += len(key)
+            seq[i, p : p + len(val)] = val
+            scored[i, p : p + len(val)] = repeat
+            p += len(val)
+    return _shift(seq, scored)
+
+
+def selective_copying(rng: np.random.Generator, n: int, vocab_size: int = 16, seq_len: int = 256, num_tokens: int = 16) -> Arrays:
+    """MAD selective copying. Baseline: vocab 16, length 256, 16 tokens to copy, 12,800
+    training examples.
+
+    Content tokens [0, V-2), blank V-2, copy V-1. inputs (length seq_len): ``num_tokens`` content
+    tokens scattered in order among seq_len - 2*num_tokens - 1 blanks, then the copy token, then
+    num_tokens blanks. targets are *not shifted* (as in MAD): -100 except the last num_tokens
+    positions, which hold the content tokens in order (the first is predicted while reading the
+    first blank after the copy token)."""
+    _need(vocab_size >= 3, f"selective_copying needs vocab_size >= 3, got {vocab_size}")
+    _need(num_tokens >= 1 and seq_len >= 2 * num_tokens + 1, f"selective_copying needs seq_len >= 2 * num_tokens + 1, got {seq_len}")
+    blank, copy, N = vocab_size - 2, vocab_size - 1, num_tokens
+    head = seq_len - N - 1
+    inputs = np.full((n, seq_len), blank, dtype=np.int64)
+    targets = np.full((n, seq_len), IGNORE_INDEX, dtype=np.int64)
+    tokens = rng.integers(0, vocab_size - 2, size=(n, N))
+    for i in range(n):
+        pos = np.sort(rng.choice(head, size=N, replace=False))
+        inputs[i, pos] = tokens[i]
+    inputs[:, head] = copy
+    targets[:, seq_len - N :] = tokens
+    return inputs, targets
+
+
+def memorization(rng: np.random.Generator, n: int, vocab_size: int = 256, seq_len: int = 32, map_seed: int = 0) -> Arrays:
+    """MAD memorization. Baseline: vocab 256, length 32, 256 training examples.
+
+    A fixed key -> value map drawn from ``map_seed`` (the same for every split, so the test asks
+    training facts in new rows, as in MAD): keys [0, (V-1)/2), values [(V-1)/2, V-1), insert token
+    V-1. inputs: seq_len/2 (key, insert) pairs with distinct random keys; targets: the key's value
+    at each insert position, -100 at keys."""
+    nk = (vocab_size - 1) // 2
+    _need(nk >= 1 and seq_len % 2 == 0 and seq_len >= 2, f"memorization needs vocab_size >= 3 and an even seq_len, got {vocab_size}, {seq_len}")
+    _need(seq_len // 2 <= nk, f"memorization needs seq_len/2 <= {nk} distinct keys, got seq_len {seq_len}")
+    values = np.random.default_rng(map_seed).integers(nk, 2 * nk, size=nk)
+    keys = np.stack([rng.choice(nk, size=seq_len // 2, replace=False) for _ in range(n)])
+    inputs = np.full((n, seq_len), vocab_size - 1, dtype=np.int64)
+    targets = np.full((n, seq_len), IGNORE_INDEX, dtype=np.int64)
+    inputs[:, 0::2] = keys
+    targets[:, 1::2] = values[keys]
+    return inputs, targets
+
+
+# ----------------------------------------------------------------------------------------------
+# copy tasks and passkey
+
+
+def copy(rng: np.random.Generator, n: int, vocab_size: int = 30, min_len: int = 5, max_len: int = 20) -> Arrays:
+    """Jelassi et al. copy task (seed 003's copy diagnostic). Defaults: 26 letters + 4 specials,
+    training strings of 5..20 letters (the authors' code; it evaluates 10..19).
+
+    Letters [0, V-4), then ``$`` = V-4 (BOS), ``|`` = V-3 (separator), ``.`` = V-2 (EOS),
+    ``*`` = V-1 (pad). A row is ``$ s | s .`` with |s| uniform in [min_len, max_len], right-padded
+    with ``*`` to 2*max_len + 3 and shifted (inputs length 2*max_len + 2). Scored: the copy and the
+    final ``.`` (predicted from ``|`` through the last copied letter). One example per row (the
+    authors pack several per training row)."""
+    A = vocab_size - 4
+    _need(A >= 2, f"copy needs vocab_size >= 6 (letters + 4 specials), got {vocab_size}")
+    _need(1 <= min_len <= max_len, f"copy needs 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    bos, sep, eos, pad = A, A + 1, A + 2, A + 3
+    seq = np.full((n, 2 * max_len + 3), pad, dtype=np.int64)
+    scored = np.zeros_like(seq, dtype=bool)
+    lengths = rng.integers(min_len, max_len + 1, size=n)
+    for i, ell in enumerate(lengths):
+        s = rng.integers(0, A, size=ell)
+        seq[i, : 2 * ell + 3] = np.concatenate([[bos], s, [sep], s, [eos]])
+        scored[i, ell + 2 : 2 * ell + 3] = True
+    return _shift(seq, scored)
+
+
+def delayed_copy(rng: np.random.Generator, n: int, vocab_size: int = 10, copy_len: int = 10, delay: int = 100) -> Arrays:
+    """Seed 004's copying task with a delay ("Evaluation: Comparing Context Approaches"):
+    blank = 0, content tokens [1, V-1), signal V-1; defaults vocab 10, 10 tokens (its delays:
+    50, 100, 200, 400).
+
+    inputs (length 2*copy_len + delay): the copy_len content tokens, ``delay`` blanks, the signal,
+    copy_len - 1 blanks. targets: the content tokens in order at the signal and the blanks after
+    it, -100 elsewhere. (The seed's listing scores only tokens 1..copy_len-1, one position late;
+    here the signal position predicts the first token, so every token is asked.)"""
+    _need(vocab_size >= 3, f"delayed_copy needs vocab_size >= 3, got {vocab_size}")
+    _need(copy_len >= 1 and delay >= 0, f"delayed_copy needs copy_len >= 1 and delay >= 0, got {copy_len}, {delay}")
+    c = copy_len
+    tokens = rng.integers(1, vocab_size - 1, size=(n, c))
+    inputs = np.zeros((n, 2 * c + delay), dtype=np.int64)
+    targets = np.full_like(inputs, IGNORE_INDEX)
+    inputs[:, :c] = tokens
+    inputs[:, c + delay] = vocab_size - 1
+    targets[:, c + delay :] = tokens
+    return inputs, targets
+
+
+def passkey(rng: np.random.Generator, n: int, vocab_size: int = 32, length: int = 256, key_len: int = 4, key_vocab: int = 16) -> Arrays:
+    """Passkey retrieval: a key of ``key_len`` tokens from [0, key_vocab), ``length`` random filler
+    tokens from [key_vocab, V-1), the query marker V-1, then the key again (teacher-forced).
+    inputs = (key, filler, query, key)[:-1], length 2*key_len + length; scored: the key_len
+    positions from the query marker on, which predict the key tokens in order. The nearest copy of
+    key token j is ``length + key_len + 1`` positions before the position that must predict it, so
+    a model that sees only a window of at most ``length + 1`` tokens cannot beat chance."""
+    _need(key_len >= 1 and length >= 0, f"passkey needs key_len >= 1 and length >= 0, got {key_len}, {length}")
+    _need(2 <= key_vocab <= vocab_size - 2, f"passkey needs 2 <= key_vocab <= vocab_size - 2, got {key_vocab}, {vocab_size}")
+    m = key_len
+    key = rng.integers(0, key_vocab, size=(n, m))
+    seq = np.concatenate(
+        [key, rng.integers(key_vocab, vocab_size - 1, size=(n, length)), np.full((n, 1), vocab_size - 1), key], axis=1
+    )
+    scored = np.zeros_like(seq, dtype=bool)
+    scored[:, -m:] = True
+    return _shift(seq, scored)
+
+
+# ----------------------------------------------------------------------------------------------
+# registry and splits
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    fn: Callable[..., Arrays]
+    metric: str  # "token": token accuracy (MAD); "sequence": exact match of every scored token per row
+    train_size: int  # the baseline number of training examples
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return {k: p.default for k, p in list(inspect.signature(self.fn).parameters.items())[2:]}
+
+    def params(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The task's defaults updated with ``overrides`` (checked and coerced to the default's type)."""
+        out = self.defaults
+        for k, v in (overrides or {}).items():
+            if k not in out:
+                raise RecurformerError(f"unknown parameter '{k}' of task {self.name}{_suggest(k, list(out))}")
+            out[k] = _coerce(v, type(out[k]), f"task parameter '{k}'")
+        return out
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in [
+        Task("in_context_recall", in_context_recall, "token", 12800),
+        Task("noisy_in_context_recall", noisy_in_context_recall, "token", 12800),
+        Task("fuzzy_in_context_recall", fuzzy_in_context_recall, "token", 12800),
+        Task("selective_copying", selective_copying, "token", 12800),
+        Task("memorization", memorization, "token", 256),
+        Task("copy", copy, "sequence", 16000),
+        Task("delayed_copy", delayed_copy, "sequence", 12800),
+        Task("passkey", passkey, "sequence", 12800),
+    ]
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise RecurformerError(f"unknown task '{name}'{_suggest(name, list(TASKS)).replace('keys', 'tasks')}")
+    return TASKS[name]
+
+
+@dataclass
+class TaskData:
+    inputs: torch.Tensor  # [N, T] int64
+    targets: torch.Tensor  # [N, T] int64, IGNORE_INDEX where not scored
+
+    def row_keys(self) -> set[bytes]:
+        """One hashable key per row (its input tokens), for disjointness checks."""
+        return {r.tobytes() for r in self.inputs.numpy()}
+
+
+def make_split(task: str, n: int, seed: int, params: dict[str, Any] | None = None, exclude: set[bytes] | None = None) -> TaskData:
+    """``n`` distinct rows of ``task`` drawn from ``seed`` (the same seed gives the same rows), none
+    of whose inputs is in ``exclude``. Raises if the task cannot supply that many distinct rows."""
+    t = get_task(task)
+    kw = t.params(params)
+    if n < 1:
+        raise RecurformerError(f"a split needs at least 1 example, got {n}")
+    exclude = exclude or set()
+    seen: set[bytes] = set()
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    for attempt in range(20):
+        x, y = t.fn(np.random.default_rng([seed, attempt]), n - len(xs), **kw)
+        for xi, yi in zip(x, y):
+            k = xi.tobytes()
+            if k not in exclude and k not in seen:
+                seen.add(k)
+                xs.append(xi)
+                ys.append(yi)
+        if len(xs) == n:
+            return TaskData(torch.from_numpy(np.stack(xs)), torch.from_numpy(np.stack(ys)))
+    raise RecurformerError(f"task {task} with {kw} has too few distinct rows for {n} examples (got {len(xs)})")
+
+
+def vocab_size(task: str, params: dict[str, Any] | None = None) -> int:
+    return int(get_task(task).params(params)["vocab_size"])

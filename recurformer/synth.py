@@ -1,0 +1,264 @@
+"""Synthetic diagnostics (seed 003 §"Synthetic diagnostics"): train a small model of any registered
+architecture on one task of ``recurformer.data.synthetic`` and report its test accuracy.
+
+Protocol. For every learning rate of a small sweep, a fresh model (same seed) is trained with
+AdamW (``train.make_optimizer``; betas 0.9/0.98 as in seed 003's appendix) and warmup + cosine
+(``train.lr_at``) for a budget of optimizer steps over a fixed training set; the learning rate
+with the best accuracy on a validation split is selected, and its test accuracy is reported
+(train, validation and test rows are disjoint). Evaluation reads every row through the streaming
+contract, ``chunk`` tokens per call with the state carried, teacher-forced argmax at the scored
+positions; so a passkey at L = 16384 costs bounded memory for a bounded-state model.
+
+Metrics. ``token_accuracy`` is *micro* (correct scored tokens / scored tokens);
+``macro_accuracy`` is the per-class recall averaged over target classes present (what MAD's
+torchmetrics ``MulticlassAccuracy`` reports by default); ``exact_match`` is the fraction of rows
+whose scored tokens are all correct (seed 003's "sequence-level accuracy"). The headline
+``accuracy`` is micro token accuracy for MAD tasks and exact match for copy, delayed copy and
+passkey.
+
+Model. Seed 003's synthetic setting (one layer, width 128, MLP 512, 16 heads) unless overridden;
+every window / chunk / segment / block length field a model config has (with a finite default;
+llama's ``window=None`` stays full attention) is set to ``context`` (32 by default), so that a
+bounded model must use its state on tasks longer than that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import torch
+
+from .config import RecurformerError, from_dict, merge, parse_overrides
+from .data.synthetic import TaskData, get_task, make_split
+from .models import build_model, lookup
+from .nn import IGNORE_INDEX, StreamingLM
+from .train import TrainConfig, autocast_context, lr_at, make_optimizer
+
+MODEL_DEFAULTS: dict[str, Any] = {"dim": 128, "n_layers": 1, "n_heads": 16, "ffn_hidden": 512}
+CONTEXT_FIELDS = ("window", "chunk_size", "segment_len", "block_size")
+ONE_LAYER_FIELDS: dict[str, Any] = {"recurrent_layers": (-1,)}  # block_recurrent's default (-3,) needs 3 layers
+
+
+@dataclass
+class SynthConfig:
+    steps: int = 500  # optimizer steps per learning rate
+    batch_size: int = 32
+    n_train: int | None = None  # training examples (None: the task's MAD baseline size)
+    n_val: int = 256  # validation examples (learning-rate selection)
+    n_test: int = 1280  # test examples (MAD: 1,280)
+    lrs: list[float] = field(default_factory=lambda: [5e-4, 1e-3, 3e-3])
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.98
+    warmup: float = 0.1  # fraction of the steps
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    precision: Literal["auto", "fp32", "bf16"] = "fp32"
+    context: int = 32  # window / chunk / segment / block length of every model that has one
+    chunk: int = 256  # tokens per model call at evaluation
+    eval_batch_size: int = 64
+    eval_lengths: list[int] = field(default_factory=list)  # passkey: filler lengths to test (default: the trained one)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for k in ("steps", "batch_size", "n_val", "n_test", "context", "chunk", "eval_batch_size"):
+            if getattr(self, k) < 1:
+                raise RecurformerError(f"synth key '{k}' must be >= 1, got {getattr(self, k)}")
+        if self.n_train is not None and self.n_train < 1:
+            raise RecurformerError(f"synth key 'n_train' must be >= 1, got {self.n_train}")
+        if not self.lrs or any(lr <= 0 for lr in self.lrs):
+            raise RecurformerError(f"synth key 'lrs' must be positive learning rates, got {self.lrs}")
+        if not 0 <= self.warmup < 1:
+            raise RecurformerError(f"synth key 'warmup' is a fraction of the steps in [0, 1), got {self.warmup}")
+        if any(L < 0 for L in self.eval_lengths):
+            raise RecurformerError(f"synth key 'eval_lengths' must be >= 0, got {self.eval_lengths}")
+
+
+@dataclass
+class Scores:
+    token_accuracy: float  # micro
+    macro_accuracy: float
+    exact_match: float
+    scored_tokens: int
+    rows: int
+
+    def headline(self, metric: str) -> float:
+        return self.token_accuracy if metric == "token" else self.exact_match
+
+
+@dataclass
+class SynthResult:
+    task: str
+    model: str
+    metric: str  # "token" (micro token accuracy) or "sequence" (exact match)
+    accuracy: float  # the headline test metric at the selected lr
+    lr: float
+    test: Scores
+    val_accuracy: float
+    sweep: list[dict[str, float]]  # per lr: final train loss, val and test headline accuracy
+    by_length: dict[int, float]  # passkey: exact match per filler length
+    task_params: dict[str, Any]
+    model_config: dict[str, Any]
+    num_params: int
+    bounded_state: bool
+    seconds: float
+
+
+def split_overrides(items: list[str] | None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``--set`` items -> (model, task, synth) values: ``task.K=V`` and ``synth.K=V`` address the
+    task and the protocol; ``model.K=V`` and bare ``K=V`` the model config."""
+    over = parse_overrides(items)
+    task, synth = over.pop("task", {}), over.pop("synth", {})
+    model = merge(over.pop("model", {}), over)
+    for name, d in (("task", task), ("synth", synth), ("model", model)):
+        if not isinstance(d, dict):
+            raise RecurformerError(f"--set {name}=... must name a key, e.g. {name}.seed=1")
+    return model, task, synth
+
+
+def model_values(name: str, values: dict[str, Any], vocab: int, context: int) -> dict[str, Any]:
+    """The model config for a task: synthetic defaults, context length on every field that has
+    it, the user's values, and the task's vocabulary."""
+    if "vocab_size" in values and int(values["vocab_size"]) != vocab:
+        raise RecurformerError(f"the task fixes vocab_size = {vocab}; set it with task.vocab_size instead")
+    fields = {f.name: f.default for f in dataclasses.fields(lookup(name)[0])}
+    out = dict(MODEL_DEFAULTS)
+    out.update({k: context for k in CONTEXT_FIELDS if fields.get(k) is not None})  # None: unlimited (llama's window)
+    out.update({k: v for k, v in ONE_LAYER_FIELDS.items() if k in fields})
+    out.update(values)
+    out["vocab_size"] = vocab
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: StreamingLM, data: TaskData, chunk: int, batch_size: int) -> Scores:
+    """Teacher-forced argmax at the scored positions, reading each row ``chunk`` tokens per call."""
+    model.eval()
+    device = model.tok_emb.weight.device
+    preds = torch.empty_like(data.inputs)
+    for lo in range(0, len(data.inputs), batch_size):
+        x = data.inputs[lo : lo + batch_size].to(device)
+        state = None
+        for a in range(0, x.shape[1], chunk):
+            out = model(x[:, a : a + chunk], state=state)
+            state = out.state
+            preds[lo : lo + batch_size, a : a + chunk] = out.logits.argmax(-1).cpu()
+    scored = data.targets != IGNORE_INDEX
+    correct = (preds == data.targets) & scored
+    tgt = data.targets[scored]
+    hit = correct[scored].float()
+    classes = tgt.unique()
+    per_class = torch.stack([hit[tgt == c].mean() for c in classes])
+    rows = scored.any(1)
+    exact = (correct.sum(1) == scored.sum(1))[rows]
+    return Scores(float(hit.mean()), float(per_class.mean()), float(exact.float().mean()), int(scored.sum()), int(rows.sum()))
+
+
+def train_model(model: StreamingLM, data: TaskData, cfg: SynthConfig, lr: float) -> float:
+    """AdamW with warmup + cosine over ``cfg.steps`` steps of random batches (epoch order, seeded).
+    Returns the mean training loss over the last 10% of the steps."""
+    tc = TrainConfig(
+        steps=cfg.steps, lr=lr, min_lr=lr * cfg.min_lr_ratio, warmup=int(cfg.warmup * cfg.steps), weight_decay=cfg.weight_decay,
+        beta1=cfg.beta1, beta2=cfg.beta2, grad_clip=cfg.grad_clip, batch_size=cfg.batch_size,
+    )
+    opt = make_optimizer(model, tc)
+    device = model.tok_emb.weight.device
+    gen = torch.Generator().manual_seed(cfg.seed)
+    n = len(data.inputs)
+    order = torch.randperm(n, generator=gen)
+    pos, tail = 0, []
+    model.train()
+    for step in range(cfg.steps):
+        if pos + cfg.batch_size > n:
+            order, pos = torch.randperm(n, generator=gen), 0
+        idx = order[pos : pos + cfg.batch_size]
+        pos += cfg.batch_size
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, tc)
+        with autocast_context(cfg.precision, device):
+            out = model(data.inputs[idx].to(device), targets=data.targets[idx].to(device))
+        assert out.loss is not None
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step >= cfg.steps - max(1, cfg.steps // 10):
+            tail.append(float(out.loss.detach()))
+    return sum(tail) / len(tail)
+
+
+def run_synth(
+    task: str,
+    model_name: str,
+    model_over: dict[str, Any] | None = None,
+    task_over: dict[str, Any] | None = None,
+    cfg: SynthConfig | None = None,
+    log: Callable[[str], None] = lambda s: None,
+    device: str = "cpu",
+) -> SynthResult:
+    """Train ``model_name`` on ``task`` for every lr of ``cfg.lrs``; select by validation accuracy."""
+    cfg = cfg or SynthConfig()
+    t = get_task(task)
+    params = t.params(task_over)
+    if cfg.n_train is not None and cfg.n_train < cfg.batch_size:
+        raise RecurformerError(f"n_train ({cfg.n_train}) must be at least batch_size ({cfg.batch_size})")
+    values = model_values(model_name, dict(model_over or {}), int(params["vocab_size"]), cfg.context)
+    build_model(model_name, values)  # validate before generating data
+    t0 = time.perf_counter()
+    train = make_split(task, cfg.n_train or t.train_size, cfg.seed, params)
+    seen = train.row_keys()
+    val = make_split(task, cfg.n_val, cfg.seed + 1, params, exclude=seen)
+    seen |= val.row_keys()
+    test = make_split(task, cfg.n_test, cfg.seed + 2, params, exclude=seen)
+    log(f"{task} {params}: {len(train.inputs)} train / {cfg.n_val} val / {cfg.n_test} test rows of {train.inputs.shape[1]} tokens")
+
+    best: tuple[float, float, StreamingLM] | None = None
+    sweep = []
+    for lr in cfg.lrs:
+        torch.manual_seed(cfg.seed)
+        model = build_model(model_name, values).to(device)
+        loss = train_model(model, train, cfg, lr)
+        v = evaluate(model, val, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
+        sweep.append({"lr": lr, "train_loss": loss, "val_accuracy": v})
+        log(f"  {model_name} lr {lr:g}: train loss {loss:.4f}, val accuracy {v:.4f}")
+        if best is None or v > best[0]:
+            best = (v, lr, model)
+    assert best is not None
+    val_acc, lr, model = best
+    scores = evaluate(model, test, cfg.chunk, cfg.eval_batch_size)
+    by_length: dict[int, float] = {}
+    if task == "passkey":
+        for L in cfg.eval_lengths or [int(params["length"])]:
+            data = make_split(task, cfg.n_test, cfg.seed + 3 + L, {**params, "length": L}, exclude=seen | test.row_keys())
+            by_length[L] = evaluate(model, data, cfg.chunk, cfg.eval_batch_size).exact_match
+            log(f"  passkey at L={L}: exact match {by_length[L]:.4f}")
+    return SynthResult(
+        task=task, model=model_name, metric=t.metric, accuracy=scores.headline(t.metric), lr=lr, test=scores, val_accuracy=val_acc,
+        sweep=sweep, by_length=by_length, task_params=params, model_config=dataclasses.asdict(model.config),
+        num_params=model.num_params(), bounded_state=model.bounded_state, seconds=time.perf_counter() - t0,
+    )
+
+
+def synth_config(values: dict[str, Any]) -> SynthConfig:
+    return from_dict(SynthConfig, values, where="synth")
+
+
+def result_dict(r: SynthResult) -> dict[str, Any]:
+    d = dataclasses.asdict(r)
+    d["by_length"] = {str(k): v for k, v in r.by_length.items()}
+    return d
+
+
+def summary(r: SynthResult) -> str:
+    kind = "micro token accuracy" if r.metric == "token" else "exact match"
+    s = r.test
+    return (
+        f"{r.task} / {r.model}: test {kind} {r.accuracy:.4f} (lr {r.lr:g}; token {s.token_accuracy:.4f}, "
+        f"macro {s.macro_accuracy:.4f}, exact {s.exact_match:.4f} over {s.rows} rows)"
+    )
+
+
+__all__ = ["SynthConfig", "SynthResult", "Scores", "evaluate", "run_synth", "split_overrides", "synth_config", "summary", "result_dict"]
