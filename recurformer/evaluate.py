@@ -27,10 +27,27 @@ class LengthResult:
     scored_tokens: int
     windows: int
     tokens_per_s: float  # tokens read (windows x (warm + L)) per second
-    peak_rss_mb: float  # the process's peak resident memory so far (monotonic)
+    peak_rss_mb: float  # peak resident memory of the process while evaluating this length
+
+
+def reset_peak_rss() -> None:
+    """Restart the peak-RSS counter (Linux: VmHWM, via /proc/self/clear_refs); no-op elsewhere."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def peak_rss_mb() -> float:
+    """Peak resident memory since the last ``reset_peak_rss`` (Linux), else since start."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -80,6 +97,7 @@ def evaluate_lengths(
         if L < last:
             raise RecurformerError(f"length {L} is shorter than --last {last}")
         w = eval_windows(tokens, warm + L, windows, seed=seed)
+        reset_peak_rss()
         t0 = time.perf_counter()
         loss, corr, n = score_windows(model, w, last, chunk, batch_size)
         dt = time.perf_counter() - t0
