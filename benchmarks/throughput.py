@@ -3,10 +3,11 @@
 
 Training: forward + backward + AdamW step on B x T tokens (default 8 x 256), tokens/s.
 Evaluation: one no-grad forward at T=4096 (batch 1), seconds.
-Each row in fp32 and under bf16 autocast (when the CPU supports it). Rows are measured side by
+Each row in fp32 and under bf16 autocast (when the CPU supports it); a "+compile" suffix runs the
+model through ``torch.compile`` (compile time excluded by the warm-up). Rows are measured side by
 side in one run, interleaved over repeats, and the median is reported.
 
-    python benchmarks/throughput.py [--models memory_attention,llama] [--repeats 5] [--out docs/throughput.json]
+    python benchmarks/throughput.py [--models memory_attention,llama] [--precisions fp32,bf16,fp32+compile]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ EXTRA = {"memory_attention": dict(chunk_size=32, memory_qkv="shared"), "sliding_
 
 
 def autocast(precision: str):
-    if precision == "bf16":
+    if precision.startswith("bf16"):
         return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -38,17 +39,18 @@ def train_step_fn(name: str, precision: str, B: int, T: int, device: str):
     torch.manual_seed(0)
     model = build_model(name, dict(SEED_CONFIG, **EXTRA.get(name, {}))).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    fwd = torch.compile(model) if precision.endswith("+compile") else model
     x = torch.randint(0, 4096, (B, T), device=device)
     state = None
 
     def step() -> None:
         nonlocal state
         with autocast(precision):
-            out = model(x, state=state, targets=x)
+            out = fwd(x, state=state, targets=x)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        state = out.state.detach() if name != "llama" else None  # the KV cache of llama would grow
+        state = out.state.detach() if model.bounded_state else None  # a full KV cache would grow
 
     return step
 
@@ -56,11 +58,12 @@ def train_step_fn(name: str, precision: str, B: int, T: int, device: str):
 def eval_fn(name: str, precision: str, T: int, device: str):
     torch.manual_seed(0)
     model = build_model(name, dict(SEED_CONFIG, **EXTRA.get(name, {}))).to(device).eval()
+    fwd = torch.compile(model) if precision.endswith("+compile") else model
     x = torch.randint(0, 4096, (1, T), device=device)
 
     def run() -> None:
         with torch.no_grad(), autocast(precision):
-            model(x)
+            fwd(x)
 
     return run
 
@@ -73,7 +76,7 @@ def timed(fn) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(m for m in ["memory_attention", "llama", "sliding_window"] if m in model_names()))
+    ap.add_argument("--models", default=",".join(model_names()))
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
