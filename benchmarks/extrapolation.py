@@ -44,6 +44,7 @@ TABLE1 = [
     ("Llama, 256 window", "llama", ["--window", "256"]),
     ("Sliding window 64 (trained)", "sliding_window", []),
     ("Memory Attention", "memory_attention", []),
+    ("Memory Attention, warm start", "memory_attention", ["--warm-state", "1024"]),
     ("Transformer-XL", "transformer_xl", []),
     ("Block-Recurrent", "block_recurrent", []),
 ]
@@ -86,27 +87,37 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    from recurformer.evaluate import LengthResult, markdown_table, plot
+
     out_dir = ROOT / "docs" / "repro"
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = args.dataset + (f"-on-{args.eval_data}" if args.eval_data else "")
-    results: dict[str, dict] = {}
-    jobs = [(label, run, extra) for label, run, extra in TABLE1] + [(label, run, []) for label, run in TABLE2]
-    seen = set()
-    for label, run, extra in jobs:
+    done: dict[tuple, list[LengthResult]] = {}
+    for label, run, extra in [*TABLE1, *((label, run, []) for label, run in TABLE2)]:
         key = (run, tuple(extra))
-        if key in seen or not (run_dir(args.dataset, run) / "latest").is_file():
+        if key in done or not (run_dir(args.dataset, run) / "latest").is_file():
             continue
-        seen.add(key)
-        js = out_dir / f"{tag}-{run}{'-w' + extra[1] if extra else ''}.json"
+        js = out_dir / "raw" / f"{tag}-{run}{''.join(extra).replace('--', '-')}.json"
+        js.parent.mkdir(parents=True, exist_ok=True)
+        lengths = args.lengths if run != "llama" or extra else args.dense_lengths
         cmd = [sys.executable, "-m", "recurformer.cli", "eval", "--checkpoint", str(run_dir(args.dataset, run)),
-               "--lengths", args.lengths, "--last", "256", "--windows", str(args.windows), "--json", str(js), *extra]
+               "--lengths", lengths, "--last", "256", "--windows", str(args.windows), "--json", str(js), *extra]
         if args.eval_data:
-            cmd += ["--data", str(ROOT / "prepared" / f"{args.eval_data}-bpe4096"), "--retokenize"]
+            cmd += ["--dataset", args.eval_data]
         print(" ".join(cmd[2:]), flush=True)
-        subprocess.check_call(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
-        results[f"{run}{' '.join(extra)}"] = json.loads(js.read_text())
-    (out_dir / f"{tag}.json").write_text(json.dumps(results, indent=2))
-    print(f"wrote {out_dir / (tag + '.json')}")
+        subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)), check=True, stdout=subprocess.DEVNULL)
+        (rs,) = json.loads(js.read_text())["results"].values()
+        done[key] = [LengthResult(**r) for r in rs]
+    tables = {
+        "table1": {label: done[(run, tuple(extra))] for label, run, extra in TABLE1 if (run, tuple(extra)) in done},
+        "table2": {label: done[(run, ())] for label, run in TABLE2 if (run, ()) in done},
+    }
+    for name, res in tables.items():
+        md = markdown_table(res)
+        (out_dir / f"{tag}-{name}.md").write_text(md + "\n")
+        plot(res, out_dir / f"{tag}-{name}.png", f"{name.replace('table', 'Table ')}: trained on {args.dataset}" + (f", evaluated on {args.eval_data}" if args.eval_data else ""))
+        print(f"\n{name} ({tag}):\n{md}")
+    print(f"wrote {out_dir}/{tag}-table{{1,2}}.{{md,png}}")
 
 
 def main() -> None:
@@ -120,7 +131,8 @@ def main() -> None:
     p = sub.add_parser("eval")
     p.add_argument("--dataset", default="tinystories-sample", help="the training dataset of the runs")
     p.add_argument("--eval-data", help="evaluate on another prepared dataset (e.g. warpeace)")
-    p.add_argument("--lengths", default="256,512,1024,2048,4096")
+    p.add_argument("--lengths", default="256,512,1024,2048,4096,8192,16384")
+    p.add_argument("--dense-lengths", default="256,512,1024,2048,4096", help="lengths for the full-attention Llama")
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()

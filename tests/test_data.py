@@ -104,7 +104,7 @@ def test_shuffled_and_eval_windows() -> None:
     tokens = np.arange(10_000, dtype=np.uint16)
     r0, r1 = ShuffledWindows(tokens, 4, 16, rank=0, world_size=2), ShuffledWindows(tokens, 4, 16, rank=1, world_size=2)
     b0, b1 = r0.next_batch(), r1.next_batch()
-    assert not torch.equal(b0.x, b1.x) and bool(b0.wrapped.all())
+    assert not torch.equal(b0.x, b1.x) and not bool(b0.wrapped.any())
     assert torch.equal(b0.y, b0.x + 1)  # windows are contiguous slices of arange
     w = eval_windows(tokens, 64, 5, seed=3)
     assert w.shape == (5, 65) and w.dtype == torch.long

@@ -135,7 +135,9 @@ class ContiguousStreams:
 
 
 class ShuffledWindows:
-    """Independent uniformly random windows of T+1 tokens per row (no continuity: ``wrapped`` all True).
+    """Independent uniformly random windows of T+1 tokens per row: the seed's ablation without data
+    continuity. ``wrapped`` is all False: whether the state is carried across these unrelated
+    windows is the trainer's ``state: carry|reset`` switch ("Infinity Only Model" carries it).
 
     Batch k of rank r uses the generator seeded by ``(seed, rank, k)``, so resuming needs only k.
     """
@@ -162,7 +164,7 @@ class ShuffledWindows:
         starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
         xy = _windows(self.tokens, starts, self.seq_len + 1)
         self.step += 1
-        return Batch(xy[:, :-1], xy[:, 1:], torch.ones(self.batch_size, dtype=torch.bool))
+        return Batch(xy[:, :-1], xy[:, 1:], torch.zeros(self.batch_size, dtype=torch.bool))
 
     def _identity(self) -> dict[str, int]:
         return {
