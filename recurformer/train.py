@@ -267,6 +267,14 @@ class Trainer:
         if resumed is not None:
             self._restore(resumed)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.tb = None
+        if self.rank == 0:
+            try:  # TensorBoard when it is installed; metrics.jsonl always
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+            except ImportError:
+                pass
 
     # -- state of the run ------------------------------------------------------------------------
     def _config_dict(self) -> dict[str, Any]:
@@ -408,6 +416,10 @@ class Trainer:
         if self.rank == 0:
             with open(self.out_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
+            if self.tb is not None:
+                for k, v in record.items():
+                    if k != "step" and isinstance(v, (int, float)):
+                        self.tb.add_scalar(k, v, record["step"])
 
     def run(self) -> dict[str, Any]:
         t = self.cfg.train
