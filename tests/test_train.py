@@ -175,3 +175,24 @@ def test_cli_train_end_to_end(corpus, tmp_path, capsys) -> None:
     lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
     assert any("val_loss" in ln for ln in lines) and len(lines) >= 4
     assert (ckpt.resolve(tmp_path / "r") / "tokenizer.json").is_file()
+
+
+def test_cli_eval_and_generate_on_a_trained_checkpoint(corpus, tmp_path, capsys) -> None:
+    tr = Trainer(run_config(corpus, tmp_path), show_progress=False)
+    tr.train_step()
+    tr.save()
+    run = str(tmp_path / "run")
+    out = tmp_path / "ev" / "e.json"
+    assert cli_main(["eval", "--checkpoint", run, "--lengths", "64,128", "--last", "32", "--windows", "2", "--chunk", "24",
+                     "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| run | " in printed and out.is_file() and out.with_suffix(".png").is_file()
+    assert cli_main(["eval", "--checkpoint", run, "--window", "16", "--json", str(out)]) == 2
+    assert "--window applies to dense attention models" in capsys.readouterr().err
+    st = tmp_path / "s.safetensors"
+    assert cli_main(["generate", "--checkpoint", run, "--prompt", "the cat", "--max-new-tokens", "5", "--temperature", "0",
+                     "--save-state", str(st), "--stats"]) == 0
+    first = capsys.readouterr()
+    assert first.out.startswith("the cat") and "tok/s" in first.err and st.is_file()
+    assert cli_main(["generate", "--checkpoint", run, "--prompt", " sat", "--load-state", str(st), "--max-new-tokens", "3",
+                     "--temperature", "0"]) == 0
