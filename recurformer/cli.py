@@ -60,7 +60,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     if not args.config and not args.resume:
         raise RecurformerError("give --config FILE (see configs/) or --resume DIR")
-    last = train_main(args.config, args.set, args.resume)
+    last = train_main(args.config, args.set + (["train.compile=true"] if args.compile else []), args.resume)
     if last:
         print("done: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
 
@@ -221,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (stateful TBPTT) from a YAML config")
     p.add_argument("--config", help="YAML file with model/data/train sections (see configs/)")
     p.add_argument("--resume", help="a run or checkpoint directory to continue exactly")
+    p.add_argument("--compile", action="store_true", help="run the model through torch.compile (same as --set train.compile=true)")
     _add_set(p)
 
     p = sub.add_parser("eval", help="length-extrapolation evaluation (loss on the last tokens at several lengths)")
