@@ -1,7 +1,9 @@
 """Length-extrapolation evaluation (seed 000 §5.1): for each length L, K windows of L tokens;
 the model reads each window chunk by chunk through the streaming contract (so memory stays
 bounded for recurrent models at any L) and the loss / accuracy is taken on the last ``last``
-tokens only. Windows start from the initial state, or after reading a warm-up prefix."""
+tokens only. The windows of every length end at the same K positions (as in the authors'
+evaluation), so all lengths score the same tokens and differ only in how much history the model
+read. Windows start from the initial state, or after reading a warm-up prefix."""
 
 from __future__ import annotations
 
@@ -96,7 +98,8 @@ def evaluate_lengths(
     for L in lengths:
         if L < last:
             raise RecurformerError(f"length {L} is shorter than --last {last}")
-        w = eval_windows(tokens, warm + L, windows, seed=seed)
+        # windows end at the same positions for every L: each length scores the same targets
+        w = eval_windows(tokens, warm + L, windows, seed=seed, context=warm + max(lengths))
         reset_peak_rss()
         t0 = time.perf_counter()
         loss, corr, n = score_windows(model, w, last, chunk, batch_size)

@@ -37,6 +37,10 @@ def test_last_k_counts_exactly_k_tokens() -> None:
     tokens = np.random.default_rng(0).integers(0, 61, 5000)
     rs = evaluate_lengths(model, tokens, [64, 300], last=50, windows=3, chunk=32)
     assert [r.scored_tokens for r in rs] == [150, 150]
+    from recurformer.data import eval_windows
+
+    short, long = (eval_windows(tokens, L, 4, seed=1, context=300) for L in (64, 300))
+    assert torch.equal(short, long[:, -65:])  # every length scores the same targets
     with pytest.raises(Exception, match="shorter than --last"):
         evaluate_lengths(model, tokens, [20], last=50, windows=1)
 

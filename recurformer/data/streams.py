@@ -182,11 +182,18 @@ class ShuffledWindows:
         self.step = _check_state(d, self._identity(), "shuffled")
 
 
-def eval_windows(tokens: np.ndarray, length: int, n: int, seed: int = 0) -> torch.Tensor:
-    """LongTensor[n, length + 1]: windows at deterministic random offsets (same seed -> same windows)."""
-    if tokens.ndim != 1 or len(tokens) < length + 1:
-        raise RecurformerError(f"{len(tokens)} tokens are too few for evaluation windows of length {length} (+1)")
+def eval_windows(tokens: np.ndarray, length: int, n: int, seed: int = 0, context: int | None = None) -> torch.Tensor:
+    """LongTensor[n, length + 1]: windows at deterministic random positions (same seed -> same
+    windows). The windows *end* at positions drawn so that ``context`` (>= length) tokens fit
+    before them: calls with the same ``context`` and seed but different lengths give windows
+    with the same last tokens, so a length sweep scores the same targets with more or less
+    history."""
+    context = length if context is None else context
+    if context < length:
+        raise RecurformerError(f"eval_windows: context {context} < length {length}")
+    if tokens.ndim != 1 or len(tokens) < context + 1:
+        raise RecurformerError(f"{len(tokens)} tokens are too few for evaluation windows of length {context} (+1)")
     if n < 1 or length < 1:
         raise RecurformerError(f"eval_windows needs n >= 1 and length >= 1, got n={n}, length={length}")
-    starts = np.random.default_rng(seed).integers(0, len(tokens) - length, size=n)
-    return _windows(tokens, starts, length + 1)
+    ends = np.random.default_rng(seed).integers(context + 1, len(tokens) + 1, size=n)
+    return _windows(tokens, ends - (length + 1), length + 1)
