@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "configs" / "repro" / "base.yaml"
 
+WARM = 1024  # tokens read before each window in the warm-start row
 MA = ["model.name=memory_attention", "model.chunk_size=32", "model.memory_qkv=shared"]
 RUNS: dict[str, list[str]] = {
     "llama": ["model.name=llama", "train.state=reset"],  # a dense model: independent 256-token windows
@@ -44,7 +45,7 @@ TABLE1 = [
     ("Llama, 256 window", "llama", ["--window", "256"]),
     ("Sliding window 64 (trained)", "sliding_window", []),
     ("Memory Attention", "memory_attention", []),
-    ("Memory Attention, warm start", "memory_attention", ["--warm-state", "1024"]),
+    ("Memory Attention, warm start", "memory_attention", ["--warm-state", str(WARM)]),
     ("Transformer-XL", "transformer_xl", []),
     ("Block-Recurrent", "block_recurrent", []),
 ]
@@ -101,7 +102,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         js.parent.mkdir(parents=True, exist_ok=True)
         lengths = args.lengths if run != "llama" or extra else args.dense_lengths
         cmd = [sys.executable, "-m", "recurformer.cli", "eval", "--checkpoint", str(run_dir(args.dataset, run)),
-               "--lengths", lengths, "--last", "256", "--windows", str(args.windows), "--json", str(js), *extra]
+               "--lengths", lengths, "--last", "256", "--windows", str(args.windows), "--json", str(js), *extra,
+               "--context", str(max(int(x) for x in args.lengths.split(",")) + WARM)]  # every job scores the same tokens
         if args.eval_data:
             cmd += ["--dataset", args.eval_data]
         print(" ".join(cmd[2:]), flush=True)

@@ -124,7 +124,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         if int(tokens.max()) >= model.config.vocab_size:
             raise RecurformerError(f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}")
         print(f"evaluating {label} ({name}) at lengths {lengths}, {args.windows} windows each, loss on the last {args.last} tokens")
-        rs = evaluate_lengths(model, tokens, lengths, args.last, args.windows, args.chunk, args.warm_state, args.batch_size, args.seed)
+        rs = evaluate_lengths(
+            model, tokens, lengths, args.last, args.windows, args.chunk, args.warm_state, args.batch_size, args.seed, args.context
+        )
         for r in rs:
             print(f"  L={r.length:>6}: loss {r.loss:.4f}  acc {r.accuracy:.3f}  {r.tokens_per_s:,.0f} tok/s  peak RSS {r.peak_rss_mb:,.0f} MB")
         results[label] = rs
@@ -238,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--dataset", help="a bundled dataset's val split, encoded with the checkpoint's tokenizer")
     src.add_argument("--text", nargs="+", help="text files, encoded with the checkpoint's tokenizer")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--context", type=int, help="windows end where this many tokens fit before them (default: warm-up + the "
+                   "longest length); give the same value to compare runs with different lengths on the same tokens")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default="eval.json", help="output JSON (a PNG plot is written beside it)")
 

@@ -90,7 +90,10 @@ def evaluate_lengths(
     warm: int = 0,
     batch_size: int = 8,
     seed: int = 0,
+    context: int | None = None,
 ) -> list[LengthResult]:
+    """``context`` (default: warm + the longest length) fixes where the windows end; runs that
+    use the same context and seed score the same tokens, whatever their lengths or warm-up."""
     from .data import eval_windows
 
     model.eval()
@@ -99,7 +102,7 @@ def evaluate_lengths(
         if L < last:
             raise RecurformerError(f"length {L} is shorter than --last {last}")
         # windows end at the same positions for every L: each length scores the same targets
-        w = eval_windows(tokens, warm + L, windows, seed=seed, context=warm + max(lengths))
+        w = eval_windows(tokens, warm + L, windows, seed=seed, context=context or warm + max(lengths))
         reset_peak_rss()
         t0 = time.perf_counter()
         loss, corr, n = score_windows(model, w, last, chunk, batch_size)
