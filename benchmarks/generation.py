@@ -62,7 +62,7 @@ def main() -> None:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         res = subprocess.run([sys.executable, "-c", CHILD, name, args.tokens, json.dumps(cfg)], capture_output=True, text=True, env=env)
         if res.returncode != 0:
-            print(f"{name:<22} failed: {res.stderr.strip().splitlines()[-1]}")
+            print(f"{name:<22} failed (exit {res.returncode}): {(res.stderr.strip().splitlines() or [''])[-1]}")
             continue
         rows = json.loads(res.stdout)
         results[name] = {"config": cfg, "marks": rows}
