@@ -7,7 +7,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +122,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    # The field that bounds how far back a token attends directly (window, chunk, segment or block
+    # length), None if the model has none; the synthetic diagnostics give every model this context.
+    context_field: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         for k in ("vocab_size", "dim", "n_layers", "n_heads"):
@@ -173,7 +176,9 @@ class StreamingLM(nn.Module):
     def body(self, h: Tensor, state: State) -> tuple[Tensor, State]:
         raise NotImplementedError
 
-    def forward(self, tokens: Tensor, state: State | None = None, targets: Tensor | None = None) -> Output:
+    def features(self, tokens: Tensor, state: State | None = None) -> tuple[Tensor, State]:
+        """Validated ``tokens`` [B, T] -> final-norm hidden states [B, T, D] (what the LM head
+        reads) and the state after the last token."""
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise RecurformerError(f"tokens must be an integer tensor [batch, time], got {tuple(tokens.shape)} {tokens.dtype}")
         B, T = tokens.shape
@@ -186,7 +191,11 @@ class StreamingLM(nn.Module):
         h = self.tok_emb(tokens)
         if T > 0:
             h, state = self.body(h, state)
-        logits = F.linear(self.norm(h), self.tok_emb.weight)
+        return self.norm(h), state
+
+    def forward(self, tokens: Tensor, state: State | None = None, targets: Tensor | None = None) -> Output:
+        h, state = self.features(tokens, state)
+        logits = F.linear(h, self.tok_emb.weight)
         loss = None
         if targets is not None:
             if targets.shape != tokens.shape:

@@ -7,7 +7,10 @@ AdamW (``train.make_optimizer``; betas 0.9/0.98 as in seed 003's appendix) and w
 with the best accuracy on a validation split is selected, and its test accuracy is reported
 (train, validation and test rows are disjoint). Evaluation reads every row through the streaming
 contract, ``chunk`` tokens per call with the state carried, teacher-forced argmax at the scored
-positions; so a passkey at L = 16384 costs bounded memory for a bounded-state model.
+positions; so a passkey at L = 16384 costs bounded memory for a bounded-state model. Tasks with a
+length (passkey filler, copy string, copy delay) are also tested at every ``eval_lengths`` value,
+including lengths never trained. Compression is read through MAD's AutoEncoder head
+(``CompressionDecoder``): every token is decoded from the model's features at the last position.
 
 Metrics. ``token_accuracy`` is *micro* (correct scored tokens / scored tokens);
 ``macro_accuracy`` is the per-class recall averaged over target classes present (what MAD's
@@ -17,9 +20,10 @@ whose scored tokens are all correct (seed 003's "sequence-level accuracy"). The 
 passkey.
 
 Model. Seed 003's synthetic setting (one layer, width 128, MLP 512, 16 heads) unless overridden;
-every window / chunk / segment / block length field a model config has (with a finite default;
-llama's ``window=None`` stays full attention) is set to ``context`` (32 by default), so that a
-bounded model must use its state on tasks longer than that.
+the field that bounds each model's direct reach (``ModelConfig.context_field``: window, chunk,
+segment or block length; llama's ``window=None`` stays full attention, the Recurrent Transformer
+has none) is set to ``context`` (32 by default), so a bounded model must use its state on tasks
+longer than that.
 """
 
 from __future__ import annotations
@@ -29,16 +33,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+import math
+
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from .config import RecurformerError, from_dict, merge, parse_overrides
-from .data.synthetic import TaskData, get_task, make_split
+from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
 from .models import build_model, lookup
-from .nn import IGNORE_INDEX, StreamingLM
+from .nn import IGNORE_INDEX, RMSNorm, StreamingLM
 from .train import TrainConfig, autocast_context, lr_at, make_optimizer
 
 MODEL_DEFAULTS: dict[str, Any] = {"dim": 128, "n_layers": 1, "n_heads": 16, "ffn_hidden": 512}
-CONTEXT_FIELDS = ("window", "chunk_size", "segment_len", "block_size")
 ONE_LAYER_FIELDS: dict[str, Any] = {"recurrent_layers": (-1,)}  # block_recurrent's default (-3,) needs 3 layers
 
 
@@ -60,11 +67,12 @@ class SynthConfig:
     context: int = 32  # window / chunk / segment / block length of every model that has one
     chunk: int = 256  # tokens per model call at evaluation
     eval_batch_size: int = 64
-    eval_lengths: list[int] = field(default_factory=list)  # passkey: filler lengths to test (default: the trained one)
+    eval_lengths: list[int] = field(default_factory=list)  # lengths to test (passkey filler, copy string, copy delay)
+    n_length_test: int = 256  # test rows per length of ``eval_lengths``
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for k in ("steps", "batch_size", "n_val", "n_test", "context", "chunk", "eval_batch_size"):
+        for k in ("steps", "batch_size", "n_val", "n_test", "n_length_test", "context", "chunk", "eval_batch_size"):
             if getattr(self, k) < 1:
                 raise RecurformerError(f"synth key '{k}' must be >= 1, got {getattr(self, k)}")
         if self.n_train is not None and self.n_train < 1:
@@ -99,7 +107,7 @@ class SynthResult:
     test: Scores
     val_accuracy: float
     sweep: list[dict[str, float]]  # per lr: final train loss, val and test headline accuracy
-    by_length: dict[int, float]  # passkey: exact match per filler length
+    by_length: dict[int, float]  # headline test accuracy per length of ``eval_lengths``
     task_params: dict[str, Any]
     model_config: dict[str, Any]
     num_params: int
@@ -124,28 +132,89 @@ def model_values(name: str, values: dict[str, Any], vocab: int, context: int) ->
     it, the user's values, and the task's vocabulary."""
     if "vocab_size" in values and int(values["vocab_size"]) != vocab:
         raise RecurformerError(f"the task fixes vocab_size = {vocab}; set it with task.vocab_size instead")
-    fields = {f.name: f.default for f in dataclasses.fields(lookup(name)[0])}
+    cls = lookup(name)[0]
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
     out = dict(MODEL_DEFAULTS)
-    out.update({k: context for k in CONTEXT_FIELDS if fields.get(k) is not None})  # None: unlimited (llama's window)
+    if cls.context_field is not None and fields[cls.context_field] is not None:  # None: unlimited (llama's window)
+        out[cls.context_field] = context
     out.update({k: v for k, v in ONE_LAYER_FIELDS.items() if k in fields})
     out.update(values)
     out["vocab_size"] = vocab
     return out
 
 
-@torch.no_grad()
-def evaluate(model: StreamingLM, data: TaskData, chunk: int, batch_size: int) -> Scores:
-    """Teacher-forced argmax at the scored positions, reading each row ``chunk`` tokens per call."""
-    model.eval()
-    device = model.tok_emb.weight.device
-    preds = torch.empty_like(data.inputs)
-    for lo in range(0, len(data.inputs), batch_size):
-        x = data.inputs[lo : lo + batch_size].to(device)
+class CompressionDecoder(nn.Module):
+    """MAD's AutoEncoder decoder for the compression task (Poli et al. 2024): the model's
+    features e at the last position plus a sin-cos position embedding p_i for each position i go
+    through (RMSNorm -> Linear -> GELU) twice and RMSNorm -> Linear to the vocabulary:
+    logits_i = U(MLP(e + p_i)). The decoder sees nothing but e, so e must hold the whole row."""
+
+    def __init__(self, dim: int, vocab_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(
+            RMSNorm(dim, eps), nn.Linear(dim, dim), nn.GELU(), RMSNorm(dim, eps), nn.Linear(dim, dim), nn.GELU(), RMSNorm(dim, eps)
+        )
+        self.unembed = nn.Linear(dim, vocab_size)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, 0.02)
+                nn.init.zeros_(m.bias)
+
+    @staticmethod
+    def positions(length: int, dim: int, device: torch.device) -> Tensor:
+        """[length, dim] sin-cos embedding: sin(i w_k) | cos(i w_k), w_k = 10000^(-k / (dim/2))."""
+        w = torch.exp(-math.log(10000.0) * torch.arange(dim // 2, device=device) / (dim // 2))
+        a = torch.arange(length, device=device)[:, None] * w
+        return torch.cat([a.sin(), a.cos()], dim=-1)
+
+    def forward(self, e: Tensor, length: int) -> Tensor:
+        """e [B, D] -> logits [B, length, V]."""
+        x = e[:, None, :] + self.positions(length, e.shape[-1], e.device).to(e.dtype)
+        return self.unembed(self.mlp(x))
+
+
+class Learner(nn.Module):
+    """The model under test and the task's read-out: its own LM head (next-token targets), or
+    a ``CompressionDecoder`` over its features at the last position (``Task.head == "autoencoder"``)."""
+
+    def __init__(self, model: StreamingLM, task: Task) -> None:
+        super().__init__()
+        self.model = model
+        self.decoder = CompressionDecoder(model.config.dim, model.config.vocab_size, model.config.norm_eps) if task.head == "autoencoder" else None
+
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        if self.decoder is None:
+            out = self.model(x, targets=y)
+            assert out.loss is not None
+            return out.loss
+        h, _ = self.model.features(x)
+        logits = self.decoder(h[:, -1], x.shape[1])
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+
+    @torch.no_grad()
+    def predict(self, x: Tensor, chunk: int) -> Tensor:
+        """Argmax predictions [B, T], reading ``x`` ``chunk`` tokens per call with the state carried."""
         state = None
+        preds, last = [], None
         for a in range(0, x.shape[1], chunk):
-            out = model(x[:, a : a + chunk], state=state)
-            state = out.state
-            preds[lo : lo + batch_size, a : a + chunk] = out.logits.argmax(-1).cpu()
+            if self.decoder is None:
+                out = self.model(x[:, a : a + chunk], state=state)
+                preds.append(out.logits.argmax(-1))
+                state = out.state
+            else:
+                h, state = self.model.features(x[:, a : a + chunk], state)
+                last = h[:, -1]
+        if self.decoder is not None:
+            return self.decoder(last, x.shape[1]).argmax(-1)
+        return torch.cat(preds, dim=1)
+
+
+@torch.no_grad()
+def evaluate(learner: Learner, data: TaskData, chunk: int, batch_size: int) -> Scores:
+    """Teacher-forced argmax at the scored positions, reading each row ``chunk`` tokens per call."""
+    learner.eval()
+    device = learner.model.tok_emb.weight.device
+    preds = torch.cat([learner.predict(data.inputs[lo : lo + batch_size].to(device), chunk).cpu() for lo in range(0, len(data.inputs), batch_size)])
     scored = data.targets != IGNORE_INDEX
     correct = (preds == data.targets) & scored
     tgt = data.targets[scored]
@@ -157,20 +226,20 @@ def evaluate(model: StreamingLM, data: TaskData, chunk: int, batch_size: int) ->
     return Scores(float(hit.mean()), float(per_class.mean()), float(exact.float().mean()), int(scored.sum()), int(rows.sum()))
 
 
-def train_model(model: StreamingLM, data: TaskData, cfg: SynthConfig, lr: float) -> float:
+def train_model(learner: Learner, data: TaskData, cfg: SynthConfig, lr: float) -> float:
     """AdamW with warmup + cosine over ``cfg.steps`` steps of random batches (epoch order, seeded).
     Returns the mean training loss over the last 10% of the steps."""
     tc = TrainConfig(
         steps=cfg.steps, lr=lr, min_lr=lr * cfg.min_lr_ratio, warmup=int(cfg.warmup * cfg.steps), weight_decay=cfg.weight_decay,
         beta1=cfg.beta1, beta2=cfg.beta2, grad_clip=cfg.grad_clip, batch_size=cfg.batch_size,
     )
-    opt = make_optimizer(model, tc)
-    device = model.tok_emb.weight.device
+    opt = make_optimizer(learner, tc)
+    device = learner.model.tok_emb.weight.device
     gen = torch.Generator().manual_seed(cfg.seed)
     n = len(data.inputs)
     order = torch.randperm(n, generator=gen)
     pos, tail = 0, []
-    model.train()
+    learner.train()
     for step in range(cfg.steps):
         if pos + cfg.batch_size > n:
             order, pos = torch.randperm(n, generator=gen), 0
@@ -179,14 +248,13 @@ def train_model(model: StreamingLM, data: TaskData, cfg: SynthConfig, lr: float)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc)
         with autocast_context(cfg.precision, device):
-            out = model(data.inputs[idx].to(device), targets=data.targets[idx].to(device))
-        assert out.loss is not None
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            loss = learner.loss(data.inputs[idx].to(device), data.targets[idx].to(device))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(learner.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step >= cfg.steps - max(1, cfg.steps // 10):
-            tail.append(float(out.loss.detach()))
+            tail.append(float(loss.detach()))
     return sum(tail) / len(tail)
 
 
@@ -205,6 +273,8 @@ def run_synth(
     params = t.params(task_over)
     if cfg.n_train is not None and cfg.n_train < cfg.batch_size:
         raise RecurformerError(f"n_train ({cfg.n_train}) must be at least batch_size ({cfg.batch_size})")
+    if cfg.eval_lengths and not t.length_key:
+        raise RecurformerError(f"task {task} has no length to sweep; eval_lengths applies to {[n for n, x in TASKS.items() if x.length_key]}")
     values = model_values(model_name, dict(model_over or {}), int(params["vocab_size"]), cfg.context)
     build_model(model_name, values)  # validate before generating data
     t0 = time.perf_counter()
@@ -215,30 +285,30 @@ def run_synth(
     test = make_split(task, cfg.n_test, cfg.seed + 2, params, exclude=seen)
     log(f"{task} {params}: {len(train.inputs)} train / {cfg.n_val} val / {cfg.n_test} test rows of {train.inputs.shape[1]} tokens")
 
-    best: tuple[float, float, StreamingLM] | None = None
+    best: tuple[float, float, Learner] | None = None
     sweep = []
     for lr in cfg.lrs:
         torch.manual_seed(cfg.seed)
-        model = build_model(model_name, values).to(device)
-        loss = train_model(model, train, cfg, lr)
-        v = evaluate(model, val, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
+        learner = Learner(build_model(model_name, values), t).to(device)
+        loss = train_model(learner, train, cfg, lr)
+        v = evaluate(learner, val, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
         sweep.append({"lr": lr, "train_loss": loss, "val_accuracy": v})
         log(f"  {model_name} lr {lr:g}: train loss {loss:.4f}, val accuracy {v:.4f}")
         if best is None or v > best[0]:
-            best = (v, lr, model)
+            best = (v, lr, learner)
     assert best is not None
-    val_acc, lr, model = best
-    scores = evaluate(model, test, cfg.chunk, cfg.eval_batch_size)
+    val_acc, lr, learner = best
+    scores = evaluate(learner, test, cfg.chunk, cfg.eval_batch_size)
     by_length: dict[int, float] = {}
-    if task == "passkey":
-        for L in cfg.eval_lengths or [int(params["length"])]:
-            data = make_split(task, cfg.n_test, cfg.seed + 3 + L, {**params, "length": L}, exclude=seen | test.row_keys())
-            by_length[L] = evaluate(model, data, cfg.chunk, cfg.eval_batch_size).exact_match
-            log(f"  passkey at L={L}: exact match {by_length[L]:.4f}")
+    seen |= test.row_keys()
+    for L in cfg.eval_lengths:
+        data = make_split(task, cfg.n_length_test, cfg.seed + 3 + L, t.at_length(params, L), exclude=seen)
+        by_length[L] = evaluate(learner, data, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
+        log(f"  {task} at length {L}: test accuracy {by_length[L]:.4f}")
     return SynthResult(
         task=task, model=model_name, metric=t.metric, accuracy=scores.headline(t.metric), lr=lr, test=scores, val_accuracy=val_acc,
-        sweep=sweep, by_length=by_length, task_params=params, model_config=dataclasses.asdict(model.config),
-        num_params=model.num_params(), bounded_state=model.bounded_state, seconds=time.perf_counter() - t0,
+        sweep=sweep, by_length=by_length, task_params=params, model_config=dataclasses.asdict(learner.model.config),
+        num_params=learner.model.num_params(), bounded_state=learner.model.bounded_state, seconds=time.perf_counter() - t0,
     )
 
 
@@ -261,4 +331,4 @@ def summary(r: SynthResult) -> str:
     )
 
 
-__all__ = ["SynthConfig", "SynthResult", "Scores", "evaluate", "run_synth", "split_overrides", "synth_config", "summary", "result_dict"]
+__all__ = ["CompressionDecoder", "Learner", "SynthConfig", "SynthResult", "Scores", "evaluate", "run_synth", "split_overrides", "synth_config", "summary", "result_dict"]

@@ -11,9 +11,9 @@ Deviations from MAD (athms/mad-lab), on purpose:
 - training uses the same masked targets as the test (MAD trains the recall tasks on every
   next token, including unpredictable keys and first-seen values);
 - fuzzy recall uses random motif sizes in training and test alike (MAD: test keys are max size);
-- compression is not provided: MAD decodes all tokens from the encoder's last position through a
-  separate AutoEncoder head, which is not a causal streaming LM (a causal LM can attend back to
-  the tokens, so the task would stop being a bottleneck).
+- compression is scored through MAD's AutoEncoder head (``Task.head == "autoencoder"``): the
+  model reads the row and a separate decoder reconstructs every token from the model's features
+  at the *last* position only (``recurformer.synth.CompressionDecoder``); the LM head is unused.
 """
 
 from __future__ import annotations
@@ -193,6 +193,18 @@ def memorization(rng: np.random.Generator, n: int, vocab_size: int = 256, seq_le
     return inputs, targets
 
 
+def compression(rng: np.random.Generator, n: int, vocab_size: int = 16, seq_len: int = 32) -> Arrays:
+    """MAD compression. Baseline: vocab 16, length 32, 12,800 training examples.
+
+    inputs: seq_len - 1 random tokens from [0, V-1), then the compression token V-1. targets =
+    inputs, every position scored. Not next-token prediction: the task is read with the
+    AutoEncoder head, which must rebuild all seq_len tokens from the model's features at the last
+    position (the compression token), so those features are the only bottleneck."""
+    _need(vocab_size >= 3 and seq_len >= 2, f"compression needs vocab_size >= 3 and seq_len >= 2, got {vocab_size}, {seq_len}")
+    inputs = np.concatenate([rng.integers(0, vocab_size - 1, size=(n, seq_len - 1)), np.full((n, 1), vocab_size - 1)], axis=1)
+    return inputs, inputs.copy()
+
+
 # ----------------------------------------------------------------------------------------------
 # copy tasks and passkey
 
@@ -270,10 +282,17 @@ class Task:
     fn: Callable[..., Arrays]
     metric: str  # "token": token accuracy (MAD); "sequence": exact match of every scored token per row
     train_size: int  # the baseline number of training examples
+    head: str = "lm"  # "lm": next-token targets; "autoencoder": decode every target from the last position
+    length_key: tuple[str, ...] = ()  # the parameter(s) a length sweep sets (passkey filler, copy string, delay)
 
     @property
     def defaults(self) -> dict[str, Any]:
         return {k: p.default for k, p in list(inspect.signature(self.fn).parameters.items())[2:]}
+
+    def at_length(self, params: dict[str, Any], length: int) -> dict[str, Any]:
+        """``params`` with the task's length set to ``length`` (every row exactly that long)."""
+        _need(bool(self.length_key), f"task {self.name} has no length to sweep")
+        return {**params, **{k: length for k in self.length_key}}
 
     def params(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """The task's defaults updated with ``overrides`` (checked and coerced to the default's type)."""
@@ -292,10 +311,11 @@ TASKS: dict[str, Task] = {
         Task("noisy_in_context_recall", noisy_in_context_recall, "token", 12800),
         Task("fuzzy_in_context_recall", fuzzy_in_context_recall, "token", 12800),
         Task("selective_copying", selective_copying, "token", 12800),
+        Task("compression", compression, "token", 12800, head="autoencoder"),
         Task("memorization", memorization, "token", 256),
-        Task("copy", copy, "sequence", 16000),
-        Task("delayed_copy", delayed_copy, "sequence", 12800),
-        Task("passkey", passkey, "sequence", 12800),
+        Task("copy", copy, "sequence", 16000, length_key=("min_len", "max_len")),
+        Task("delayed_copy", delayed_copy, "sequence", 12800, length_key=("delay",)),
+        Task("passkey", passkey, "sequence", 12800, length_key=("length",)),
     ]
 }
 

@@ -50,6 +50,7 @@ from ..nn import ModelConfig, RMSNorm, State, StreamingLM, apply_rope, attend, m
 
 @dataclass
 class BlockRecurrentConfig(ModelConfig):
+    context_field = "block_size"
     block_size: int = 512  # W: tokens per block = attention window
     num_states: int | None = None  # S: state vectors per recurrent layer (None: S = W)
     recurrent_layers: tuple[int, ...] = (-3,)  # layer indices, negative from the end (-3: layer 10 of 12)

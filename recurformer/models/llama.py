@@ -20,6 +20,7 @@ from ..nn import ModelConfig, RMSNorm, State, StreamingLM, SwiGLU, apply_rope, a
 
 @dataclass
 class LlamaConfig(ModelConfig):
+    context_field = "window"
     window: int | None = None  # attention window (None: full causal attention)
 
     def __post_init__(self) -> None:

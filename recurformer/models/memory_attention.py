@@ -30,6 +30,7 @@ from ..nn import ModelConfig, RMSNorm, State, StreamingLM, SwiGLU, apply_rope, a
 
 @dataclass
 class MemoryAttentionConfig(ModelConfig):
+    context_field = "chunk_size"
     chunk_size: int = 32  # C: tokens per chunk = memory slots per layer
     memory_qkv: Literal["shared", "separate"] = "shared"  # memory K/V from W_k,W_v (code) or W_km,W_vm (paper)
     memory_source: Literal["pre_wo", "post_wo"] = "pre_wo"  # memory = attention output before/after Wo

@@ -38,6 +38,7 @@ from ..ops.relative import relative_scores, sinusoid_table
 
 @dataclass
 class TransformerXLConfig(ModelConfig):
+    context_field = "segment_len"
     segment_len: int = 64  # L: tokens per segment
     mem_len: int | None = None  # M: cached positions per layer (None: M = L; 0: no recurrence)
     clamp_len: int | None = None  # distances beyond clamp_len use R_clamp_len (None: no cap)
