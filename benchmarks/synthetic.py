@@ -1,13 +1,18 @@
 """Seed 003's synthetic diagnostics as a grid: every task x every registered model, trained with
-``recurformer.synth.run_synth`` (lr sweep selected on validation), one process, one cell after
-the other. Writes ``<out>.json`` (every result), ``<out>.md`` (the table) and ``<out>.png``.
+``recurformer.synth.run_synth`` (lr sweep selected on validation), one cell after the other.
+Writes ``<out>.json`` (every result, rewritten after each cell so a stopped run keeps what it
+finished), ``<out>.md`` (the tables) and ``<out>.png`` (bars per task; accuracy vs length).
 
     OMP_NUM_THREADS=1 python benchmarks/synthetic.py                       # full grid (hours on CPU)
     OMP_NUM_THREADS=1 python benchmarks/synthetic.py --tasks in_context_recall,passkey \\
         --steps 200 --lrs 1e-3 --n-train 2048 --n-test 256 --set dim=64 --set n_heads=8
+    python benchmarks/synthetic.py --merge docs/synth_a.json docs/synth_b.json --out docs/synthetic
 
 ``--set`` takes the keys of ``recurformer synth --set`` (bare/model.K, task.K, synth.K) and applies
-them to every cell; ``--model-set MODEL:K=V`` and ``--task-set TASK:K=V`` to one model or task only.
+them to every cell. ``--task-set TASK:K=V`` applies to one task (bare K: a task parameter;
+``synth.K`` / ``model.K`` also allowed), ``--model-set MODEL:K=V`` to one model (bare K: a model
+key; ``synth.K`` allowed, e.g. shorter ``synth.eval_lengths`` for a model whose state grows).
+``--merge`` skips training and builds the outputs from earlier JSON files (later files win per cell).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -23,7 +29,9 @@ sys.path.insert(0, str(ROOT))
 from recurformer.config import RecurformerError, merge  # noqa: E402
 from recurformer.data.synthetic import TASKS  # noqa: E402
 from recurformer.models import model_names  # noqa: E402
-from recurformer.synth import SynthResult, result_dict, run_synth, split_overrides, summary, synth_config  # noqa: E402
+from recurformer.synth import result_dict, run_synth, split_overrides, summary, synth_config  # noqa: E402
+
+Result = dict[str, Any]  # ``result_dict`` of a SynthResult
 
 
 def scoped(items: list[str], names: list[str], flag: str) -> dict[str, list[str]]:
@@ -37,46 +45,83 @@ def scoped(items: list[str], names: list[str], flag: str) -> dict[str, list[str]
     return out
 
 
-def table(results: list[SynthResult]) -> str:
-    """Rows: models; columns: tasks (headline test accuracy, selected lr) and passkey lengths."""
-    tasks = list(dict.fromkeys(r.task for r in results))
-    models = list(dict.fromkeys(r.model for r in results))
-    lengths = sorted({L for r in results for L in r.by_length})
-    cell = {(r.model, r.task): r for r in results}
-    head = "| model | " + " | ".join(f"{t} ({'tok' if TASKS[t].metric == 'token' else 'exact'})" for t in tasks)
-    head += "".join(f" | passkey L={L}" for L in lengths) + " |"
-    rows = [head, "|---" * (1 + len(tasks) + len(lengths)) + "|"]
+def task_items(items: list[str]) -> list[str]:
+    """Bare keys of ``--task-set`` are task parameters."""
+    return [kv if kv.split("=", 1)[0].split(".")[0] in ("synth", "model", "task") else "task." + kv for kv in items]
+
+
+def metric_name(task: str) -> str:
+    return "tok" if TASKS[task].metric == "token" else "exact"
+
+
+def tables(results: list[Result]) -> str:
+    """Table 1: models x tasks (headline test accuracy and the selected lr). Table 2 per task with
+    a length sweep: models x lengths."""
+    tasks = list(dict.fromkeys(r["task"] for r in results))
+    models = list(dict.fromkeys(r["model"] for r in results))
+    cell = {(r["model"], r["task"]): r for r in results}
+    out = ["| model | " + " | ".join(f"{t} ({metric_name(t)})" for t in tasks) + " |", "|---" * (1 + len(tasks)) + "|"]
     for m in models:
-        cells = [f"{cell[m, t].accuracy:.3f} (lr {cell[m, t].lr:g})" if (m, t) in cell else "" for t in tasks]
-        pk = cell.get((m, "passkey"))
-        cells += [f"{pk.by_length[L]:.3f}" if pk and L in pk.by_length else "" for L in lengths]
-        rows.append(f"| {m} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+        cells = [f"{cell[m, t]['accuracy']:.3f} (lr {cell[m, t]['lr']:g})" if (m, t) in cell else "" for t in tasks]
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    for t in tasks:
+        lengths = sorted({int(L) for r in results if r["task"] == t for L in r["by_length"]})
+        if not lengths:
+            continue
+        out += ["", f"{t} ({metric_name(t)}) by length:", "", "| model | " + " | ".join(f"{L}" for L in lengths) + " |"]
+        out.append("|---" * (1 + len(lengths)) + "|")
+        for m in models:
+            r = cell.get((m, t))
+            if r is not None:
+                out.append(f"| {m} | " + " | ".join(f"{r['by_length'][str(L)]:.3f}" if str(L) in r["by_length"] else "" for L in lengths) + " |")
+    return "\n".join(out)
 
 
-def plot(results: list[SynthResult], path: Path) -> None:
+def plot(results: list[Result], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = list(dict.fromkeys(r.task for r in results))
-    models = list(dict.fromkeys(r.model for r in results))
-    cell = {(r.model, r.task): r.accuracy for r in results}
+    tasks = list(dict.fromkeys(r["task"] for r in results))
+    models = list(dict.fromkeys(r["model"] for r in results))
+    swept = [t for t in tasks if any(r["by_length"] for r in results if r["task"] == t)]
+    cell = {(r["model"], r["task"]): r for r in results}
+    colors = {m: f"C{i}" for i, m in enumerate(models)}
+    fig, axes = plt.subplots(1, 1 + len(swept), figsize=(2.2 + 1.3 * len(tasks) + 3.6 * len(swept), 4.2), squeeze=False)
+    ax = axes[0, 0]
     width = 0.8 / len(models)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(tasks), 4))
     for i, m in enumerate(models):
-        xs = [j + i * width for j, t in enumerate(tasks) if (m, t) in cell]
-        ax.bar(xs, [cell[m, t] for t in tasks if (m, t) in cell], width, label=m)
+        js = [j for j, t in enumerate(tasks) if (m, t) in cell]
+        ax.bar([j + i * width for j in js], [cell[m, tasks[j]]["accuracy"] for j in js], width, label=m, color=colors[m])
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))])
-    ax.set_xticklabels([f"{t}\n({'token acc' if TASKS[t].metric == 'token' else 'exact match'})" for t in tasks], fontsize=7)
+    ax.set_xticklabels([f"{t}\n({'token acc' if metric_name(t) == 'tok' else 'exact'})" for t in tasks], fontsize=6, rotation=30)
     ax.set_ylim(0, 1)
     ax.set_ylabel("test accuracy")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6)
+    for ax, t in zip(axes[0, 1:], swept):
+        for m in models:
+            r = cell.get((m, t))
+            if r and r["by_length"]:
+                Ls = sorted(int(L) for L in r["by_length"])
+                ax.plot(Ls, [r["by_length"][str(L)] for L in Ls], "o-", label=m, color=colors[m])
+                if Ls[-1] >= 8 * Ls[0]:
+                    ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlabel({"passkey": "filler tokens L", "copy": "string length", "delayed_copy": "delay"}.get(t, "length"))
+        ax.set_title(f"{t} ({'token acc' if metric_name(t) == 'tok' else 'exact match'})", fontsize=9)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write(results: list[Result], out: Path, meta: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    out.with_suffix(".md").write_text(tables(results) + "\n")
+    plot(results, out.with_suffix(".png"))
 
 
 def main() -> None:
@@ -90,9 +135,22 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--model-set", action="append", default=[], metavar="MODEL:KEY=VALUE")
     ap.add_argument("--task-set", action="append", default=[], metavar="TASK:KEY=VALUE", help="a task parameter for one task")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="only build the outputs from these result files")
     ap.add_argument("--out", default=str(ROOT / "docs" / "synthetic"), help="output path without suffix")
     args = ap.parse_args()
+    out = Path(args.out)
     try:
+        if args.merge:
+            cells: dict[tuple[str, str], Result] = {}
+            for f in args.merge:
+                if not Path(f).is_file():
+                    raise RecurformerError(f"no such result file: {f}")
+                for r in json.loads(Path(f).read_text())["results"]:
+                    cells[r["model"], r["task"]] = r
+            write(list(cells.values()), out, {"merged": args.merge})
+            print(tables(list(cells.values())))
+            print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+            return
         tasks = [t for t in args.tasks.split(",") if t]
         models = [m for m in args.models.split(",") if m]
         model_over, task_over, synth_over = split_overrides(args.set)
@@ -100,25 +158,22 @@ def main() -> None:
             if getattr(args, key) is not None:
                 synth_over[key] = getattr(args, key)
         per_model, per_task = scoped(args.model_set, models, "--model-set"), scoped(args.task_set, tasks, "--task-set")
-        cfg = synth_config(synth_over)
-        results = []
+        plans = []
         for task in tasks:
-            for m in models:
-                values = merge(model_over, split_overrides(per_model.get(m))[0])
-                params = merge(task_over, split_overrides(per_task.get(task))[0])
-                r = run_synth(task, m, values, params, cfg, log=print)
-                print(summary(r) + f" [{r.seconds:.0f}s]", flush=True)
-                results.append(r)
+            for m in models:  # validate every cell's settings before the first one trains
+                pm, pt = split_overrides(per_model.get(m)), split_overrides(task_items(per_task.get(task, [])))
+                cfg = synth_config(merge(merge(synth_over, pt[2]), pm[2]))
+                plans.append((task, m, merge(merge(model_over, pt[0]), pm[0]), merge(task_over, pt[1]), cfg))
+        results: list[Result] = []
+        meta = {"argv": sys.argv[1:]}
+        for task, m, values, params, cfg in plans:
+            r = run_synth(task, m, values, params, cfg, log=lambda s: print(s, flush=True))
+            print(summary(r) + f" [{r.seconds:.0f}s]", flush=True)
+            results.append(result_dict(r) | {"synth": vars(cfg)})
+            write(results, out, meta)
     except RecurformerError as e:
         sys.exit(f"synthetic.py: error: {e}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"argv": sys.argv[1:], "synth": vars(cfg)}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": [result_dict(r) for r in results]}, indent=2))
-    md = table(results)
-    out.with_suffix(".md").write_text(md + "\n")
-    plot(results, out.with_suffix(".png"))
-    print(md)
+    print(tables(results))
     print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
 
 

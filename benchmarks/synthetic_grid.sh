@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The synthetic-diagnostics grid of docs/results.md §7: every task x every registered model at a
+# CPU budget, in two single-threaded processes side by side, then merged into docs/synthetic.*.
+# Budget per cell and lr: MAD tasks 400 steps x batch 32 (one pass over MAD's 12,800 training
+# rows; MAD itself trains 200 epochs), copy 600 steps, delayed copy and passkey 400 steps;
+# lrs {1e-3, 3e-3}, best on validation. ~1.5 h on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+OUT=${OUT:-docs/synthetic}
+common=(--lrs 1e-3,3e-3 --steps 400
+  --set synth.n_length_test=128
+  --task-set copy:synth.steps=600 --task-set copy:synth.eval_lengths=10,20,30,40,60
+  --task-set delayed_copy:synth.eval_lengths=50,100,200,400
+  --task-set passkey:length=128 --task-set passkey:model.n_layers=2 --task-set passkey:synth.eval_lengths=128,512,2048,8192)
+export OMP_NUM_THREADS=1
+# Models whose state grows with the length (full KV cache, persistent pairs) get a shorter passkey sweep.
+$PY benchmarks/synthetic.py --models recurrent_transformer,llama "${common[@]}" \
+  --task-set passkey:synth.eval_lengths=128,512,2048 --out "$OUT.a" > "$OUT.a.log" 2>&1 &
+$PY benchmarks/synthetic.py --models memory_attention,sliding_window,transformer_xl,block_recurrent "${common[@]}" \
+  --out "$OUT.b" > "$OUT.b.log" 2>&1 &
+wait
+$PY benchmarks/synthetic.py --merge "$OUT.a.json" "$OUT.b.json" --out "$OUT"
