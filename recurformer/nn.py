@@ -332,7 +332,15 @@ def merge_heads(x: Tensor) -> Tensor:
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v via PyTorch SDPA. ``mask`` is boolean (True = visible),
-    broadcastable to [B, H, Tq, Tk]."""
+    broadcastable to [B, H, Tq, Tk].
+
+    Under CPU autocast the attention runs in float32: PyTorch's CPU flash-attention backward is
+    2.5-4x slower in bf16 than in fp32 (benchmarks/throughput.py, docs/results.md §5), while the
+    projections around it keep bf16."""
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal and mask is None)
+        return o.to(torch.get_autocast_dtype("cpu"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
 
 

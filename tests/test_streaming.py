@@ -12,7 +12,7 @@ import torch
 
 from recurformer import RecurformerError, build_model
 from recurformer.models import REGISTRY
-from recurformer.nn import State
+from recurformer.nn import State, attend
 
 from helpers import TEST_CONFIGS, all_cases, case_id, randomize_params
 
@@ -170,3 +170,32 @@ def test_gradients_are_finite(case) -> None:
     model(tokens, targets=tokens).loss.backward()
     bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
     assert not bad
+
+
+def test_attend_runs_fp32_under_cpu_autocast() -> None:
+    """``attend`` under CPU bf16 autocast = fp32 SDPA of the same inputs, rounded to bf16."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=g, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mask = torch.rand(5, 5, generator=g) > 0.3
+    mask[:, 0] = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = attend(q, k, v, mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    assert o.dtype == torch.bfloat16 and torch.equal(o, ref.to(torch.bfloat16))
+    o.float().sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.bfloat16 and bool(q.grad.isfinite().all())
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_bf16_autocast_close_to_fp32(case) -> None:
+    """Training under bf16 autocast computes the same function to bf16 precision."""
+    torch.manual_seed(0)
+    model = build_model(*case)
+    x = torch.randint(0, model.config.vocab_size, (2, 40))
+    ref = model(x, targets=x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, targets=x)
+    out.loss.backward()
+    assert abs(float(out.loss.detach()) - float(ref.loss.detach())) < 2e-3
+    assert (out.logits.detach().float().log_softmax(-1) - ref.logits.detach().log_softmax(-1)).abs().max() < 1e-2
+    assert all(p.grad is None or bool(p.grad.isfinite().all()) for p in model.parameters())

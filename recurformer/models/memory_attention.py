@@ -99,35 +99,39 @@ class MemoryAttentionLayer(nn.Module):
 
     def forward(self, x: Tensor, st: dict[str, Tensor], rope: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
         """x: [B, T, D] (normed) -> attention output after Wo [B, T, D]; updates ``st`` (this
-        layer's slice of the state) in place."""
-        C, T = self.cfg.chunk_size, x.shape[1]
+        layer's slice of the state) in place.
+
+        Only the attention and the memory evolution run chunk by chunk; the projections, RoPE
+        (chunk positions C..2C-1, whatever chunk a token is in) and, for ``pre_wo`` memory, Wo
+        run once over all T tokens."""
+        C, T, H = self.cfg.chunk_size, x.shape[1], self.n_heads
         cos, sin = rope  # [2C, d/2]: rows 0..C-1 memory, C..2C-1 chunk positions
-        q_all = split_heads(self.wq(x), self.n_heads)  # [B, H, T, d] (RoPE per piece below)
-        k_all = split_heads(self.wk(x), self.n_heads)
-        v_all = split_heads(self.wv(x), self.n_heads)
+        r0 = st["part_k"].shape[2]  # tokens of the current chunk read by earlier calls
+        pos = C + (r0 + torch.arange(T, device=x.device)) % C
+        q_all = apply_rope(split_heads(self.wq(x), H), cos[pos], sin[pos])  # [B, H, T, d]
+        k_all = apply_rope(split_heads(self.wk(x), H), cos[pos], sin[pos])
+        v_all = split_heads(self.wv(x), H)
+        first = min(C - r0, T)
+        sizes = [first] + [C] * ((T - first) // C) + ([(T - first) % C] if (T - first) % C else [])
+        pre_wo = self.cfg.memory_source == "pre_wo"
         outs: list[Tensor] = []
-        a = 0
-        while a < T:
-            r = st["part_k"].shape[2]  # offset inside the current chunk
-            n = min(C - r, T - a)
+        for q, k_new, v_new in zip(q_all.split(sizes, 2), k_all.split(sizes, 2), v_all.split(sizes, 2)):
+            r, n = st["part_k"].shape[2], q.shape[2]
             if r == 0:
                 st["mem_k"], st["mem_v"] = self.memory_kv(st["memory"], cos[:C], sin[:C])
-            pc, ps = cos[C + r : C + r + n], sin[C + r : C + r + n]
-            q = apply_rope(q_all[:, :, a : a + n], pc, ps)
-            k = torch.cat((st["part_k"], apply_rope(k_all[:, :, a : a + n], pc, ps)), dim=2)
-            v = torch.cat((st["part_v"], v_all[:, :, a : a + n]), dim=2)
-            m = mask[r : r + n, : C + r + n]
-            o = merge_heads(attend(q, torch.cat((st["mem_k"], k), 2), torch.cat((st["mem_v"], v), 2), m))
-            out = self.wo(o)
-            src = torch.cat((st["part_o"], o if self.cfg.memory_source == "pre_wo" else out), dim=1)
+            k = torch.cat((st["part_k"], k_new), dim=2) if r else k_new
+            v = torch.cat((st["part_v"], v_new), dim=2) if r else v_new
+            o = merge_heads(attend(q, torch.cat((st["mem_k"], k), 2), torch.cat((st["mem_v"], v), 2), mask[r : r + n, : C + r + n]))
+            out = o if pre_wo else self.wo(o)
+            src = torch.cat((st["part_o"], out), dim=1) if r else out  # the memory: o (pre_wo) or Wo o
             if r + n == C:  # chunk complete: its output becomes the next memory
                 st["memory"] = src
                 st["part_k"], st["part_v"], st["part_o"] = k[:, :, :0], v[:, :, :0], src[:, :0]
             else:
                 st["part_k"], st["part_v"], st["part_o"] = k, v, src
             outs.append(out)
-            a += n
-        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        y = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        return self.wo(y) if pre_wo else y
 
 
 class Block(nn.Module):
