@@ -117,11 +117,16 @@ def plot(results: list[Result], path: Path) -> None:
     plt.close(fig)
 
 
+def suffixed(out: Path, suffix: str) -> Path:
+    """``out`` + suffix (not ``with_suffix``: "docs/synthetic.a" must not become "docs/synthetic.json")."""
+    return out.parent / (out.name + suffix)
+
+
 def write(results: list[Result], out: Path, meta: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    out.with_suffix(".md").write_text(tables(results) + "\n")
-    plot(results, out.with_suffix(".png"))
+    suffixed(out, ".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    suffixed(out, ".md").write_text(tables(results) + "\n")
+    plot(results, suffixed(out, ".png"))
 
 
 def main() -> None:
@@ -149,7 +154,7 @@ def main() -> None:
                     cells[r["model"], r["task"]] = r
             write(list(cells.values()), out, {"merged": args.merge})
             print(tables(list(cells.values())))
-            print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+            print(f"wrote {', '.join(str(suffixed(out, x)) for x in ('.json', '.md', '.png'))}")
             return
         tasks = [t for t in args.tasks.split(",") if t]
         models = [m for m in args.models.split(",") if m]
@@ -174,7 +179,7 @@ def main() -> None:
     except RecurformerError as e:
         sys.exit(f"synthetic.py: error: {e}")
     print(tables(results))
-    print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    print(f"wrote {', '.join(str(suffixed(out, x)) for x in ('.json', '.md', '.png'))}")
 
 
 if __name__ == "__main__":
