@@ -48,6 +48,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin in (list, tuple):
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):  # "--set k=64": a list of one
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise RecurformerError(f"{where} must be a list, got {value!r}")
         (inner, *_) = typing.get_args(tp) or (Any,)

@@ -15,7 +15,7 @@ from recurformer.data.synthetic import TASKS, make_split, vocab_size
 from recurformer.models import model_names
 from recurformer.nn import IGNORE_INDEX
 from recurformer.models import build_model
-from recurformer.synth import Learner, SynthConfig, model_values, run_synth
+from recurformer.synth import Learner, SynthConfig, model_values, run_synth, synth_config
 from helpers import randomize_params
 
 SMALL = {  # small settings so the tests stay fast; defaults are the MAD baselines
@@ -224,3 +224,10 @@ def test_copy_accuracy_by_length() -> None:
     cfg = SynthConfig(steps=3, batch_size=8, n_train=16, n_val=8, n_test=8, n_length_test=8, lrs=[1e-3], context=8, eval_lengths=[4, 30])
     r = run_synth("copy", "memory_attention", {"dim": 16, "n_heads": 2, "ffn_hidden": 32}, SMALL["copy"], cfg)
     assert set(r.by_length) == {4, 30} and all(0.0 <= a <= 1.0 for a in r.by_length.values())
+
+
+def test_synth_config_lists_from_the_command_line() -> None:
+    assert synth_config({"eval_lengths": 64}).eval_lengths == [64]
+    assert synth_config({"eval_lengths": "64,128", "lrs": 1e-3}).eval_lengths == [64, 128]
+    with pytest.raises(RecurformerError, match="eval_lengths"):
+        synth_config({"eval_lengths": {"a": 1}})
