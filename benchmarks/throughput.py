@@ -39,14 +39,15 @@ def train_step_fn(name: str, precision: str, B: int, T: int, device: str):
     torch.manual_seed(0)
     model = build_model(name, dict(SEED_CONFIG, **EXTRA.get(name, {}))).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    fwd = torch.compile(model) if precision.endswith("+compile") else model
+    if precision.endswith("+compile"):
+        model.compile_layers()
     x = torch.randint(0, 4096, (B, T), device=device)
     state = None
 
     def step() -> None:
         nonlocal state
         with autocast(precision):
-            out = fwd(x, state=state, targets=x)
+            out = model(x, state=state, targets=x)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -58,12 +59,13 @@ def train_step_fn(name: str, precision: str, B: int, T: int, device: str):
 def eval_fn(name: str, precision: str, T: int, device: str):
     torch.manual_seed(0)
     model = build_model(name, dict(SEED_CONFIG, **EXTRA.get(name, {}))).to(device).eval()
-    fwd = torch.compile(model) if precision.endswith("+compile") else model
+    if precision.endswith("+compile"):
+        model.compile_layers()
     x = torch.randint(0, 4096, (1, T), device=device)
 
     def run() -> None:
         with torch.no_grad(), autocast(precision):
-            fwd(x)
+            model(x)
 
     return run
 

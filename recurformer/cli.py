@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (stateful TBPTT) from a YAML config")
     p.add_argument("--config", help="YAML file with model/data/train sections (see configs/)")
     p.add_argument("--resume", help="a run or checkpoint directory to continue exactly")
-    p.add_argument("--compile", action="store_true", help="run the model through torch.compile (same as --set train.compile=true)")
+    p.add_argument("--compile", action="store_true", help="torch.compile every layer (regional compilation; same as --set train.compile=true)")
     _add_set(p)
 
     p = sub.add_parser("eval", help="length-extrapolation evaluation (loss on the last tokens at several lengths)")

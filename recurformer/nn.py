@@ -154,6 +154,7 @@ class StreamingLM(nn.Module):
     validates its inputs and computes logits and the loss."""
 
     state_cls: type[State] = State
+    layers: nn.ModuleList  # the architecture's layers, run in order by ``body``
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -239,6 +240,13 @@ class StreamingLM(nn.Module):
         """A row's state can be reset only after a multiple of this many tokens (the chunk,
         segment or block length of models that process tokens in groups; 1 otherwise)."""
         return 1
+
+    def compile_layers(self) -> None:
+        """``torch.compile`` each layer in place (regional compilation): identical layers share one
+        compiled graph, so compiling costs about one layer however deep the model is. The
+        embedding, the loss and the Python-side input checks stay eager."""
+        for layer in self.layers:
+            layer.compile()
 
     def info_lines(self) -> list[str]:
         """Extra architecture facts for ``recurformer info`` (e.g. state size formulas)."""

@@ -247,13 +247,14 @@ class Trainer:
                 f"{cfg.model['name']} carries a KV cache that grows without bound; train it with train.state=reset"
             )
         self.opt = make_optimizer(self.model, t)
+        if t.compile:
+            self.model.compile_layers()
         self.ddp: torch.nn.Module = self.model
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             # the carried state is not a module buffer, and buffers are not broadcast either
             self.ddp = DDP(self.model, broadcast_buffers=False)
-        self.forward = torch.compile(self.ddp) if t.compile else self.ddp
 
         if t.data_order == "contiguous":
             self.streams: Any = ContiguousStreams(
@@ -344,7 +345,7 @@ class Trainer:
             state = state.reset(batch.wrapped.to(self.device))
         x, y = batch.x.to(self.device), batch.y.to(self.device)
         with autocast_context(t.precision, self.device):
-            out = self.forward(x, state=state, targets=y)
+            out = self.ddp(x, state=state, targets=y)
         return out.loss, out.state
 
     def train_step(self) -> float:

@@ -126,7 +126,8 @@ class MemoryAttentionLayer(nn.Module):
             src = torch.cat((st["part_o"], out), dim=1) if r else out  # the memory: o (pre_wo) or Wo o
             if r + n == C:  # chunk complete: its output becomes the next memory
                 st["memory"] = src
-                st["part_k"], st["part_v"], st["part_o"] = k[:, :, :0], v[:, :, :0], src[:, :0]
+                B, _, _, d = k.shape  # fresh empty tensors, not views (torch.compile mishandles aliased empty outputs)
+                st["part_k"], st["part_v"], st["part_o"] = k.new_zeros(B, H, 0, d), v.new_zeros(B, H, 0, d), src.new_zeros(B, 0, src.shape[2])
             else:
                 st["part_k"], st["part_v"], st["part_o"] = k, v, src
             outs.append(out)
