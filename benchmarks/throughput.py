@@ -103,12 +103,12 @@ def main() -> None:
             times[r]["train"].append(timed(train[r]))
             times[r]["eval"].append(timed(evals[r]))
     results = []
-    print(f"{'model':<18}{'prec':<6}{'train tok/s':>13}{'eval T=' + str(args.eval_len) + ' (s)':>18}")
+    print(f"{'model':<18}{'prec':<14}{'train tok/s':>13}{'eval T=' + str(args.eval_len) + ' (s)':>18}")
     for (m, p), t in times.items():
         tps = args.batch * args.seq / statistics.median(t["train"])
         ev = statistics.median(t["eval"])
         results.append(dict(model=m, precision=p, train_tokens_per_s=round(tps), eval_seconds=None if ev != ev else round(ev, 3)))
-        print(f"{m:<18}{p:<6}{tps:>13,.0f}{ev:>18.3f}")
+        print(f"{m:<18}{p:<14}{tps:>13,.0f}{ev:>18.3f}")
     meta = dict(
         torch=torch.__version__, device=device, threads=torch.get_num_threads(), machine=platform.machine(),
         batch=args.batch, seq=args.seq, eval_len=args.eval_len, repeats=args.repeats,
