@@ -12,7 +12,9 @@ finished), ``<out>.md`` (the tables) and ``<out>.png`` (bars per task; accuracy 
 them to every cell. ``--task-set TASK:K=V`` applies to one task (bare K: a task parameter;
 ``synth.K`` / ``model.K`` also allowed), ``--model-set MODEL:K=V`` to one model (bare K: a model
 key; ``synth.K`` allowed, e.g. shorter ``synth.eval_lengths`` for a model whose state grows).
-``--merge`` skips training and builds the outputs from earlier JSON files (later files win per cell).
+``--merge`` skips training and builds the outputs from earlier JSON files: runs of one cell that
+differ only in their learning rates join one sweep, and the one with the best validation accuracy
+is reported (so a sweep can be split across processes or extended later).
 """
 
 from __future__ import annotations
@@ -122,6 +124,29 @@ def suffixed(out: Path, suffix: str) -> Path:
     return out.parent / (out.name + suffix)
 
 
+def merge_runs(runs: list[Result]) -> list[Result]:
+    """One result per (model, task): the run with the best validation accuracy, its ``sweep`` the
+    union of every run's. Runs of one cell must share the task, the model and every protocol setting
+    that changes training or selection (so not the lrs, nor the extra length evaluation, whose
+    results come from the winning run)."""
+    free = {"lrs", "eval_lengths", "n_length_test", "eval_batch_size"}
+    cells: dict[tuple[str, str], Result] = {}
+    for r in runs:
+        key = r["model"], r["task"]
+        if key not in cells:
+            cells[key] = r
+            continue
+        old = cells[key]
+        for part in ("task_params", "model_config", "synth"):
+            a, b = old.get(part, {}), r.get(part, {})
+            diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k not in free)
+            if diff:
+                raise RecurformerError(f"cannot merge two runs of {key[1]} / {key[0]}: their {part} differ in {', '.join(diff)}")
+        best = r if r["val_accuracy"] > old["val_accuracy"] else old
+        cells[key] = best | {"sweep": sorted(old["sweep"] + r["sweep"], key=lambda x: x["lr"])}
+    return list(cells.values())
+
+
 def write(results: list[Result], out: Path, meta: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     suffixed(out, ".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
@@ -146,14 +171,14 @@ def main() -> None:
     out = Path(args.out)
     try:
         if args.merge:
-            cells: dict[tuple[str, str], Result] = {}
+            runs: list[Result] = []
             for f in args.merge:
                 if not Path(f).is_file():
                     raise RecurformerError(f"no such result file: {f}")
-                for r in json.loads(Path(f).read_text())["results"]:
-                    cells[r["model"], r["task"]] = r
-            write(list(cells.values()), out, {"merged": args.merge})
-            print(tables(list(cells.values())))
+                runs += json.loads(Path(f).read_text())["results"]
+            results = merge_runs(runs)
+            write(results, out, {"merged": args.merge})
+            print(tables(results))
             print(f"wrote {', '.join(str(suffixed(out, x)) for x in ('.json', '.md', '.png'))}")
             return
         tasks = [t for t in args.tasks.split(",") if t]

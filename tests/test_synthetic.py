@@ -231,3 +231,28 @@ def test_synth_config_lists_from_the_command_line() -> None:
     assert synth_config({"eval_lengths": "64,128", "lrs": 1e-3}).eval_lengths == [64, 128]
     with pytest.raises(RecurformerError, match="eval_lengths"):
         synth_config({"eval_lengths": {"a": 1}})
+
+
+def test_merged_sweep_halves_equal_the_whole_sweep() -> None:
+    """``benchmarks/synthetic.py --merge``: a sweep run as two halves (one lr each) merges into the
+    same cell as the sweep run in one go; runs of one cell with another protocol refuse to merge."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "synthetic.py"
+    spec = importlib.util.spec_from_file_location("synthetic_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def run(lrs: list[float], steps: int = 6) -> dict:
+        cfg = SynthConfig(steps=steps, batch_size=8, n_train=32, n_val=16, n_test=16, lrs=lrs)
+        r = run_synth("in_context_recall", "llama", {"dim": 16, "n_heads": 2, "ffn_hidden": 32}, {"seq_len": 16}, cfg)
+        return json.loads(json.dumps(bench.result_dict(r) | {"synth": vars(cfg)}))
+
+    whole, low, high = run([1e-3, 3e-2]), run([1e-3]), run([3e-2])
+    assert whole["sweep"][0]["val_accuracy"] != whole["sweep"][1]["val_accuracy"]  # the choice matters
+    (merged,) = bench.merge_runs([high, low])
+    for k in ("lr", "accuracy", "val_accuracy", "test", "sweep"):
+        assert merged[k] == whole[k], k
+    with pytest.raises(RecurformerError, match="differ in steps"):
+        bench.merge_runs([low, run([3e-2], steps=5)])
