@@ -3,11 +3,18 @@
 
 Training: forward + backward + AdamW step on B x T tokens (default 8 x 256), tokens/s.
 Evaluation: one no-grad forward at T=4096 (batch 1), seconds (not for "+compile" rows).
-Each row in fp32 and under bf16 autocast (when the CPU supports it); a "+compile" suffix runs the
-model through ``torch.compile`` (compile time excluded by the warm-up). Rows are measured side by
-side in one run, interleaved over repeats, and the median is reported.
+Each row in fp32 and under bf16 autocast (when the CPU supports it); a "+compile" suffix compiles
+the model's layers (``StreamingLM.compile_layers``, the trainer's ``--compile``; compile time
+excluded by the warm-up). Rows are measured side by side in one run, interleaved over repeats, and
+the median is reported.
+
+``--processes 1,2`` instead compares data parallelism on this machine: the trainer (``recurformer
+train``, Memory Attention in the seeds' configuration, the bundled TinyStories sample) at one global
+batch, run as N processes (``torchrun``, DDP) x cores/N threads each; tokens/s from the run's
+metrics after the first logging interval (warm-up).
 
     python benchmarks/throughput.py [--models memory_attention,llama] [--precisions fp32,bf16,fp32+compile]
+    python benchmarks/throughput.py --processes 1,2 --steps 25 --out docs/ddp_throughput.json
 """
 
 from __future__ import annotations
@@ -15,8 +22,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +36,7 @@ import torch
 from recurformer import build_model
 from recurformer.models import model_names
 
+ROOT = Path(__file__).resolve().parent.parent
 SEED_CONFIG = dict(vocab_size=4096, dim=288, n_layers=6, n_heads=6)
 EXTRA = {"memory_attention": dict(chunk_size=32, memory_qkv="shared"), "sliding_window": dict(window=256)}
 
@@ -80,6 +92,42 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def trainer_tokens_per_s(nproc: int, threads: int, batch: int, steps: int, precision: str, out: Path) -> float:
+    """Median tokens/s of ``recurformer train`` on ``nproc`` processes (torchrun when > 1)."""
+    sets = [
+        "model.name=memory_attention", "model.dim=288", "model.n_layers=6", "model.n_heads=6", "model.chunk_size=32",
+        f"train.out_dir={out}", f"train.batch_size={batch}", "train.seq_len=256", f"train.steps={steps}",
+        f"train.precision={precision}", "train.log_every=5", f"train.eval_every={steps}", "train.eval_batches=1",
+        f"train.save_every={steps}", "data.dataset=tinystories-sample",
+    ]
+    launcher = [sys.executable, "-m", "recurformer.cli"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                    "--master_addr=127.0.0.1", "--master_port=29517", "-m", "recurformer.cli"]
+    cmd = launcher + ["train", "--config", str(ROOT / "configs" / "repro" / "base.yaml")] + [a for x in sets for a in ("--set", x)]
+    done = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=str(threads)), capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"throughput.py: error: the {nproc}-process training run failed:\n{done.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median([r["tok_per_s"] for r in rows if "tok_per_s" in r][1:])
+
+
+def compare_processes(args: argparse.Namespace) -> None:
+    cores = os.cpu_count() or 1
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (int(x) for x in args.processes.split(",")):
+            if args.batch % n or cores % n:
+                sys.exit(f"throughput.py: error: {n} processes must divide the batch ({args.batch}) and the cores ({cores})")
+            label = f"{n} process{'es' if n > 1 else ''} x {cores // n} thread{'s' if cores // n > 1 else ''}"
+            tps = trainer_tokens_per_s(n, cores // n, args.batch // n, args.steps, args.precisions.split(",")[0], Path(tmp) / str(n))
+            results.append(dict(processes=n, threads_per_process=cores // n, train_tokens_per_s=round(tps)))
+            print(f"{label:<32}{tps:>10,.0f} tok/s", flush=True)
+    meta = dict(torch=torch.__version__, precision=args.precisions.split(",")[0], global_batch=args.batch, seq=256, steps=args.steps)
+    Path(args.out).write_text(json.dumps(dict(meta=meta, results=results), indent=2))
+    print(f"wrote {args.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(model_names()))
@@ -88,8 +136,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--eval-len", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--processes", help="compare the trainer on these process counts (e.g. 1,2), in the first of --precisions")
+    ap.add_argument("--steps", type=int, default=30, help="training steps per run of --processes")
     ap.add_argument("--out", default="docs/throughput.json")
     args = ap.parse_args()
+    if args.processes:
+        return compare_processes(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = [(m, p) for m in args.models.split(",") for p in args.precisions.split(",")]
     train = {r: train_step_fn(*r, args.batch, args.seq, device) for r in rows}
