@@ -92,11 +92,11 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def trainer_tokens_per_s(nproc: int, threads: int, batch: int, steps: int, precision: str, out: Path) -> float:
+def trainer_tokens_per_s(nproc: int, threads: int, batch: int, seq: int, steps: int, precision: str, out: Path) -> float:
     """Median tokens/s of ``recurformer train`` on ``nproc`` processes (torchrun when > 1)."""
     sets = [
         "model.name=memory_attention", "model.dim=288", "model.n_layers=6", "model.n_heads=6", "model.chunk_size=32",
-        f"train.out_dir={out}", f"train.batch_size={batch}", "train.seq_len=256", f"train.steps={steps}",
+        f"train.out_dir={out}", f"train.batch_size={batch}", f"train.seq_len={seq}", f"train.steps={steps}",
         f"train.precision={precision}", "train.log_every=5", f"train.eval_every={steps}", "train.eval_batches=1",
         f"train.save_every={steps}", "data.dataset=tinystories-sample",
     ]
@@ -113,17 +113,17 @@ def trainer_tokens_per_s(nproc: int, threads: int, batch: int, steps: int, preci
 
 
 def compare_processes(args: argparse.Namespace) -> None:
-    cores = os.cpu_count() or 1
+    cores, precision = os.cpu_count() or 1, args.precisions.split(",")[0]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.processes.split(",")):
             if args.batch % n or cores % n:
                 sys.exit(f"throughput.py: error: {n} processes must divide the batch ({args.batch}) and the cores ({cores})")
             label = f"{n} process{'es' if n > 1 else ''} x {cores // n} thread{'s' if cores // n > 1 else ''}"
-            tps = trainer_tokens_per_s(n, cores // n, args.batch // n, args.steps, args.precisions.split(",")[0], Path(tmp) / str(n))
+            tps = trainer_tokens_per_s(n, cores // n, args.batch // n, args.seq, args.steps, precision, Path(tmp) / str(n))
             results.append(dict(processes=n, threads_per_process=cores // n, train_tokens_per_s=round(tps)))
             print(f"{label:<32}{tps:>10,.0f} tok/s", flush=True)
-    meta = dict(torch=torch.__version__, precision=args.precisions.split(",")[0], global_batch=args.batch, seq=256, steps=args.steps)
+    meta = dict(torch=torch.__version__, precision=precision, global_batch=args.batch, seq=args.seq, steps=args.steps)
     Path(args.out).write_text(json.dumps(dict(meta=meta, results=results), indent=2))
     print(f"wrote {args.out}")
 
