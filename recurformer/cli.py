@@ -1,4 +1,4 @@
-"""The ``recurformer`` command line: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``synth``.
+"""The ``recurformer`` command line: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``synth``, ``probe``.
 
 Every user error (bad config key, missing file, wrong checkpoint, ...) is printed as one line
 ``recurformer: error: ...`` with exit code 2, never as a traceback."""
@@ -6,6 +6,7 @@ Every user error (bad config key, missing file, wrong checkpoint, ...) is printe
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Callable
 
@@ -197,9 +198,90 @@ def cmd_synth(args: argparse.Namespace) -> None:
         print(f"wrote {args.json}")
 
 
+def _probe_labels(paths: list[str]) -> list[str]:
+    """Run name for a run directory, run/step_N for a checkpoint; unique even for repeated paths."""
+    from pathlib import Path
+
+    labels = []
+    for path in paths:
+        p = Path(path).resolve()
+        label = f"{p.parent.name}/{p.name}" if p.name.startswith("step_") else p.name
+        base, n = label, 2
+        while label in labels:
+            label, n = f"{base} ({n})", n + 1
+        labels.append(label)
+    return labels
+
+
+def cmd_probe(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
+    from . import probe
+    from .checkpoint import load_model, resolve
+    from .train import pick_device
+
+    if args.task not in probe.TASKS:
+        raise RecurformerError(f"unknown probe task '{args.task}'; valid tasks: {', '.join(probe.TASKS)}")
+    for key in ("docs", "batch_size", "chunk"):
+        if getattr(args, key) < 1:
+            raise RecurformerError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if not 0 <= args.warm_min <= args.warm_max:
+        raise RecurformerError(f"need 0 <= --warm-min <= --warm-max, got {args.warm_min} and {args.warm_max}")
+    try:
+        distances = [int(x) for x in args.distances.split(",") if x.strip()]
+    except ValueError:
+        raise RecurformerError(f"--distances must be comma-separated integers, got '{args.distances}'") from None
+    out = Path(args.json)
+    probe.check_writable(out)
+    probe.check_writable(out.with_suffix(".png"))
+    device = pick_device(args.device)
+    dataset = args.dataset if (args.dataset or args.text) else ("tinystories-repeat" if args.task == "repeat" else None)
+    results = []
+    for path, label in zip(args.checkpoint, _probe_labels(args.checkpoint)):
+        model, name, tok, config = load_model(path, device)
+        if tok is None:
+            raise RecurformerError(f"checkpoint {path} has no tokenizer.json, so it cannot read text")
+        if dataset is None and not args.text:
+            dataset = config.get("data", {}).get("dataset")
+            if not dataset:
+                raise RecurformerError(f"checkpoint {path} does not name a bundled dataset; give --dataset NAME or --text FILE")
+        rng = np.random.default_rng(args.seed)
+        warm = (args.warm_min, args.warm_max)
+        if args.task == "repeat":
+            samples = probe.repeat_samples(tok, dataset, args.text, args.docs, args.passage, warm, rng)
+        else:
+            samples = probe.swap_samples(probe.text_stream(tok, dataset, args.text), args.docs, distances, args.span, warm, rng)
+        top = max(int(r.max()) for s in samples for r in s.rows)
+        if top >= model.config.vocab_size:
+            raise RecurformerError(f"probe text has token id {top} >= the vocabulary of {path} ({model.config.vocab_size})")
+        R = probe.receptive_field(model)
+        print(f"probing {label} ({name}, receptive field {'unbounded' if R is None else R}) on {len(samples)} documents, task {args.task}")
+        rows = sum(len(s.rows) for s in samples)
+        with tqdm(total=rows, desc=label, unit="row", leave=False, disable=not sys.stderr.isatty()) as bar:
+            metrics = probe.probe_model(
+                model, samples, probe.METRICS[args.task], args.chunk, args.batch_size, args.precision, args.seed, bar.update
+            )
+        facts = probe.run_facts(resolve(path))
+        results.append(probe.ProbeResult(label, str(resolve(path)), name, R, metrics=metrics, **facts))
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print()
+    print(probe.markdown_tables(results))
+    meta = {k: v for k, v in vars(args).items() if k != "func"} | {"dataset_used": dataset}
+    probe.atomic_write(out, lambda p: p.write_text(json.dumps(probe.to_json(results, meta), indent=2) + "\n"))
+    png = out.with_suffix(".png")
+    probe.atomic_write(png, lambda p: probe.plot(results, p, f"{args.task} probe"))
+    print(f"wrote {out} and {png}")
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "info": cmd_info, "prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-    "synth": cmd_synth,
+    "synth": cmd_synth, "probe": cmd_probe,
 }
 
 
@@ -271,6 +353,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-test", type=int, help="test examples (default 1280)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", help="write the full result as JSON here")
+
+    p = sub.add_parser("probe", help="how far back the state carries information: copy and swap probes with bootstrap intervals")
+    p.add_argument("--checkpoint", nargs="+", required=True, help="run or checkpoint directories (one line each in the plot)")
+    p.add_argument("--task", default="repeat", help="repeat (copy: s1, marker, s2 = s1) or swap (replace the history older than d)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--dataset", help="a bundled dataset's val split (default: tinystories-repeat for repeat, the checkpoint's own for swap)")
+    src.add_argument("--text", nargs="+", metavar="FILE", help="UTF-8 text files, encoded with the checkpoint's tokenizer")
+    p.add_argument("--docs", type=int, default=500, help="documents (the bootstrap resamples these)")
+    p.add_argument("--passage", type=int, default=128, help="repeat on a corpus other than tinystories-repeat: passage length n")
+    p.add_argument("--distances", default="1,4,16,64,256,1024", help="swap: replace the history older than each of these")
+    p.add_argument("--span", type=int, default=32, help="swap: target tokens scored after the history")
+    p.add_argument("--warm-min", type=int, default=32, help="each document is read after a random prefix of stream text of")
+    p.add_argument("--warm-max", type=int, default=288, help="... between warm-min and warm-max tokens (varies chunk phases)")
+    p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", default="probe.json", help="output JSON (a PNG plot is written beside it)")
     return ap
 
 

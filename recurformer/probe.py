@@ -1,0 +1,474 @@
+"""What does the state carry? Two counterfactual probes read through the streaming contract.
+
+**repeat** (copy). A document is ``s1, marker, s2`` with ``s2 = s1`` (the ``tinystories-repeat``
+val split as it is; for any other corpus, passages of ``n`` tokens cut from its text). For the
+copy offset k (the k-th token of s2):
+
+- copy_gain(k) = loss(s1[k]) − loss(s2[k]): how much better the copy is predicted than the
+  original, both in the true document;
+- swap_Δ(k) = loss(s2[k] | s1 replaced by another passage of the same length) − loss(s2[k] | s1):
+  how much the prediction depends on what s1 said.
+
+The distance of s2[k] is k: the k tokens before it (the copy so far) are the same in every
+condition, the marker lies k tokens back and the swapped passage at least k + |marker| tokens back.
+So a model whose receptive field is R tokens (see ``receptive_field``) has copy_gain and swap_Δ
+exactly 0 at every k > R.
+
+**swap** (any corpus). For a block of S target positions starting at t0 and a distance d, the
+history older than d tokens before t0 (positions < t0 − d) is replaced by other text of the same
+length; swap_Δ = loss(altered history) − loss(true history). A target at t0 + i then has its nearest
+replaced token d + i tokens back (counted from the token it is predicted from).
+
+Every document is read after a warm prefix of stream text of random length, so chunk, segment
+and block phases vary. Values are averaged per document within log-spaced distance bins, and
+each bin reports the mean over documents with a 95% percentile-bootstrap interval that resamples
+documents (not tokens)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .config import RecurformerError
+from .data.prepare import REPEAT_PROMPT, load_documents
+from .data.tokenizer import Tokenizer
+from .nn import StreamingLM
+
+TASKS = ("repeat", "swap")
+MARKER_TEXT = f"\n{REPEAT_PROMPT}\n"
+METRICS = {"repeat": ("swap_delta", "copy_gain"), "swap": ("swap_delta",)}
+
+
+# ----------------------------------------------------------------------------------------------
+# receptive fields
+
+
+def receptive_field(model: StreamingLM) -> int | None:
+    """The largest distance back (in tokens before the current one) that can change a logit, or
+    None when it is unbounded (a recurrent state, or a full KV cache).
+
+    Sliding window W over L layers: L·(W − 1). Transformer-XL: from its segment/memory rule
+    (``max_context``). Memory Attention, the Block-Recurrent Transformer, the Recurrent
+    Transformer and full-attention Llama are unbounded."""
+    if hasattr(model, "max_context"):
+        return int(model.max_context()) - 1  # type: ignore[operator]
+    window = getattr(model, "window", None)
+    if window is not None:
+        return model.config.n_layers * (int(window) - 1)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# samples: rows of tokens that a model reads, and the comparisons between their losses
+
+
+@dataclass
+class Comparison:
+    """metric value = loss[row_a][pos_a] − loss[row_b][pos_b] at each entry, filed under ``distance``."""
+
+    metric: str
+    row_a: int
+    pos_a: np.ndarray
+    row_b: int
+    pos_b: np.ndarray
+    distance: np.ndarray
+
+
+@dataclass
+class Sample:
+    """One document: ``rows`` of equal length (row 0 holds the true history) and what to compare."""
+
+    rows: list[np.ndarray]
+    comparisons: list[Comparison] = field(default_factory=list)
+
+
+def _encode(tok: Tokenizer, docs: Sequence[str], append_eos: bool) -> list[np.ndarray]:
+    tail = [tok.eos_id] if append_eos else []
+    return [np.asarray([tok.bos_id, *ids, *tail], dtype=np.int64) for ids in tok.encode_batch(list(docs))]
+
+
+def _prefix(stream: np.ndarray, end: int, length: int) -> np.ndarray:
+    """The ``length`` stream tokens before position ``end`` (wrapping around the stream's start)."""
+    idx = (np.arange(end - length, end)) % len(stream)
+    return stream[idx]
+
+
+def _repeat_sample(prefix: np.ndarray, s1: np.ndarray, marker: np.ndarray, s2: np.ndarray, head: np.ndarray,
+                   tail: np.ndarray, alt: np.ndarray) -> Sample:
+    """Rows [prefix, head, s1, marker, s2, tail] and the same with s1 replaced by ``alt``."""
+    n = len(s1)
+    true = np.concatenate([prefix, head, s1, marker, s2, tail])
+    swapped = np.concatenate([prefix, head, alt, marker, s2, tail])
+    a = len(prefix) + len(head)  # position of s1[0]
+    b = a + n + len(marker)  # position of s2[0]
+    k = np.arange(n)
+    return Sample(
+        rows=[true, swapped],
+        comparisons=[
+            Comparison("copy_gain", 0, a + k, 0, b + k, k),
+            Comparison("swap_delta", 1, b + k, 0, b + k, k),
+        ],
+    )
+
+
+def repeat_samples(
+    tok: Tokenizer, dataset: str | None, text: Sequence[str] | None, n_docs: int, passage: int,
+    warm: tuple[int, int], rng: np.random.Generator,
+) -> list[Sample]:
+    """Copy documents. ``tinystories-repeat``: its val documents as trained on (BOS, story,
+    marker, story, EOS), split at the marker; any other text: ``passage``-token pieces of it."""
+    marker = np.asarray(tok.encode(MARKER_TEXT), dtype=np.int64)
+    if dataset == "tinystories-repeat":
+        stories = load_documents("tinystories-sample", None, 0.05)[1]
+        docs = _encode(tok, [f"{s}{MARKER_TEXT}{s}" for s in stories], append_eos=True)
+        alone = [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(stories)]
+        stream = np.concatenate(docs)
+        starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
+        usable = []
+        for i, (d, s) in enumerate(zip(docs, alone)):
+            n = len(s)
+            # the document's tokens are exactly [BOS] s marker s [EOS] (no merge across the marker)
+            if len(d) == 2 * n + len(marker) + 2 and np.array_equal(d[1 : 1 + n], s) and np.array_equal(d[1 + n + len(marker) : -1], s):
+                usable.append(i)
+        if len(usable) < n_docs:
+            raise RecurformerError(f"tinystories-repeat has {len(usable)} usable val documents, fewer than --docs {n_docs}")
+        chosen = np.sort(rng.choice(usable, size=n_docs, replace=False))
+        samples = []
+        for i in chosen:
+            s = alone[i]
+            # the swapped passage: other stories' text, cut to len(s)
+            j, pool = (i + 1) % len(docs), []
+            while sum(len(p) for p in pool) < len(s):
+                pool.append(alone[j])
+                j = (j + 1) % len(docs)
+            alt = np.concatenate(pool)[: len(s)]
+            p = int(rng.integers(warm[0], warm[1] + 1))
+            head, tail = docs[i][:1], docs[i][-1:]
+            samples.append(_repeat_sample(_prefix(stream, int(starts[i]), p), s, marker, s, head, tail, alt))
+        return samples
+
+    return repeat_samples_from_stream(text_stream(tok, dataset, text), marker, n_docs, passage, warm, rng)
+
+
+def repeat_samples_from_stream(stream: np.ndarray, marker: np.ndarray, n_docs: int, passage: int,
+                               warm: tuple[int, int], rng: np.random.Generator) -> list[Sample]:
+    """Copy documents ``prefix, s1, marker, s1`` with s1 a ``passage``-token piece of ``stream``,
+    and the swapped passage a piece from elsewhere in the stream."""
+    if passage < 1:
+        raise RecurformerError(f"--passage must be >= 1, got {passage}")
+    need = warm[1] + 2 * passage + 1
+    if len(stream) < 4 * need:
+        raise RecurformerError(
+            f"the text has {len(stream):,} tokens, too short for {passage}-token passages after a prefix of up to {warm[1]} "
+            f"(need at least {4 * need:,}); give more text or a smaller --passage / --warm-max"
+        )
+    samples = []
+    for _ in range(n_docs):
+        at = int(rng.integers(warm[1], len(stream) - passage))
+        s1 = stream[at : at + passage]
+        other = (at + len(stream) // 2 + int(rng.integers(0, len(stream) // 4))) % (len(stream) - passage)
+        alt = stream[other : other + passage]
+        p = int(rng.integers(max(warm[0], 1), max(warm[1], 1) + 1))  # s1[0] needs a token to be predicted from
+        empty = stream[:0]
+        samples.append(_repeat_sample(_prefix(stream, at, p), s1, marker, s1, empty, empty, alt))
+    return samples
+
+
+def swap_samples(stream: np.ndarray, n_docs: int, distances: Sequence[int], span: int, warm: tuple[int, int],
+                 rng: np.random.Generator) -> list[Sample]:
+    """For each sample: a true history of ``max(distances)`` + a random warm prefix, ``span``
+    targets after it, and one row per distance d whose history older than d is other text."""
+    if not distances or min(distances) < 0:
+        raise RecurformerError(f"--distances must be non-negative integers, got {list(distances)}")
+    if span < 1:
+        raise RecurformerError(f"--span must be >= 1, got {span}")
+    dmax = max(distances)
+    length = dmax + warm[1] + span
+    if len(stream) < 4 * length:
+        raise RecurformerError(
+            f"the text has {len(stream):,} tokens, too short for histories of {dmax} + a prefix of up to {warm[1]} tokens "
+            f"(need at least {4 * length:,}); give more text or smaller --distances / --warm-max"
+        )
+    samples = []
+    for _ in range(n_docs):
+        hist = dmax + int(rng.integers(warm[0], warm[1] + 1))
+        t0 = int(rng.integers(hist, len(stream) - span))
+        true = stream[t0 - hist : t0 + span]
+        o = (t0 + len(stream) // 2 + int(rng.integers(0, len(stream) // 4))) % (len(stream) - hist)
+        other = stream[o : o + hist]
+        rows, comps = [true], []
+        i = np.arange(span)
+        for d in distances:
+            row = true.copy()
+            row[: hist - d] = other[: hist - d]
+            rows.append(row)
+            comps.append(Comparison("swap_delta", len(rows) - 1, hist + i, 0, hist + i, d + i))
+        samples.append(Sample(rows, comps))
+    return samples
+
+
+def text_stream(tok: Tokenizer, dataset: str | None, text: Sequence[str] | None) -> np.ndarray:
+    """The val split of ``dataset`` (or the whole of ``text`` files), BOS before each document."""
+    if text:
+        docs = []
+        for f in text:
+            p = Path(f)
+            if not p.is_file():
+                raise RecurformerError(f"text file not found: {f}")
+            try:
+                docs.append(p.read_text(encoding="utf-8"))
+            except UnicodeDecodeError as e:
+                raise RecurformerError(f"{f} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    else:
+        docs = load_documents(dataset, None, 0.05)[1]
+    return np.concatenate(_encode(tok, docs, append_eos=dataset == "tinystories-repeat"))
+
+
+# ----------------------------------------------------------------------------------------------
+# reading rows through the streaming contract
+
+
+@torch.no_grad()
+def row_losses(model: StreamingLM, rows: Sequence[np.ndarray], chunk: int = 256, batch_size: int = 16,
+               precision: str = "fp32", progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
+    """Per-position losses of each row: ``out[r][p]`` = cross-entropy of token p given tokens < p
+    (``out[r][0]`` is NaN). Rows of any lengths are batched with padding at their end (which no
+    earlier position can see) and read ``chunk`` tokens per call, carrying the state."""
+    if chunk < 1:
+        raise RecurformerError(f"--chunk must be >= 1, got {chunk}")
+    device = model.tok_emb.weight.device
+    order = np.argsort([len(r) for r in rows], kind="stable")
+    out: list[np.ndarray] = [np.empty(0)] * len(rows)
+    cast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else torch.autocast(device.type, enabled=False)
+    for start in range(0, len(rows), batch_size):
+        idx = order[start : start + batch_size]
+        T = max(len(rows[i]) for i in idx)
+        x = torch.zeros(len(idx), T, dtype=torch.long)
+        for b, i in enumerate(idx):
+            x[b, : len(rows[i])] = torch.from_numpy(rows[i])
+        x = x.to(device)
+        losses = torch.full((len(idx), T), float("nan"), dtype=torch.float64)
+        state = None
+        for a in range(0, T - 1, chunk):
+            e = min(a + chunk, T - 1)
+            with cast:
+                o = model(x[:, a:e], state=state)
+            state = o.state
+            logits = o.logits.to(torch.promote_types(o.logits.dtype, torch.float32))
+            if not torch.isfinite(logits).all():
+                raise RecurformerError("the model produced non-finite logits (NaN/inf): its weights are broken")
+            ce = F.cross_entropy(logits.flatten(0, 1), x[:, a + 1 : e + 1].flatten(), reduction="none")
+            losses[:, a + 1 : e + 1] = ce.view(len(idx), -1).double().cpu()
+        for b, i in enumerate(idx):
+            out[i] = losses[b, : len(rows[i])].numpy()
+        if progress is not None:
+            progress(len(idx))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# statistics
+
+
+def distance_bins(max_distance: int) -> list[tuple[int, int]]:
+    """Log-spaced bins [0, 1), [1, 2), [2, 4), [4, 8), ... covering 0..max_distance."""
+    bins, lo = [(0, 1)], 1
+    while lo <= max_distance:
+        bins.append((lo, 2 * lo))
+        lo *= 2
+    return bins
+
+
+def bootstrap_mean(values: np.ndarray, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+    """Mean of per-document values with a percentile-bootstrap interval that resamples documents."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, values.size, size=(n_boot, values.size))].mean(axis=1)
+    alpha = (1 - level) / 2
+    return float(values.mean()), float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
+
+
+@dataclass
+class BinStat:
+    lo: int  # distances in [lo, hi)
+    hi: int
+    mean: float  # mean over documents of the per-document mean in this bin
+    ci_lo: float
+    ci_hi: float
+    docs: int  # documents with at least one token in the bin
+    tokens: int
+
+
+def aggregate(samples: Sequence[Sample], losses: Sequence[Sequence[np.ndarray]], metric: str, seed: int = 0) -> list[BinStat]:
+    """Per-document bin means of ``metric``, then mean and bootstrap interval over documents."""
+    per_doc: list[tuple[np.ndarray, np.ndarray]] = []
+    dmax = 0
+    for s, ls in zip(samples, losses):
+        vals, dist = [], []
+        for c in s.comparisons:
+            if c.metric == metric:
+                vals.append(ls[c.row_a][c.pos_a] - ls[c.row_b][c.pos_b])
+                dist.append(c.distance)
+        if vals:
+            v, d = np.concatenate(vals), np.concatenate(dist)
+            per_doc.append((v, d))
+            dmax = max(dmax, int(d.max()))
+    out = []
+    for lo, hi in distance_bins(dmax):
+        doc_means, tokens = [], 0
+        for v, d in per_doc:
+            m = (d >= lo) & (d < hi)
+            if m.any():
+                doc_means.append(float(v[m].mean()))
+                tokens += int(m.sum())
+        if doc_means:
+            mean, a, b = bootstrap_mean(np.asarray(doc_means), seed=seed)
+            out.append(BinStat(lo, hi, mean, a, b, len(doc_means), tokens))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# one checkpoint, end to end
+
+
+@dataclass
+class ProbeResult:
+    label: str
+    checkpoint: str
+    model: str
+    receptive_field: int | None
+    step: int | None
+    tokens_seen: int | None
+    val_loss: float | None  # the run's last validation loss up to this checkpoint (metrics.jsonl)
+    train_tok_per_s: float | None  # median training tokens/s up to this checkpoint (metrics.jsonl)
+    metrics: dict[str, list[BinStat]]
+
+
+def run_facts(ckpt_dir: Path) -> dict[str, Any]:
+    """Step and tokens of a checkpoint, and its run's validation loss and training speed so far."""
+    facts: dict[str, Any] = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
+    try:
+        tj = json.loads((ckpt_dir / "train_state.json").read_text())
+        facts["step"], facts["tokens_seen"] = tj.get("step"), tj.get("tokens_seen")
+    except (OSError, json.JSONDecodeError):
+        return facts
+    try:
+        rows = [json.loads(line) for line in (ckpt_dir.parent / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError):
+        return facts
+    rows = [r for r in rows if r.get("step", 0) <= facts["step"]]
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    speeds = [r["tok_per_s"] for r in rows if "tok_per_s" in r]
+    facts["val_loss"] = vals[-1] if vals else None
+    facts["train_tok_per_s"] = float(np.median(speeds)) if speeds else None
+    return facts
+
+
+def probe_model(model: StreamingLM, samples: Sequence[Sample], metrics: Sequence[str], chunk: int = 256,
+                batch_size: int = 16, precision: str = "fp32", seed: int = 0,
+                progress: Callable[[int], None] | None = None) -> dict[str, list[BinStat]]:
+    """Read every row of every sample and aggregate each metric by distance bin."""
+    model.eval()
+    flat = [r for s in samples for r in s.rows]
+    losses = row_losses(model, flat, chunk, batch_size, precision, progress)
+    per_sample, i = [], 0
+    for s in samples:
+        per_sample.append(losses[i : i + len(s.rows)])
+        i += len(s.rows)
+    return {m: aggregate(samples, per_sample, m, seed) for m in metrics}
+
+
+# ----------------------------------------------------------------------------------------------
+# reports
+
+
+def _cell(b: BinStat) -> str:
+    return f"{b.mean:+.3f} [{b.ci_lo:+.3f}, {b.ci_hi:+.3f}]"
+
+
+def markdown_tables(results: Sequence[ProbeResult]) -> str:
+    """One table per metric: a row per checkpoint, a column per distance bin."""
+    out = []
+    for metric in dict.fromkeys(m for r in results for m in r.metrics):
+        bins = sorted({(b.lo, b.hi) for r in results for b in r.metrics.get(metric, [])})
+        head = "| checkpoint | R | val loss | train tok/s | " + " | ".join(f"{lo}–{hi - 1}" if hi - lo > 1 else f"{lo}" for lo, hi in bins) + " |"
+        lines = [f"**{metric}** by distance (tokens back), mean over documents [95% bootstrap interval]", "", head,
+                 "|---|---|---|---|" + "---|" * len(bins)]
+        for r in results:
+            by = {(b.lo, b.hi): b for b in r.metrics.get(metric, [])}
+            R = "∞" if r.receptive_field is None else str(r.receptive_field)
+            val = f"{r.val_loss:.3f}" if r.val_loss is not None else "–"
+            tps = f"{r.train_tok_per_s:,.0f}" if r.train_tok_per_s is not None else "–"
+            lines.append(f"| {r.label} | {R} | {val} | {tps} | " + " | ".join(_cell(by[k]) if k in by else "" for k in bins) + " |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
+def to_json(results: Sequence[ProbeResult], meta: dict[str, Any]) -> dict[str, Any]:
+    return {"meta": meta, "results": [asdict(r) for r in results]}
+
+
+def plot(results: Sequence[ProbeResult], path: Path, title: str) -> None:
+    """One panel per metric: value vs distance (log), one line per checkpoint with its interval
+    shaded and each bounded model's receptive field R marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = list(dict.fromkeys(m for r in results for m in r.metrics))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6.4 * len(metrics), 4.4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for i, r in enumerate(results):
+            bs = r.metrics.get(metric, [])
+            if not bs:
+                continue
+            color = f"C{i % 10}"
+            x = [max(b.lo, 0.5) * (np.sqrt(2) if b.hi - b.lo > 1 else 1) for b in bs]  # bin centre (geometric)
+            ax.plot(x, [b.mean for b in bs], marker="o", ms=3, color=color, label=r.label)
+            ax.fill_between(x, [b.ci_lo for b in bs], [b.ci_hi for b in bs], color=color, alpha=0.2, lw=0)
+            if r.receptive_field is not None:
+                ax.axvline(r.receptive_field, color=color, ls=":", lw=1.2)
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("distance back (tokens); dotted: receptive field R")
+        ax.set_ylabel(f"{metric} (nats)")
+        ax.set_title(f"{title}: {metric}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` then rename onto ``path``: a reader never sees a half-written file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def check_writable(path: Path) -> None:
+    """Fail now (before hours of work) if ``path`` cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise RecurformerError(f"cannot write {path}: {e.strerror}") from None
