@@ -288,7 +288,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 def build_parser() -> argparse.ArgumentParser:
     from .models import model_names
 
+    from . import __version__
+
     ap = argparse.ArgumentParser(prog="recurformer", description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=f"recurformer {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="print a model's configuration and parameter counts")
     p.add_argument("--model", help=f"one of: {', '.join(model_names())}")
