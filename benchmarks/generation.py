@@ -74,13 +74,15 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
-def plot(results: dict, path: Path) -> None:
+def figure(results: dict):  # type: ignore[no-untyped-def]
+    """Resident memory and tokens/s against tokens generated, one line per model; both y axes
+    start at 0, so a flat line reads as flat and a growing one as growing."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4.2))
     for name, r in results.items():
         xs = [m["tokens"] for m in r["marks"]]
         a.plot(xs, [m["rss_mb"] for m in r["marks"]], marker="o", label=name)
@@ -89,9 +91,20 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens generated")
         ax.set_ylabel(y)
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
+    a.set_title("memory", fontsize=9)
+    b.set_title("speed", fontsize=9)
     a.legend(fontsize=7)
+    fig.suptitle("Streaming generation, batch 1, greedy, random weights (one process per model)")
     fig.tight_layout()
+    return fig
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(results)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
