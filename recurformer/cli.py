@@ -59,8 +59,8 @@ def state_size_line(model) -> str:  # type: ignore[no-untyped-def]
             state = model(torch.zeros(1, n, dtype=torch.long), state=state).state
             sizes.append(sum(t.numel() for t in state.to_flat().values() if t.is_floating_point()))
     if sizes[1] > sizes[0]:
-        return f"state per row: grows with the text, {sizes[1]:,} numbers after {4 * c - 1:,} tokens ({(sizes[1] - sizes[0]) / (2 * c):,.0f} per token)"
-    return f"state per row: {sizes[1]:,} numbers ({4 * sizes[1] / 2**20:.2f} MiB at fp32), the same at any length"
+        return f"state size per row (measured): grows with the text, {sizes[1]:,} numbers after {4 * c - 1:,} tokens ({(sizes[1] - sizes[0]) / (2 * c):,.0f} per token)"
+    return f"state size per row (measured): {sizes[1]:,} numbers ({4 * sizes[1] / 2**20:.2f} MiB at fp32), the same at any length"
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -174,6 +174,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     model, name, tok, _ = load_model(args.checkpoint, pick_device(args.device))
     if tok is None:
         raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
+    if tok.lowercase and args.prompt != args.prompt.lower():
+        print("[this model's tokenizer was learned from lower-case text: the prompt is lower-cased]", file=sys.stderr)
+        args.prompt = args.prompt.lower()
     session = load_session(args.load_state, model, name) if args.load_state else new_session(model, 1, args.seed)
     ids = ([] if args.load_state else [tok.bos_id]) + tok.encode(args.prompt)
     prompt = torch.tensor([ids], dtype=torch.long) if ids else None
