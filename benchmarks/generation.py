@@ -87,11 +87,11 @@ def figure(results: dict):  # type: ignore[no-untyped-def]
         xs = [m["tokens"] for m in r["marks"]]
         a.plot(xs, [m["rss_mb"] for m in r["marks"]], marker="o", label=name)
         b.plot(xs, [m["tok_per_s"] for m in r["marks"]], marker="o", label=name)
-    for ax, y in ((a, "resident memory (MB)"), (b, "tokens/s (since the previous mark)")):
+    for ax, y, key in ((a, "resident memory (MB)", "rss_mb"), (b, "tokens/s (since the previous mark)", "tok_per_s")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens generated")
         ax.set_ylabel(y)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.15 * max(m[key] for r in results.values() for m in r["marks"]))
         ax.grid(alpha=0.3)
     a.set_title("memory", fontsize=9)
     b.set_title("speed", fontsize=9)
