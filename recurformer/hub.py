@@ -150,7 +150,7 @@ def from_pretrained(
         try:
             path = Path(snapshot_download(str(dir_or_repo_id), revision=revision, allow_patterns=FILES))
         except (HfHubHTTPError, LocalEntryNotFoundError, HFValidationError, OSError) as e:
-            raise RecurformerError(f"cannot get {dir_or_repo_id} from the Hub: {str(e).splitlines()[0]}") from None
+            raise RecurformerError(f"{dir_or_repo_id} is no local directory, and getting it from the Hub failed: {str(e).splitlines()[0]}") from None
     model, _, tok, config = load_model(path, device)
     return model, tok, config
 

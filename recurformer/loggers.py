@@ -76,11 +76,17 @@ def make_sinks(names: list[str], run_dir: Path, config: dict[str, Any]) -> tuple
     """The sinks for ``train.loggers`` (``metrics.jsonl`` first), and notes for the run header."""
     from .config import RecurformerError
 
+    for name in names:  # every check before the first sink opens
+        if name not in LOGGERS:
+            raise RecurformerError(f"unknown logger '{name}' in train.loggers; valid: {', '.join(LOGGERS)}")
+        if name == "wandb":
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise RecurformerError("train.loggers asks for wandb, but it is not installed (pip install wandb)") from None
     sinks: list[Sink] = [JsonlSink(run_dir)]
     notes = [f"metrics: {run_dir / 'metrics.jsonl'}"]
     for name in names:
-        if name not in LOGGERS:
-            raise RecurformerError(f"unknown logger '{name}' in train.loggers; valid: {', '.join(LOGGERS)}")
         if name == "tensorboard":
             try:
                 sinks.append(TensorBoardSink(run_dir))
@@ -88,10 +94,6 @@ def make_sinks(names: list[str], run_dir: Path, config: dict[str, Any]) -> tuple
             except ImportError:
                 notes.append("tensorboard: not installed (pip install tensorboard), skipped")
         else:
-            try:
-                import wandb  # noqa: F401
-            except ImportError:
-                raise RecurformerError("train.loggers asks for wandb, but it is not installed (pip install wandb)") from None
             sink = WandbSink(run_dir, config)
             sinks.append(sink)
             notes.append(f"wandb: project {sink.run.project}, mode {os.environ.get('WANDB_MODE', 'online')}")

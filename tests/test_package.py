@@ -6,8 +6,10 @@ progress, and the README's example."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -93,6 +95,24 @@ def test_configs_are_package_data_and_load_by_name(tmp_path, monkeypatch) -> Non
     assert load_yaml("tinystories-cpu")["model"]["name"] == "memory_attention"
     with pytest.raises(RecurformerError, match=r"config file not found: nope \(bundled configs: .*tinystories-cpu"):
         load_yaml("nope")
+
+
+def test_configs_load_by_name_from_a_built_wheel(tmp_path) -> None:
+    """Build the wheel (pip, as a user would) and import the package from it, not from the source
+    tree: the bundled configs travel inside it and load by name from any directory."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "recurformer", src / "recurformer", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / f, src / f)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(src)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = (tmp_path / "dist").glob("recurformer-*.whl")
+    code = ("import recurformer; from recurformer.config import load_yaml; from recurformer.train import load_run_config; "
+            "print(recurformer.__file__); print(load_run_config('tinystories-cpu').model['name'], load_yaml('probe/ma-128')['model']['name'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(wheel)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [str(wheel / "recurformer" / "__init__.py"), "memory_attention memory_attention"]
 
 
 def test_configs_path_in_a_clone_is_the_same_files() -> None:
@@ -189,7 +209,7 @@ def test_from_pretrained_repo_id_downloads_offline(run, tmp_path, monkeypatch) -
         raise LocalEntryNotFoundError("no network and no cached copy")
 
     monkeypatch.setattr(hub, "snapshot_download", offline)
-    with pytest.raises(RecurformerError, match="cannot get someone/tiny-ma from the Hub: no network"):
+    with pytest.raises(RecurformerError, match="someone/tiny-ma is no local directory, and getting it from the Hub failed: no network"):
         recurformer.load("someone/tiny-ma")
     with pytest.raises(RecurformerError, match="neither a local directory nor a Hub repo id"):
         recurformer.load(str(tmp_path / "nowhere"))
@@ -246,16 +266,19 @@ def test_tensorboard_scalars_match_metrics(corpus, tmp_path) -> None:
 
 
 def test_missing_tensorboard_is_noted_and_missing_wandb_is_an_error(corpus, tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # "not installed"
-    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # "not installed"
     cfg = tiny_config(corpus, tmp_path)
+    argv = ["train", "--config", _yaml(cfg, tmp_path), "--set", f"train.out_dir={tmp_path / 'nolog'}"]
+    assert cli_main(argv + ["--set", "train.loggers=[tensorboard,wandb]"]) == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]  # after the data preparation's progress bars
+    assert last_line == "recurformer: error: train.loggers asks for wandb, but it is not installed (pip install wandb)"
+    assert not (tmp_path / "nolog" / "tensorboard").exists()  # no sink opened before the error
+    assert cli_main(argv + ["--set", "train.loggers=[mlflow]"]) == 2
+    assert "unknown logger 'mlflow'" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     cfg["train"]["loggers"] = ["tensorboard"]
     recurformer.train(cfg, progress=True, train={"steps": 1})
     assert "tensorboard: not installed (pip install tensorboard), skipped" in capsys.readouterr().out
-    assert cli_main(["train", "--config", _yaml(cfg, tmp_path), "--set", "train.loggers=[wandb]"]) == 2
-    assert capsys.readouterr().err.strip() == "recurformer: error: train.loggers asks for wandb, but it is not installed (pip install wandb)"
-    assert cli_main(["train", "--config", _yaml(cfg, tmp_path), "--set", "train.loggers=[mlflow]"]) == 2
-    assert "unknown logger 'mlflow'" in capsys.readouterr().err
 
 
 def _yaml(cfg: dict, tmp: Path) -> str:
