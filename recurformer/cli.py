@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
 
     p = sub.add_parser("prepare", help="tokenize a corpus into train/val token files")
-    p.add_argument("--dataset", help="tinystories-sample, tinystories-repeat, warpeace, books, tinystories (hub)")
+    p.add_argument("--dataset", help="tinystories-sample, tinystories-repeat, tinystories-cased, warpeace, books, tinystories (hub)")
     p.add_argument("--text", nargs="+", metavar="FILE", help="your own text files instead of a dataset")
     p.add_argument("--tokenizer", choices=["bpe", "byte"], default="bpe")
     p.add_argument("--vocab-size", type=int, default=4096)

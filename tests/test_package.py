@@ -430,6 +430,18 @@ def test_lowercase_tokenizer_lowercases_the_prompt(run, tmp_path, capsys) -> Non
     assert "lower-cased" not in capsys.readouterr().err
 
 
+def test_cased_tinystories_is_the_lower_case_sample_in_original_case() -> None:
+    from recurformer.data.prepare import DATASETS, load_documents
+
+    train, val, source = load_documents("tinystories-cased", None, 0.05)
+    lower_train, lower_val, _ = load_documents("tinystories-sample", None, 0.05)
+    assert "tinystories-cased" in DATASETS and "original case" in source
+    assert len(train) == 2316 and [d.lower() for d in train] == lower_train[:2316]
+    assert len(val) == 1000 and [d.lower() for d in val] == lower_val
+    assert train[0].startswith("One day, a little girl named Lily")
+    assert not Tokenizer.train_bpe(train[:300], 1024).lowercase and Tokenizer.train_bpe(lower_train[:300], 1024).lowercase
+
+
 def test_readme_examples_run(run) -> None:
     """The README's "What you get" blocks run as written (the trained-run path swapped for a tiny
     run); the API tour, which trains on the real data, at least compiles (its calls are tested above)."""
