@@ -133,8 +133,11 @@ def save_pretrained(
         if tokenizer is not None:
             tokenizer.save(t)
         model_card(model, cfg, results).save(t / CARD)
-        for f in t.iterdir():
-            os.replace(f, out / f.name)
+        written = [f.name for f in t.iterdir()]
+        for name in written:
+            os.replace(t / name, out / name)
+    for name in set(FILES) - set(written):  # e.g. the tokenizer of an earlier save: it would not fit
+        (out / name).unlink(missing_ok=True)
     return out
 
 
@@ -179,7 +182,7 @@ def upload(directory: str | Path, repo_id: str, private: bool = False, token: st
     api.create_repo(repo_id, private=private, exist_ok=True)
     info = api.upload_folder(repo_id=repo_id, folder_path=str(directory), commit_message=commit_message,
                              allow_patterns=FILES)
-    return str(info.commit_url) if hasattr(info, "commit_url") else str(info)
+    return str(info.commit_url)
 
 
 def export(checkpoint: str | Path, out: str | Path) -> Path:
@@ -187,5 +190,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     row is the run's last logged metrics up to the checkpoint's step)."""
     ck = resolve(checkpoint)
     model, _, tok, config = load_model(ck)
-    step = json.loads((ck / "train_state.json").read_text()).get("step") if (ck / "train_state.json").is_file() else None
+    if not (ck / "train_state.json").is_file():  # not a training checkpoint: no run to take results from
+        return save_pretrained(model, out, tok, config)
+    step = json.loads((ck / "train_state.json").read_text()).get("step")
     return save_pretrained(model, out, tok, config, results_row(ck.parent, step))

@@ -179,6 +179,8 @@ def test_save_pretrained_round_trip_and_card(run, tmp_path) -> None:
     assert card.startswith("---\nlibrary_name: recurformer\n")
     assert "Memory Attention" in card and "chunk_size: 8" in card and str(run.config["data"]["text_files"][0]) in card
     assert "| val_loss |" in card and "| 1.2500 |" in card
+    run.model.save_pretrained(out)  # saved again without a tokenizer: the old one must not stay beside it
+    assert not (out / "tokenizer.json").exists() and recurformer.load(out)[1] is None
     with pytest.raises(RecurformerError, match="holds a MemoryAttention, not a Llama"):
         type(build_model("llama", {"dim": 16, "n_layers": 1, "n_heads": 2})).from_pretrained(out)
 
