@@ -15,7 +15,6 @@ state, which are never broadcast or averaged; gradients are all-reduced once per
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import random
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from . import checkpoint as ckpt
+from . import loggers
 from .config import RecurformerError, from_dict, load_yaml, merge, parse_overrides
 from .models import build_model, make_config
 from .nn import State, StreamingLM
@@ -76,6 +76,7 @@ class TrainConfig:
     keep_last: int = 3
     seed: int = 0
     device: str = "auto"
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard"])  # + metrics.jsonl; see loggers.py
 
     def __post_init__(self) -> None:
         for k in ("batch_size", "seq_len", "steps", "grad_accum", "truncation", "eval_every", "log_every", "save_every"):
@@ -94,7 +95,10 @@ class RunConfig:
 
 def load_run_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
     raw = load_yaml(path) if path else {}
-    raw = merge(raw, parse_overrides(overrides))
+    return run_config_from_dict(merge(raw, parse_overrides(overrides)))
+
+
+def run_config_from_dict(raw: dict[str, Any]) -> RunConfig:
     cfg = from_dict(RunConfig, raw)
     if "name" not in cfg.model:
         raise RecurformerError("config key 'model.name' is required (e.g. memory_attention)")
@@ -268,14 +272,10 @@ class Trainer:
         if resumed is not None:
             self._restore(resumed)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.tb = None
+        self.sinks, self.header = [], []
         if self.rank == 0:
-            try:  # TensorBoard when it is installed; metrics.jsonl always
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(self.out_dir / "tensorboard"))
-            except ImportError:
-                pass
+            self.sinks, notes = loggers.make_sinks(t.loggers, self.out_dir, self._config_dict())
+            self.header = loggers.run_header(self, notes)
 
     # -- state of the run ------------------------------------------------------------------------
     def _config_dict(self) -> dict[str, Any]:
@@ -414,17 +414,19 @@ class Trainer:
         return loss
 
     def log(self, record: dict[str, Any]) -> None:
-        if self.rank == 0:
-            with open(self.out_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-            if self.tb is not None:
-                for k, v in record.items():
-                    if k != "step" and isinstance(v, (int, float)):
-                        self.tb.add_scalar(k, v, record["step"])
+        for sink in self.sinks:
+            sink.log(record, record["step"])
+
+    def close_loggers(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
     def run(self) -> dict[str, Any]:
         t = self.cfg.train
         self.model.train()
+        if self.show_progress:
+            print("\n".join(self.header), flush=True)
         bar = tqdm(total=t.steps, initial=self.step, disable=not self.show_progress, desc="train", dynamic_ncols=True)
         last: dict[str, Any] = {}
         t0, tok0 = time.perf_counter(), self.tokens_seen
@@ -465,5 +467,6 @@ def train_main(config: str | None, overrides: list[str] | None, resume: str | No
     try:
         return trainer.run()
     finally:
+        trainer.close_loggers()
         if trainer.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
