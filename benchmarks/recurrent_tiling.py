@@ -78,7 +78,7 @@ def main() -> None:
         models[f"block{b}"].load_state_dict(models["recurrent"].state_dict())
     tcfg = build_model("llama", cfg).config
     block = Block(tcfg).eval()
-    from recurformer.nn import rope_cos_sin
+    from recurformer.layers import rope_cos_sin
 
     rows = []
     N = args.min_n

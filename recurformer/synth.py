@@ -42,7 +42,8 @@ from torch import Tensor, nn
 from .config import RecurformerError, from_dict, merge, parse_overrides
 from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
 from .models import build_model, lookup
-from .nn import IGNORE_INDEX, RMSNorm, StreamingLM
+from .layers import RMSNorm
+from .nn import IGNORE_INDEX, StreamingLM
 from .train import TrainConfig, autocast_context, lr_at, make_optimizer
 
 MODEL_DEFAULTS: dict[str, Any] = {"dim": 128, "n_layers": 1, "n_heads": 16, "ffn_hidden": 512}

@@ -331,7 +331,7 @@ class Trainer:
         prefix = f"rank{self.rank}.state."
         flat = {k[len(prefix) :]: v for k, v in tt.items() if k.startswith(prefix)}
         if flat:
-            state = self.model.state_cls.from_flat(flat).to(self.device)
+            state = self.model.state_from_flat(flat).to(self.device)
             self.state = self.model.check_state(state, self.cfg.train.batch_size)
         self.step = tj["step"]
         self.tokens_seen = tj["tokens_seen"]

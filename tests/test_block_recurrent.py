@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from recurformer import RecurformerError, build_model
 from recurformer.models.block_recurrent import BlockRecurrent, Gate
-from recurformer.nn import apply_rope, rope_cos_sin
+from recurformer.layers import apply_rope, rope_cos_sin
 
 from helpers import TEST_CONFIGS, randomize_params
 

@@ -12,7 +12,8 @@ import torch
 
 from recurformer import RecurformerError, build_model
 from recurformer.models import REGISTRY
-from recurformer.nn import State, attend
+from recurformer.layers import attend
+from recurformer.nn import State
 
 from helpers import TEST_CONFIGS, all_cases, case_id, randomize_params
 
@@ -133,7 +134,7 @@ def test_state_utilities(name) -> None:
     assert all(not t.requires_grad for t in det.to_flat().values())
     moved = st.to(torch.float64)
     assert all(t.dtype == torch.float64 for t in moved.to_flat().values() if t.is_floating_point())
-    again = type(st).from_flat(flat)
+    again = model.state_from_flat(flat)
     assert_states_equal(again, st, 0, 0)
     assert det.batch_size == 3
 
@@ -151,7 +152,7 @@ def test_errors_are_one_line() -> None:
     with pytest.raises(RecurformerError, match="token id -1"):
         model(torch.tensor([[-1, 2]]))
     other = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0])
-    with pytest.raises(RecurformerError, match="state is a MemoryState, but Llama expects a KVState"):
+    with pytest.raises(RecurformerError, match="state does not fit this Llama"):
         model(torch.tensor([[1, 2]]), state=other.init_state(1))
     with pytest.raises(RecurformerError, match="batch size 2, tokens have 1"):
         model(torch.tensor([[1, 2]]), state=model.init_state(2))

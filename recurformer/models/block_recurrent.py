@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..nn import ModelConfig, RMSNorm, State, StreamingLM, apply_rope, attend, merge_heads, rope_cos_sin, split_heads
+from .._legacy_nn import ModelConfig, RMSNorm, State, StreamingLM, apply_rope, attend, merge_heads, rope_cos_sin, split_heads
 
 
 @dataclass
@@ -319,6 +319,7 @@ class Layer(nn.Module):
 
 
 class BlockRecurrent(StreamingLM):
+    kind = "block_recurrent"
     state_cls = BlockRecurrentState
 
     def __init__(self, config: BlockRecurrentConfig) -> None:

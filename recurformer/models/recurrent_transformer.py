@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..nn import ModelConfig, RMSNorm, State, StreamingLM, SwiGLU, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
+from .._legacy_nn import ModelConfig, RMSNorm, State, StreamingLM, SwiGLU, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
 from ..ops.recurrent_attention import BiasFn, alibi_bias, recurrent_attention_naive, recurrent_attention_tiled
 
 
@@ -140,6 +140,7 @@ class RecurrentLayer(nn.Module):
 
 
 class RecurrentTransformer(StreamingLM):
+    kind = "recurrent"
     state_cls = RecurrentState
 
     def __init__(self, config: RecurrentTransformerConfig) -> None:

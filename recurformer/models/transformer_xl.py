@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..nn import ModelConfig, RMSNorm, State, StreamingLM, SwiGLU, merge_heads, split_heads
+from .._legacy_nn import ModelConfig, RMSNorm, State, StreamingLM, SwiGLU, merge_heads, split_heads
 from ..ops.relative import relative_scores, sinusoid_table
 
 
@@ -118,6 +118,7 @@ class Block(nn.Module):
 
 
 class TransformerXL(StreamingLM):
+    kind = "xl"
     state_cls = XLState
 
     def __init__(self, config: TransformerXLConfig) -> None:
