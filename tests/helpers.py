@@ -39,7 +39,7 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="lstm", cell="skip", num_states=6, position="rope"),
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, block_size=6, gate="lstm", cell="single", recurrent_layers=(-1,), mlp="relu"),
         dict(vocab_size=61, dim=24, n_layers=1, n_heads=2, block_size=4, gate="lstm", cell="dual", recurrent_layers=(0,), t5_buckets=4, t5_max_distance=3),
-        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, recurrent_layers=(1,), window=3, layers=["window", "block_recurrent", "full"]),
+        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="fixed", cell="skip", recurrent_layers=(1,), window=3, layers=["window", "block_recurrent", "full"]),
     ],
     "recurrent_transformer": [
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4),

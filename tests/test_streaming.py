@@ -4,6 +4,7 @@ in the final state; causality; state utilities; clear errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import zlib
 
@@ -157,8 +158,15 @@ def test_errors_are_one_line() -> None:
     with pytest.raises(RecurformerError, match="batch size 2, tokens have 1"):
         model(torch.tensor([[1, 2]]), state=model.init_state(2))
     bigger = build_model("llama", dict(TEST_CONFIGS["llama"][0], n_layers=3))
-    with pytest.raises(RecurformerError, match="state"):
+    with pytest.raises(RecurformerError, match="state does not fit this Llama: it has 3 layers, the model 2"):
         model(torch.tensor([[1, 2]]), state=bigger.init_state(1))
+    # the state check is exact: a Memory Attention state of chunk 8 on a chunk-4 model
+    ma8 = build_model("memory_attention", dict(TEST_CONFIGS["memory_attention"][0], chunk_size=8))
+    ma4 = build_model("memory_attention", dict(TEST_CONFIGS["memory_attention"][0], chunk_size=4))
+    with pytest.raises(RecurformerError, match=r"layer 0 \(memory\) 'memory' has shape \(1, 8, 32\), expected \(1, 4, 32\)"):
+        ma4(torch.tensor([[1, 2]]), state=ma8(torch.tensor([[1, 2]])).state)
+    with pytest.raises(RecurformerError, match="'part_k' has shape"):  # 2 tokens read, but pos says 3
+        ma4(torch.tensor([[1]]), state=dataclasses.replace(ma4(torch.tensor([[1, 2]])).state, pos=3))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
