@@ -3,7 +3,9 @@ every measurement runs in a fresh process with ``PYTHONPATH`` pointing at tree A
 two alternate within each repeat (A, B, B, A, ...), so background load hits both alike. Reports
 the median of each and the ratio B/A per model and measurement.
 
-Measurements (fp32, the seeds' configuration of ``throughput.py``): ``train`` = forward + backward
+Times are the worker's CPU time (``time.process_time``, one thread), which a loaded machine
+disturbs far less than wall-clock time. Measurements (fp32, the seeds' configuration of
+``throughput.py``): ``train`` = forward + backward
 + AdamW step on B x T tokens with the state carried (tokens/s); ``eval`` = one no-grad forward
 over T_eval tokens (tokens/s); ``decode`` = token-by-token calls with the state (tokens/s).
 
@@ -31,22 +33,22 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 x = torch.randint(0, 4096, (B, T))
 state, times = None, []
 for i in range(steps + 1):
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     out = model(x, state=state, targets=x)
     out.loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     state = out.state.detach() if model.bounded_state else None
-    times.append(time.perf_counter() - t0)
+    times.append(time.process_time() - t0)
 res = {"train": B * T / min(times[1:])}
 model.eval()
 with torch.no_grad():
     xe = torch.randint(0, 4096, (1, T_eval))
     model(xe[:, :64])
-    t0 = time.perf_counter(); model(xe); res["eval"] = T_eval / (time.perf_counter() - t0)
+    t0 = time.process_time(); model(xe); res["eval"] = T_eval / (time.process_time() - t0)
     st = model(xe[:, :64]).state
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for t in range(n_dec):
         st = model(xe[:, t : t + 1], state=st).state
-    res["decode"] = n_dec / (time.perf_counter() - t0)
+    res["decode"] = n_dec / (time.process_time() - t0)
 print(json.dumps(res))
 """
 

@@ -256,6 +256,8 @@ class StreamingLM(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(build_layer(k, config, i) for i, k in enumerate(config.layer_kinds(self.default_kind())))
         self.norm = RMSNorm(config.dim, config.norm_eps)
+        if config.window is not None and not any(layer.kind == "window" for layer in self.layers):
+            raise RecurformerError("config key 'window' is set, but no layer is a 'window' layer (see config key 'layers')")
         self.init_weights()
 
     def default_kind(self) -> str:
@@ -295,7 +297,7 @@ class StreamingLM(nn.Module):
             if pos % P:
                 unit = max(self.layers, key=lambda layer: layer.period).unit
                 raise RecurformerError(
-                    f"{self.kind} can reset a row only at a {unit} boundary (current {unit} has {pos % P} of {P} tokens)"
+                    f"{type(self).__name__} can reset a row only at a {unit} boundary (current {unit} has {pos % P} of {P} tokens)"
                 )
             layers = [layer.reset(s, state.fresh) for layer, s in zip(self.layers, layers)]
         start = torch.where(state.fresh, torch.full_like(state.start, pos), state.start)

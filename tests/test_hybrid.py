@@ -37,6 +37,7 @@ def test_layer_kinds_from_config() -> None:
         ("llama", dict(n_layers=2, layers=["full", "window"]), "layer 1 is a 'window' layer: set config key 'window'"),
         ("memory_attention", dict(n_layers=2, memory_layers=[2]), "'memory_layers' names layer 2, outside 0..1"),
         ("memory_attention", dict(n_layers=2, memory_layers=[0], layers=["memory", "full"]), "either 'layers' or 'memory_layers'"),
+        ("memory_attention", dict(n_layers=2, window=8), "'window' is set, but no layer is a 'window' layer"),
     ],
 )
 def test_stacks_that_cannot_be_built(name, values, message) -> None:
