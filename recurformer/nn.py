@@ -210,22 +210,30 @@ class Layer(nn.Module):
         """None if ``state`` fits this layer after ``pos`` tokens, else what is wrong."""
         if type(state) is not self.state_cls:
             return f"holds a {type(state).__name__}, expected a {self.state_cls.__name__}"
-        ref = self.init_state(1, "meta", torch.float32)
-        for f in dataclasses.fields(state):
-            a, b = getattr(state, f.name), getattr(ref, f.name)
-            if (a is None) != (b is None):
-                return f"'{f.name}' is {'missing' if a is None else 'unexpected'}"
-            if a is None:
+        for name, shape in self.state_shapes().items():
+            a = getattr(state, name)
+            if (a is None) != (shape is None):
+                return f"'{name}' is {'missing' if a is None else 'unexpected'}"
+            if a is None or shape is None:
                 continue
-            want = list(b.shape)
+            want = list(shape)
             want[0] = a.shape[0]
-            if f.name in state.cache and a.dim() == b.dim():
-                want[state.cache[f.name]] = a.shape[state.cache[f.name]]
-            if f.name in state.partial:
-                want[state.partial[f.name]] += pos % self.period
+            if name in state.cache and a.dim() == len(want):
+                want[state.cache[name]] = a.shape[state.cache[name]]
+            if name in state.partial:
+                want[state.partial[name]] += pos % self.period
             if list(a.shape) != want:
-                return f"'{f.name}' has shape {tuple(a.shape)}, expected {tuple(want)}"
+                return f"'{name}' has shape {tuple(a.shape)}, expected {tuple(want)}"
         return None
+
+    def state_shapes(self) -> dict[str, tuple[int, ...] | None]:
+        """The shapes of a fresh state of batch 1 (made once, on the meta device)."""
+        if "_state_shapes" not in self.__dict__:
+            ref = self.init_state(1, "meta", torch.float32)
+            self.__dict__["_state_shapes"] = {
+                f.name: None if (v := getattr(ref, f.name)) is None else tuple(v.shape) for f in dataclasses.fields(ref)
+            }
+        return self.__dict__["_state_shapes"]
 
 
 def reset_rows(fresh: Tensor, old: Tensor, init: Tensor) -> Tensor:
