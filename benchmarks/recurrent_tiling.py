@@ -41,8 +41,8 @@ def layer_fn(model, x, impl):
     empty = x.new_zeros(B, layer.n_heads, 0, D // layer.n_heads)
     past = {k: empty for k in ("k", "v", "tk", "tv")}
     start = torch.zeros(B, dtype=torch.long)
-    rope, bias = model.position_signal(0, T, x.device, x.dtype)
-    return lambda: layer(x, past, pos0=0, start=start, rope=rope, bias_fn=bias, impl=impl)
+    rope, bias = layer.position_signal(0, T, x.device, x.dtype)
+    return lambda: layer.run(x, past, pos0=0, start=start, rope=rope, bias_fn=bias, impl=impl)
 
 
 def saved_bytes(fn) -> int:
@@ -78,7 +78,7 @@ def main() -> None:
         models[f"block{b}"].load_state_dict(models["recurrent"].state_dict())
     tcfg = build_model("llama", cfg).config
     block = Block(tcfg).eval()
-    from recurformer.nn import rope_cos_sin
+    from recurformer.layers import rope_cos_sin
 
     rows = []
     N = args.min_n

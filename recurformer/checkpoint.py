@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .compat import FORMAT, upgrade_weights
 from .config import RecurformerError
 
 LATEST = "latest"
@@ -50,7 +51,8 @@ def save_checkpoint(
     tmp = run_dir / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_tensors.items()}, tmp / "model.safetensors")
+    meta = {"format": str(FORMAT)}
+    save_file({k: v.detach().contiguous().cpu() for k, v in model_tensors.items()}, tmp / "model.safetensors", metadata=meta)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer_json is not None:
         (tmp / "tokenizer.json").write_text(tokenizer_json)
@@ -116,7 +118,9 @@ def load_checkpoint(path: str | Path, with_train_state: bool = False) -> dict[st
 
 
 def load_model_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """Strict load with a one-line message when the checkpoint holds another architecture."""
+    """Strict load with a one-line message when the checkpoint holds another architecture
+    (format-1 names are mapped to today's first)."""
+    tensors = upgrade_weights(model, tensors)
     own = model.state_dict()
     missing = sorted(set(own) - set(tensors))
     extra = sorted(set(tensors) - set(own))

@@ -116,10 +116,6 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     return obj
 
 
-def to_dict(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj)
-
-
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}``; values are parsed as YAML scalars."""
     out: dict[str, Any] = {}

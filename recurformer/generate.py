@@ -164,7 +164,7 @@ def load_session(path: str | Path, model: StreamingLM, model_name: str) -> Sessi
         raise RecurformerError(f"session {p} was made by a '{meta.get('model')}' model, not '{model_name}'")
     device = model.tok_emb.weight.device
     flat = {k[len("state.") :]: v for k, v in tensors.items() if k.startswith("state.")}
-    state = model.state_cls.from_flat(flat).to(device)
+    state = model.state_from_flat(flat).to(device)
     model.check_state(state, state.batch_size)
     g = torch.Generator(device=device)
     g.set_state(tensors["generator"])

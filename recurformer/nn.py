@@ -1,14 +1,17 @@
-"""Shared building blocks: the streaming contract (State, Output, StreamingLM), RMSNorm, SwiGLU,
-RoPE with arbitrary positions, and attention helpers over PyTorch SDPA."""
+"""The streaming contract, written once for every model: the per-layer state (``LayerState``),
+the model state (``State``: fresh rows, position, document starts and the list of layer states),
+the layer protocol (``Layer``) and the model around a stack of layers (``StreamingLM``: embedding,
+input and state checks, the lazy per-row reset, the layer loop, the final norm and the tied LM
+head). The layers themselves live in ``layers.py`` and ``models/``."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -16,98 +19,12 @@ from torch import Tensor, nn
 
 from .config import RecurformerError
 
-# ----------------------------------------------------------------------------------------------
-# the streaming contract
-
-
-@dataclass
-class State:
-    """Base of every model state: a dataclass whose fields are tensors (batch first), lists of
-    per-layer tensors, or ints. ``fresh[b]`` marks rows that start a new document at the next
-    call: the model replaces their state by its initial state before reading it, so a learned
-    initial state still receives gradients after ``reset``.
-
-    States are values: ``detach()``, ``to()`` and ``reset()`` return new states."""
-
-    fresh: Tensor  # [B] bool
-
-    @property
-    def batch_size(self) -> int:
-        return self.fresh.shape[0]
-
-    def _map(self, fn: Callable[[Tensor], Tensor]) -> "State":
-        changes: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, Tensor):
-                changes[f.name] = fn(v)
-            elif isinstance(v, list):
-                changes[f.name] = [fn(t) for t in v]
-        return dataclasses.replace(self, **changes)
-
-    def detach(self) -> "State":
-        """Cut the autograd graph (the TBPTT boundary)."""
-        return self._map(lambda t: t.detach())
-
-    def to(self, *args: Any, **kwargs: Any) -> "State":
-        """Move / cast like ``Tensor.to``; integer and boolean tensors keep their dtype."""
-
-        def move(t: Tensor) -> Tensor:
-            if t.is_floating_point():
-                return t.to(*args, **kwargs)
-            dev = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
-            return t.to(device=dev) if dev is not None else t
-
-        return self._map(move)
-
-    def reset(self, mask: Tensor) -> "State":
-        """Start a new document in the rows where ``mask`` ([B] bool) is true."""
-        mask = torch.as_tensor(mask, dtype=torch.bool, device=self.fresh.device)
-        if mask.shape != self.fresh.shape:
-            raise RecurformerError(f"reset mask has shape {tuple(mask.shape)}, expected ({self.batch_size},)")
-        return dataclasses.replace(self, fresh=self.fresh | mask)
-
-    def to_flat(self) -> dict[str, Tensor]:
-        """Flatten to ``{name: tensor}`` (for safetensors); ints become 0-d int64 tensors."""
-        out: dict[str, Tensor] = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, Tensor):
-                out[f.name] = v
-            elif isinstance(v, list):
-                out[f"{f.name}.n"] = torch.tensor(len(v))
-                for i, t in enumerate(v):
-                    out[f"{f.name}.{i}"] = t
-            elif isinstance(v, int):
-                out[f.name] = torch.tensor(v)
-        return {k: t.detach().contiguous() for k, t in out.items()}
-
-    @classmethod
-    def from_flat(cls, flat: dict[str, Tensor]) -> "State":
-        hints = typing.get_type_hints(cls)
-        kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            tp = hints[f.name]
-            try:
-                if typing.get_origin(tp) is list:
-                    kwargs[f.name] = [flat[f"{f.name}.{i}"] for i in range(int(flat[f"{f.name}.n"]))]
-                elif tp is int:
-                    kwargs[f.name] = int(flat[f.name])
-                else:
-                    kwargs[f.name] = flat[f.name]
-            except KeyError as e:
-                raise RecurformerError(f"saved state is not a {cls.__name__}: missing '{e.args[0]}'") from None
-        return cls(**kwargs)
-
-
-@dataclass
-class Output:
-    logits: Tensor  # [B, T, V]
-    loss: Tensor | None  # mean cross-entropy over targets != ignore_index
-    state: State  # state after the last token (not detached)
-
-
 IGNORE_INDEX = -100
+S = TypeVar("S", bound="LayerState")
+
+
+# ----------------------------------------------------------------------------------------------
+# configs
 
 
 @dataclass
@@ -123,6 +40,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    window: int | None = None  # attention window W of 'window' layers (a query sees W tokens, itself included)
+    layers: list[str] | None = None  # a kind per layer for hybrid stacks, e.g. [window, window, memory, window]
     # The field that bounds how far back a token attends directly (window, chunk, segment or block
     # length), None if the model has none; the synthetic diagnostics give every model this context.
     context_field: ClassVar[str | None] = None
@@ -135,6 +54,10 @@ class ModelConfig:
             raise RecurformerError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if (self.dim // self.n_heads) % 2:
             raise RecurformerError(f"head dim dim/n_heads = {self.dim // self.n_heads} must be even for RoPE")
+        if self.window is not None and self.window < 1:
+            raise RecurformerError(f"config key 'window' must be >= 1, got {self.window}")
+        if self.layers is not None and len(self.layers) != self.n_layers:
+            raise RecurformerError(f"config key 'layers' names {len(self.layers)} layers, n_layers is {self.n_layers}")
 
     @property
     def head_dim(self) -> int:
@@ -147,36 +70,252 @@ class ModelConfig:
         h = int(2 * 4 * self.dim / 3)
         return self.multiple_of * ((h + self.multiple_of - 1) // self.multiple_of)
 
+    def layer_kinds(self, default: str) -> list[str]:
+        """The kind of every layer: ``layers`` if given, else the model's own kind everywhere."""
+        return list(self.layers) if self.layers is not None else [default] * self.n_layers
+
+
+# ----------------------------------------------------------------------------------------------
+# states
+
+
+@dataclass
+class LayerState:
+    """One layer's state: a dataclass of tensors, batch first (a field may be None where a layer
+    has no such part). ``cache`` names the fields whose dimension ``dim`` holds past positions of
+    any length (a KV cache); ``partial`` the fields whose dimension holds the tokens read so far
+    of the current chunk, ``pos % period`` more than in a fresh state. The state check is exact
+    on every other dimension."""
+
+    cache: ClassVar[dict[str, int]] = {}
+    partial: ClassVar[dict[str, int]] = {}
+
+    def map(self: S, fn: Callable[[Tensor], Tensor]) -> S:
+        return dataclasses.replace(self, **{k: fn(v) for k, v in self.tensors().items()})
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {f.name: v for f in dataclasses.fields(self) if isinstance(v := getattr(self, f.name), Tensor)}
+
+    @classmethod
+    def from_flat(cls: type[S], flat: dict[str, Tensor], prefix: str) -> S:
+        return cls(**{f.name: flat.get(prefix + f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass
+class State:
+    """The model's state after ``pos`` tokens: one ``LayerState`` per layer, ``start[b]`` where
+    row b's current document began and ``fresh[b]`` for rows that start a new document at the next
+    call (the model replaces their layer states by the initial ones before reading them, so a
+    learned initial state still receives gradients after ``reset``).
+
+    States are values: ``detach()``, ``to()`` and ``reset()`` return new states."""
+
+    fresh: Tensor  # [B] bool
+    start: Tensor  # [B] int64
+    pos: int
+    layers: list[LayerState]
+
+    @property
+    def batch_size(self) -> int:
+        return self.fresh.shape[0]
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> "State":
+        return dataclasses.replace(self, fresh=fn(self.fresh), start=fn(self.start), layers=[s.map(fn) for s in self.layers])
+
+    def detach(self) -> "State":
+        """Cut the autograd graph (the TBPTT boundary)."""
+        return self.map(lambda t: t.detach())
+
+    def to(self, *args: Any, **kwargs: Any) -> "State":
+        """Move / cast like ``Tensor.to``; integer and boolean tensors keep their dtype."""
+
+        def move(t: Tensor) -> Tensor:
+            if t.is_floating_point():
+                return t.to(*args, **kwargs)
+            dev = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+            return t.to(device=dev) if dev is not None else t
+
+        return self.map(move)
+
+    def reset(self, mask: Tensor) -> "State":
+        """Start a new document in the rows where ``mask`` ([B] bool) is true."""
+        mask = torch.as_tensor(mask, dtype=torch.bool, device=self.fresh.device)
+        if mask.shape != self.fresh.shape:
+            raise RecurformerError(f"reset mask has shape {tuple(mask.shape)}, expected ({self.batch_size},)")
+        return dataclasses.replace(self, fresh=self.fresh | mask)
+
+    def to_flat(self) -> dict[str, Tensor]:
+        """``{name: tensor}`` for safetensors: fresh, start, pos, layers.n, layers.<i>.<field>."""
+        out = {"fresh": self.fresh, "start": self.start, "pos": torch.tensor(self.pos), "layers.n": torch.tensor(len(self.layers))}
+        for i, s in enumerate(self.layers):
+            out.update({f"layers.{i}.{k}": t for k, t in s.tensors().items()})
+        return {k: t.detach().contiguous() for k, t in out.items()}
+
+
+@dataclass
+class Output:
+    logits: Tensor  # [B, T, V]
+    loss: Tensor | None  # mean cross-entropy over targets != ignore_index
+    state: State  # state after the last token (not detached)
+
+
+@dataclass
+class Call:
+    """What every layer of one call shares: the position of its first token, the document start
+    of every row, and a memo for tables (masks, RoPE angles) that several layers would build alike."""
+
+    pos: int
+    start: Tensor  # [B] int64
+    memo: dict[Any, Any] = field(default_factory=dict)
+
+    def shared(self, key: Any, make: Callable[[], Any]) -> Any:
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# the layer protocol
+
+
+class Layer(nn.Module):
+    """One layer of a stack. ``forward(h, state, call) -> (h, state)`` reads and returns its own
+    ``LayerState``; ``init_state`` makes a fresh one (zeros; a learned initial state is put in by
+    ``reset``); ``reset(state, fresh)`` restores the initial state in the rows marked fresh; a row
+    can be reset only when the position is a multiple of ``period`` (the chunk, segment or block
+    length, called ``unit``); ``reach(q)`` is the earliest position the output at position q reads
+    directly (None: the whole document, through a cache or a recurrent state)."""
+
+    kind: str = "layer"
+    period: int = 1
+    unit: str = "token"
+    bounded: bool = True  # the state stays the same size at any length
+    state_cls: type[LayerState] = LayerState
+
+    def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> LayerState:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, state: Any, call: Call) -> tuple[Tensor, Any]:
+        raise NotImplementedError
+
+    def reset(self, state: Any, fresh: Tensor) -> Any:
+        return state  # a KV cache needs nothing: ``call.start`` masks the old document
+
+    def reach(self, q: int) -> int | None:
+        return None
+
+    def describe(self) -> str:
+        return self.kind
+
+    def check_state(self, state: LayerState, pos: int) -> str | None:
+        """None if ``state`` fits this layer after ``pos`` tokens, else what is wrong."""
+        if type(state) is not self.state_cls:
+            return f"holds a {type(state).__name__}, expected a {self.state_cls.__name__}"
+        for name, shape in self.state_shapes().items():
+            a = getattr(state, name)
+            if (a is None) != (shape is None):
+                return f"'{name}' is {'missing' if a is None else 'unexpected'}"
+            if a is None or shape is None:
+                continue
+            want = list(shape)
+            want[0] = a.shape[0]
+            if name in state.cache and a.dim() == len(want):
+                want[state.cache[name]] = a.shape[state.cache[name]]
+            if name in state.partial:
+                want[state.partial[name]] += pos % self.period
+            if list(a.shape) != want:
+                return f"'{name}' has shape {tuple(a.shape)}, expected {tuple(want)}"
+        return None
+
+    def state_shapes(self) -> dict[str, tuple[int, ...] | None]:
+        """The shapes of a fresh state of batch 1 (made once, on the meta device)."""
+        if "_state_shapes" not in self.__dict__:
+            ref = self.init_state(1, "meta", torch.float32)
+            self.__dict__["_state_shapes"] = {
+                f.name: None if (v := getattr(ref, f.name)) is None else tuple(v.shape) for f in dataclasses.fields(ref)
+            }
+        return self.__dict__["_state_shapes"]
+
+
+def reset_rows(fresh: Tensor, old: Tensor, init: Tensor) -> Tensor:
+    """``old`` with the rows b where ``fresh[b]`` replaced by ``init`` (broadcast to a row)."""
+    f = fresh.view(-1, *([1] * (old.dim() - 1)))
+    return torch.where(f, init.to(old.dtype).expand_as(old), old)
+
+
+# ----------------------------------------------------------------------------------------------
+# the model
+
 
 class StreamingLM(nn.Module):
-    """Token embedding -> ``self.body`` (the architecture) -> final RMSNorm -> tied LM head.
+    """Token embedding -> the stack of layers -> final RMSNorm -> tied LM head.
 
-    Subclasses implement ``init_state(batch)`` and ``body(h, state) -> (h, state)``. ``forward``
-    validates its inputs and computes logits and the loss."""
+    A model class names its config, its own layer ``kind`` and how to build a layer of that kind
+    (``make_layer``); ``config.layers`` may mix kinds (see ``models.build_layer``)."""
 
-    state_cls: type[State] = State
-    layers: nn.ModuleList  # the architecture's layers, run in order by ``body``
+    kind: ClassVar[str]
+    layer_config: ClassVar[type[ModelConfig]] = ModelConfig  # the config a layer of this kind needs
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        from .layers import RMSNorm
+        from .models import build_layer
+
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(build_layer(k, config, i) for i, k in enumerate(config.layer_kinds(self.default_kind())))
         self.norm = RMSNorm(config.dim, config.norm_eps)
+        if config.window is not None and not any(layer.kind == "window" for layer in self.layers):
+            raise RecurformerError("config key 'window' is set, but no layer is a 'window' layer (see config key 'layers')")
+        self.init_weights()
+
+    def default_kind(self) -> str:
+        return self.kind
+
+    @staticmethod
+    def make_layer(cfg: Any, index: int) -> Layer:
+        raise NotImplementedError
 
     def init_weights(self) -> None:
-        """normal(0, std) everywhere; residual output projections get std / sqrt(2 * n_layers)."""
+        """normal(0, std) everywhere; residual output projections get std / sqrt(2 * n_layers);
+        then each layer's own initialisation (``Layer.init_extra``)."""
         std = self.config.init_std
         for name, p in self.named_parameters():
             if p.dim() >= 2:
                 scale = 1 / math.sqrt(2 * self.config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0
                 nn.init.normal_(p, 0.0, std * scale)
+        for m in self.modules():
+            if m is not self and hasattr(m, "init_extra"):
+                m.init_extra(std)
 
     # -- contract ------------------------------------------------------------------------------
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> State:
-        raise NotImplementedError
+        dtype = self.tok_emb.weight.dtype
+        return State(
+            fresh=torch.ones(batch_size, dtype=torch.bool, device=device),
+            start=torch.zeros(batch_size, dtype=torch.long, device=device),
+            pos=0,
+            layers=[layer.init_state(batch_size, device, dtype) for layer in self.layers],
+        )
 
     def body(self, h: Tensor, state: State) -> tuple[Tensor, State]:
-        raise NotImplementedError
+        """The layers over h [B, T, D], after the lazy reset of the fresh rows."""
+        layers, pos = state.layers, state.pos
+        if bool(state.fresh.any()):
+            P = self.reset_boundary
+            if pos % P:
+                unit = max(self.layers, key=lambda layer: layer.period).unit
+                raise RecurformerError(
+                    f"{type(self).__name__} can reset a row only at a {unit} boundary (current {unit} has {pos % P} of {P} tokens)"
+                )
+            layers = [layer.reset(s, state.fresh) for layer, s in zip(self.layers, layers)]
+        start = torch.where(state.fresh, torch.full_like(state.start, pos), state.start)
+        call = Call(pos, start)
+        new = []
+        for layer, s in zip(self.layers, layers):
+            h, s = layer(h, s, call)
+            new.append(s)
+        return h, State(fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=new)
 
     def features(self, tokens: Tensor, state: State | None = None) -> tuple[Tensor, State]:
         """Validated ``tokens`` [B, T] -> final-norm hidden states [B, T, D] (what the LM head
@@ -206,17 +345,32 @@ class StreamingLM(nn.Module):
         return Output(logits=logits, loss=loss, state=state)
 
     def check_state(self, state: State, batch_size: int) -> State:
-        if type(state) is not self.state_cls:
-            raise RecurformerError(
-                f"state is a {type(state).__name__}, but {type(self).__name__} expects a {self.state_cls.__name__}"
-            )
+        """Exact: the state's type, batch size, layer count and every layer state's shapes."""
+        where = f"state does not fit this {type(self).__name__}"
+        if not isinstance(state, State):
+            raise RecurformerError(f"{where}: it is a {type(state).__name__}, not a recurformer State")
         if state.batch_size != batch_size:
             raise RecurformerError(f"state has batch size {state.batch_size}, tokens have {batch_size}")
-        if not hasattr(self, "_state_sig"):
-            self._state_sig = _signature(self.init_state(1, "cpu"))
-        if _signature(state) != self._state_sig:
-            raise RecurformerError(f"state does not fit this {type(self).__name__} (made by a model of another size)")
+        if len(state.layers) != len(self.layers):
+            raise RecurformerError(f"{where}: it has {len(state.layers)} layers, the model {len(self.layers)}")
+        for i, (layer, s) in enumerate(zip(self.layers, state.layers)):
+            if (why := layer.check_state(s, state.pos)) is not None:
+                raise RecurformerError(f"{where}: layer {i} ({layer.kind}) {why}")
         return state
+
+    def state_from_flat(self, flat: dict[str, Tensor]) -> State:
+        """The inverse of ``State.to_flat`` (states saved before the layer contract are converted)."""
+        if "layers.n" not in flat:
+            from .compat import upgrade_state
+
+            flat = upgrade_state(self, flat)
+        try:
+            n = int(flat["layers.n"])
+            layers = [layer.state_cls.from_flat(flat, f"layers.{i}.") for i, layer in enumerate(self.layers[:n])]
+            state = State(fresh=flat["fresh"], start=flat["start"], pos=int(flat["pos"]), layers=layers)
+        except KeyError as e:
+            raise RecurformerError(f"saved state is not a recurformer State: missing '{e.args[0]}'") from None
+        return self.check_state(state, state.batch_size)
 
     def generate(self, prompt: Any, max_new_tokens: int, temperature: float, **kwargs: Any) -> list[list[int]]:
         """Sample ``max_new_tokens`` after ``prompt`` (see ``recurformer.generate.generate``).
@@ -256,13 +410,33 @@ class StreamingLM(nn.Module):
     @property
     def bounded_state(self) -> bool:
         """Whether the state stays the same size at any length (False for a full KV cache)."""
-        return True
+        return all(layer.bounded for layer in self.layers)
 
     @property
     def reset_boundary(self) -> int:
-        """A row's state can be reset only after a multiple of this many tokens (the chunk,
-        segment or block length of models that process tokens in groups; 1 otherwise)."""
-        return 1
+        """A row's state can be reset only after a multiple of this many tokens: the least common
+        multiple of the layers' periods (1 for token-wise layers)."""
+        return math.lcm(*(layer.period for layer in self.layers))
+
+    def receptive_start(self, p: int) -> int:
+        """Earliest position of a document whose token can change the logits at position p: each
+        layer, from the last, maps a position to the earliest one it reads directly."""
+        q: int | None = p
+        for layer in reversed(self.layers):
+            q = layer.reach(q)
+            if q is None:
+                return 0
+        return max(q, 0)
+
+    def max_context(self) -> int | None:
+        """The receptive field of a logit far from the document start (None: unbounded, through a
+        cache or a recurrent state)."""
+        big, P = 1 << 40, self.reset_boundary
+        reach = [layer.reach(big + i) for layer in self.layers for i in range(P)]
+        if None in reach:
+            return None
+        far = len(self.layers) * P + sum(big + P - r for r in reach if r is not None)
+        return max(p - self.receptive_start(p) + 1 for p in range(far, far + P))
 
     def compile_layers(self) -> None:
         """``torch.compile`` each layer in place (regional compilation): identical layers share one
@@ -272,8 +446,12 @@ class StreamingLM(nn.Module):
             layer.compile()
 
     def info_lines(self) -> list[str]:
-        """Extra architecture facts for ``recurformer info`` (e.g. state size formulas)."""
-        return []
+        """The stack and its receptive field for ``recurformer info`` (models add their facts)."""
+        stack = ", ".join(f"{i}:{layer.describe()}" for i, layer in enumerate(self.layers))
+        ctx = self.max_context()
+        where = [i for i, layer in enumerate(self.layers) if layer.reach(1 << 40) is None]
+        field_ = f"up to {ctx:,} tokens" if ctx is not None else f"unbounded (cache or recurrent state in layers {where})"
+        return [f"layers: {stack}", f"receptive field of a logit: {field_}"]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -285,98 +463,3 @@ class StreamingLM(nn.Module):
             key = name.split(".")[0] if not name.startswith("layers.") else "layers." + ".".join(name.split(".")[2:-1])
             out[key] = out.get(key, 0) + p.numel()
         return out
-
-
-def _signature(state: State) -> list:
-    """Layer counts and head/feature sizes of a state (not batch or sequence lengths)."""
-
-    def sig(t: Tensor) -> tuple:
-        return (t.dim(), t.shape[1] if t.dim() == 4 else None, t.shape[-1] if t.dim() > 1 else None)
-
-    out = []
-    for f in dataclasses.fields(state):
-        v = getattr(state, f.name)
-        if isinstance(v, Tensor):
-            out.append((f.name, sig(v)))
-        elif isinstance(v, list):
-            out.append((f.name, [sig(t) for t in v]))
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# layers
-
-
-class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * g  (Zhang & Sennrich 2019)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
-
-
-class SwiGLU(nn.Module):
-    """FFN(x) = W2 (silu(W1 x) * W3 x), no biases (Shazeer 2020; Llama)."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin tables [..., head_dim/2] for integer ``positions``. Angles are computed in float64,
-    so a position of 10^6 is as precise as position 10 (RoPE, Su et al. 2021)."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
-    ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq
-    return ang.cos().to(dtype), ang.sin().to(dtype)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x[i], x[i + d/2]) of ``x`` [B, H, T, d] by angles given as cos/sin [T, d/2]
-    (or [B, 1, T, d/2])."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def split_heads(x: Tensor, n_heads: int) -> Tensor:
-    """[B, T, H*d] -> [B, H, T, d]"""
-    B, T, _ = x.shape
-    return x.view(B, T, n_heads, -1).transpose(1, 2)
-
-
-def merge_heads(x: Tensor) -> Tensor:
-    """[B, H, T, d] -> [B, T, H*d]"""
-    B, H, T, d = x.shape
-    return x.transpose(1, 2).reshape(B, T, H * d)
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v via PyTorch SDPA. ``mask`` is boolean (True = visible),
-    broadcastable to [B, H, Tq, Tk].
-
-    Under CPU autocast the attention runs in float32: PyTorch's CPU flash-attention backward is
-    2.5-4x slower in bf16 than in fp32 (benchmarks/throughput.py, docs/results.md §5), while the
-    projections around it keep bf16."""
-    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        with torch.autocast("cpu", enabled=False):
-            o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal and mask is None)
-        return o.to(torch.get_autocast_dtype("cpu"))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
-
-
-def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> Tensor:
-    """ALiBi head slopes m_h = 2^(-max_bias * h / H), h = 1..H (Press et al. 2022; for H a power
-    of two these are the paper's slopes, otherwise the same geometric rule without MPT's fix)."""
-    h = torch.arange(1, n_heads + 1, dtype=torch.float64)
-    return torch.exp2(-max_bias * h / n_heads)

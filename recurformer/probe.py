@@ -54,17 +54,11 @@ METRICS = {"repeat": ("swap_delta", "copy_gain"), "swap": ("swap_delta",)}
 
 def receptive_field(model: StreamingLM) -> int | None:
     """The largest distance back (in tokens before the current one) that can change a logit, or
-    None when it is unbounded (a recurrent state, or a full KV cache).
-
-    Sliding window W over L layers: L·(W − 1). Transformer-XL: from its segment/memory rule
-    (``max_context``). Memory Attention, the Block-Recurrent Transformer, the Recurrent
-    Transformer and full-attention Llama are unbounded."""
-    if hasattr(model, "max_context"):
-        return int(model.max_context()) - 1  # type: ignore[operator]
-    window = getattr(model, "window", None)
-    if window is not None:
-        return model.config.n_layers * (int(window) - 1)
-    return None
+    None when it is unbounded (a recurrent state, or a full KV cache): ``max_context() - 1``,
+    composed from each layer's reach (sliding window W over L layers: L·(W − 1); Transformer-XL
+    from its segment/memory rule)."""
+    context = model.max_context()
+    return None if context is None else context - 1
 
 
 # ----------------------------------------------------------------------------------------------

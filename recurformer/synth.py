@@ -2,8 +2,8 @@
 architecture on one task of ``recurformer.data.synthetic`` and report its test accuracy.
 
 Protocol. For every learning rate of a small sweep, a fresh model (same seed) is trained with
-AdamW (``train.make_optimizer``; betas 0.9/0.98 as in seed 003's appendix) and warmup + cosine
-(``train.lr_at``) for a budget of optimizer steps over a fixed training set; the learning rate
+AdamW (``optim.make_optimizer``; betas 0.9/0.98 as in seed 003's appendix) and warmup + cosine
+(``optim.lr_at``) for a budget of optimizer steps over a fixed training set; the learning rate
 with the best accuracy on a validation split is selected, and its test accuracy is reported
 (train, validation and test rows are disjoint). Evaluation reads every row through the streaming
 contract, ``chunk`` tokens per call with the state carried, teacher-forced argmax at the scored
@@ -43,8 +43,10 @@ from tqdm import tqdm
 from .config import RecurformerError, from_dict, merge, parse_overrides
 from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
 from .models import build_model, lookup
-from .nn import IGNORE_INDEX, RMSNorm, StreamingLM
-from .train import TrainConfig, autocast_context, lr_at, make_optimizer
+from .layers import RMSNorm
+from .nn import IGNORE_INDEX, StreamingLM
+from .optim import lr_at, make_optimizer
+from .train import autocast_context
 
 MODEL_DEFAULTS: dict[str, Any] = {"dim": 128, "n_layers": 1, "n_heads": 16, "ffn_hidden": 512}
 ONE_LAYER_FIELDS: dict[str, Any] = {"recurrent_layers": (-1,)}  # block_recurrent's default (-3,) needs 3 layers
@@ -230,11 +232,8 @@ def evaluate(learner: Learner, data: TaskData, chunk: int, batch_size: int) -> S
 def train_model(learner: Learner, data: TaskData, cfg: SynthConfig, lr: float, progress: bool = False) -> float:
     """AdamW with warmup + cosine over ``cfg.steps`` steps of random batches (epoch order, seeded).
     Returns the mean training loss over the last 10% of the steps; ``progress``: a tqdm bar."""
-    tc = TrainConfig(
-        steps=cfg.steps, lr=lr, min_lr=lr * cfg.min_lr_ratio, warmup=int(cfg.warmup * cfg.steps), weight_decay=cfg.weight_decay,
-        beta1=cfg.beta1, beta2=cfg.beta2, grad_clip=cfg.grad_clip, batch_size=cfg.batch_size,
-    )
-    opt = make_optimizer(learner, tc)
+    min_lr, warmup = lr * cfg.min_lr_ratio, int(cfg.warmup * cfg.steps)
+    opt = make_optimizer(learner, lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     device = learner.model.tok_emb.weight.device
     gen = torch.Generator().manual_seed(cfg.seed)
     n = len(data.inputs)
@@ -247,7 +246,7 @@ def train_model(learner: Learner, data: TaskData, cfg: SynthConfig, lr: float, p
         idx = order[pos : pos + cfg.batch_size]
         pos += cfg.batch_size
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, tc)
+            g["lr"] = lr_at(step, lr, min_lr, warmup, cfg.steps)
         with autocast_context(cfg.precision, device):
             loss = learner.loss(data.inputs[idx].to(device), data.targets[idx].to(device))
         loss.backward()

@@ -33,6 +33,7 @@ from . import loggers
 from .config import RecurformerError, from_dict, load_yaml, merge, parse_overrides
 from .models import build_model, make_config
 from .nn import State, StreamingLM
+from .optim import lr_at, make_optimizer, optimizer_from_flat, optimizer_to_flat
 
 
 @dataclass
@@ -137,41 +138,8 @@ def autocast_context(precision: str, device: torch.device) -> contextlib.Abstrac
     return contextlib.nullcontext()
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine from lr to min_lr."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on >= 2-D weights only (not norms, not biases)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
-
-
 # ----------------------------------------------------------------------------------------------
-# optimizer and RNG state <-> safetensors/JSON (no pickles)
-
-
-def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    sd = opt.state_dict()
-    tensors = {f"opt.{pid}.{k}": v for pid, st in sd["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)}
-    groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
-    return tensors, {"param_groups": groups}
-
-
-def optimizer_from_flat(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for k, v in tensors.items():
-        if k.startswith("opt."):
-            _, pid, name = k.split(".", 2)
-            state.setdefault(int(pid), {})[name] = v
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+# RNG state <-> safetensors/JSON (no pickles)
 
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -250,7 +218,7 @@ class Trainer:
             raise RecurformerError(
                 f"{cfg.model['name']} carries a KV cache that grows without bound; train it with train.state=reset"
             )
-        self.opt = make_optimizer(self.model, t)
+        self.opt = make_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2))
         if t.compile:
             self.model.compile_layers()
         self.ddp: torch.nn.Module = self.model
@@ -331,7 +299,7 @@ class Trainer:
         prefix = f"rank{self.rank}.state."
         flat = {k[len(prefix) :]: v for k, v in tt.items() if k.startswith(prefix)}
         if flat:
-            state = self.model.state_cls.from_flat(flat).to(self.device)
+            state = self.model.state_from_flat(flat).to(self.device)
             self.state = self.model.check_state(state, self.cfg.train.batch_size)
         self.step = tj["step"]
         self.tokens_seen = tj["tokens_seen"]
@@ -351,7 +319,7 @@ class Trainer:
     def train_step(self) -> float:
         """One optimizer step over ``grad_accum`` consecutive segments; returns the mean loss."""
         t = self.cfg.train
-        lr = lr_at(self.step, t)
+        lr = lr_at(self.step, t.lr, t.min_lr, t.warmup, t.steps)
         for g in self.opt.param_groups:
             g["lr"] = lr
         total = 0.0
@@ -438,7 +406,7 @@ class Trainer:
                     dt = time.perf_counter() - t0
                     tps = (self.tokens_seen - tok0) / max(dt, 1e-9)
                     t0, tok0 = time.perf_counter(), self.tokens_seen
-                    last = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t), "tokens": self.tokens_seen, "tok_per_s": tps}
+                    last = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t.lr, t.min_lr, t.warmup, t.steps), "tokens": self.tokens_seen, "tok_per_s": tps}
                     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
                     self.log(last)
                 if self.step % t.eval_every == 0 or self.step == t.steps:

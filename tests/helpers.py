@@ -1,12 +1,16 @@
 """Shared fixtures. ``TEST_CONFIGS`` lists, for every registered model, small configs that the
-streaming-equivalence test runs; a model missing here fails ``test_every_model_has_test_configs``."""
+streaming-equivalence test runs (hybrid stacks included: every layer kind next to 'full' and
+'window' layers); a model missing here fails ``test_every_model_has_test_configs``."""
 
 from __future__ import annotations
 
 import torch
 
 TEST_CONFIGS: dict[str, list[dict]] = {
-    "llama": [dict(vocab_size=61, dim=32, n_layers=2, n_heads=4)],
+    "llama": [
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, window=4, layers=["full", "window"]),
+    ],
     "sliding_window": [
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, window=5),
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=2, window=2),
@@ -15,12 +19,18 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8),
         dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, chunk_size=5, memory_qkv="separate", memory_source="post_wo", init_memory="learned"),
         dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, chunk_size=3, memory_ffn=False),
+        dict(vocab_size=61, dim=32, n_layers=4, n_heads=4, chunk_size=4, window=3, layers=["window", "window", "memory", "window"]),
+        dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, chunk_size=5, memory_layers=[1], init_memory="learned"),
+        # (2 layers with chunks of 3 recur 25 times over the fixture's 77 tokens: at std 0.3 that
+        # chaos turns float64 rounding into 1e-8, in a plain 2-layer Memory Attention as well)
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=6, layers=["memory", "full"]),
     ],
     "transformer_xl": [
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=8),
         dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, segment_len=5, mem_len=7, clamp_len=6),
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=6, mem_len=4, same_length=True),
         dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, segment_len=3, mem_len=0),
+        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, segment_len=4, mem_len=5, window=3, layers=["window", "xl", "full"]),
     ],
     "block_recurrent": [  # all six gate x cell combinations
         dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="fixed", cell="skip"),
@@ -29,6 +39,7 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="lstm", cell="skip", num_states=6, position="rope"),
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, block_size=6, gate="lstm", cell="single", recurrent_layers=(-1,), mlp="relu"),
         dict(vocab_size=61, dim=24, n_layers=1, n_heads=2, block_size=4, gate="lstm", cell="dual", recurrent_layers=(0,), t5_buckets=4, t5_max_distance=3),
+        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="fixed", cell="skip", recurrent_layers=(1,), window=3, layers=["window", "block_recurrent", "full"]),
     ],
     "recurrent_transformer": [
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4),
@@ -37,6 +48,7 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(vocab_size=61, dim=24, n_layers=2, n_heads=2, position="rope", block_size=3, impl="naive", qk_norm=False),
         dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, block_size=5),
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, block_size=4, impl="naive"),
+        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=3, window=2, layers=["recurrent", "window", "full"]),
     ],
 }
 

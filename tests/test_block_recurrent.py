@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 from recurformer import RecurformerError, build_model
 from recurformer.models.block_recurrent import BlockRecurrent, Gate
-from recurformer.nn import apply_rope, rope_cos_sin
+from recurformer.layers import apply_rope, rope_cos_sin
 
 from helpers import TEST_CONFIGS, randomize_params
 
-CFGS = TEST_CONFIGS["block_recurrent"]
+CFGS = [c for c in TEST_CONFIGS["block_recurrent"] if "layers" not in c]  # the reference is a pure stack
 
 # ----------------------------------------------------------------------------------------------
 # a slow reference: one query at a time, explicit masks and softmax, T5 buckets from the formula
@@ -45,17 +45,15 @@ def reference(model: BlockRecurrent, tokens: torch.Tensor) -> torch.Tensor:
     W, H, d, D = c.block_size, c.n_heads, c.head_dim, c.dim
     B, T = tokens.shape
     x = model.tok_emb(tokens)
-    rec_j = 0
     for layer in model.layers:
         xn = layer.attn_norm(x)
-        q, k, v = (m(xn).view(B, T, H, d) for m in (layer.wq, layer.wk, layer.wv))
+        q, k, v = (m(xn).view(B, T, H, d) for m in (layer.attn.wq, layer.attn.wk, layer.attn.wv))
         zeros = torch.zeros(B, W, H, d, dtype=x.dtype)
         K, V = torch.cat((zeros, k), 1), torch.cat((zeros, v), 1)  # index p + W holds position p
-        cell = layer.cell
+        cell = layer.attn.cell
         if cell is not None:
-            state = model.initial_state[rec_j].expand(B, -1, -1)
-            rec_j += 1
-        o_all = torch.zeros(B, T, layer.wo.in_features, dtype=x.dtype)
+            state = layer.attn.initial_state.expand(B, -1, -1)
+        o_all = torch.zeros(B, T, layer.attn.wo.in_features, dtype=x.dtype)
         for blk in range((T + W - 1) // W):
             if cell is not None:
                 u = cell.norm(state) + cell.ids
@@ -72,12 +70,12 @@ def reference(model: BlockRecurrent, tokens: torch.Tensor) -> torch.Tensor:
                             qq, ks = rot[0], rot[1:]
                             bias = torch.zeros(len(js), dtype=x.dtype)
                         else:
-                            bias = torch.stack([layer.rel_bias.weight[t5_bucket_ref(t - j, c.t5_buckets, c.t5_max_distance), h] for j in js])
-                        s = layer.qk.scale[h] if c.qk_norm else 1.0
+                            bias = torch.stack([layer.attn.rel_bias.weight[t5_bucket_ref(t - j, c.t5_buckets, c.t5_max_distance), h] for j in js])
+                        s = layer.attn.qk.scale[h] if c.qk_norm else 1.0
                         o_all[b, t, h * d : (h + 1) * d] = attn_ref(qq, ks, vs, s, bias, c.qk_norm, d)
                         if cell is not None:
-                            q2 = layer.wq2(xn[b, t]).view(H, d)[h]
-                            s2 = layer.qk2.scale[h] if c.qk_norm else 1.0
+                            q2 = layer.attn.wq2(xn[b, t]).view(H, d)[h]
+                            s2 = layer.attn.qk2.scale[h] if c.qk_norm else 1.0
                             o_all[b, t, D + h * d : D + (h + 1) * d] = attn_ref(q2, Ks[b, :, h], Vs[b, :, h], s2, 0.0, c.qk_norm, d)
             if cell is not None and blk * W + W <= T:  # block complete: state update
                 lo, hi = blk * W, blk * W + 2 * W  # positions blk*W - W .. blk*W + W - 1 in K
@@ -95,7 +93,7 @@ def reference(model: BlockRecurrent, tokens: torch.Tensor) -> torch.Tensor:
                             y[b, i, h * d : (h + 1) * d] = attn_ref(Qs[b, i, h], Ks[b, :, h], Vs[b, :, h], s1, 0.0, c.qk_norm, d)
                             y[b, i, D + h * d : D + (h + 1) * d] = attn_ref(Qs2[b, i, h], Kx[b, :, h], Vx[b, :, h], s2, 0.0, c.qk_norm, d)
                 state = cell_update_ref(cell, c, state, y)
-        x = x + layer.wo(o_all)
+        x = x + layer.attn.wo(o_all)
         x = x + layer.ffn(layer.ffn_norm(x))
     return F.linear(model.norm(x), model.tok_emb.weight)
 
@@ -208,7 +206,7 @@ def test_block1_reaches_block5_only_through_the_state() -> None:
         a, b = model(x).logits[:, 16:20], model(x2).logits[:, 16:20]
         assert (a - b).abs().max() > 1e-6
         # freeze the state (g = σ(50) = 1 in float64): the change no longer reaches block 5
-        model.layers[0].cell.gate.bias.fill_(50.0)
+        model.layers[0].attn.cell.gate.bias.fill_(50.0)
         a, b = model(x).logits, model(x2).logits
     torch.testing.assert_close(a[:, 16:], b[:, 16:], rtol=0, atol=0)
     assert not torch.allclose(a[:, 1:13], b[:, 1:13])  # within the window it still does
@@ -219,9 +217,15 @@ def test_gradient_of_block5_loss_reaches_state_after_block1() -> None:
     randomize_params(model, 0.3)
     x = torch.randint(0, 61, (2, 20))
     s1 = model(x[:, :4]).state.detach()
-    leaf = s1.cell[0].clone().requires_grad_()
-    kv = [t.clone().requires_grad_() for t in s1.k]
-    s1 = dataclasses.replace(s1, cell=[leaf], k=kv)
+    rec = next(i for i, layer in enumerate(model.layers) if layer.attn.cell is not None)
+
+    def replaced(state, cell, ks):  # the state with the recurrent cell and the window keys replaced
+        layers = [dataclasses.replace(s, k=k, cell=cell if i == rec else s.cell) for i, (s, k) in enumerate(zip(state.layers, ks))]
+        return dataclasses.replace(state, layers=layers)
+
+    leaf = s1.layers[rec].cell.clone().requires_grad_()
+    kv = [s.k.clone().requires_grad_() for s in s1.layers]
+    s1 = replaced(s1, leaf, kv)
     targets = torch.full((2, 16), -100)
     targets[:, 12:] = x[:, 16:20]  # loss on block 5 only
     model(x[:, 4:20], state=s1, targets=targets).loss.backward()
@@ -229,9 +233,9 @@ def test_gradient_of_block5_loss_reaches_state_after_block1() -> None:
     # the window keys of block 1 still reach block 5, but only through the state updates
     model.zero_grad()
     with torch.no_grad():
-        model.layers[0].cell.gate.bias.fill_(50.0)
+        model.layers[0].attn.cell.gate.bias.fill_(50.0)
     kv2 = [t.detach().clone().requires_grad_() for t in kv]
-    s1b = dataclasses.replace(s1, cell=[leaf.detach()], k=kv2)
+    s1b = replaced(s1, leaf.detach(), kv2)
     model(x[:, 4:20], state=s1b, targets=targets).loss.backward()
     assert all(t.grad is None or t.grad.abs().max() == 0 for t in kv2)
 
@@ -248,7 +252,7 @@ def test_reset_restores_learned_initial_state_and_gets_gradient() -> None:
     s = model(x).state.reset(torch.tensor([False, True]))
     out = model(x[:, :W], state=s, targets=x[:, :W])
     out.loss.backward()
-    assert model.initial_state.grad.abs().max() > 0  # reset lazily: the learned state is trained
+    assert all(layer.attn.initial_state.grad.abs().max() > 0 for layer in model.layers if layer.attn.cell is not None)  # reset lazily: the learned state is trained
     with torch.no_grad():
         torch.testing.assert_close(out.logits[1], model(x[1:, :W]).logits[0], rtol=1e-10, atol=1e-10)
 

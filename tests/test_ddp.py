@@ -68,7 +68,7 @@ def test_two_ranks_equal_one_rank_with_double_batch(data_dir, tmp_path) -> None:
             continue
         torch.testing.assert_close(two[0]["state"][key], full[:2], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(two[1]["state"][key], full[2:], rtol=1e-4, atol=1e-5)
-    mem = "memory.0"
+    mem = "layers.0.memory"
     assert not torch.allclose(two[0]["state"][mem], two[1]["state"][mem])
 
 

@@ -10,7 +10,7 @@ import pytest
 import recurformer.models.memory_attention as ma
 from recurformer import build_model
 from recurformer.cli import main as cli_main
-from recurformer.nn import apply_rope, rope_cos_sin
+from recurformer.layers import apply_rope, rope_cos_sin
 
 from helpers import randomize_params
 
@@ -30,7 +30,7 @@ def reference_forward(model: ma.MemoryAttention, tokens: torch.Tensor) -> torch.
     for li, block in enumerate(model.layers):
         att = block.attn
         x_all = block.attn_norm(h)
-        mem = model.init_memory[li].expand(B, C, c.dim) if c.init_memory == "learned" else torch.zeros(B, C, c.dim, dtype=h.dtype)
+        mem = att.init_memory.expand(B, C, c.dim) if c.init_memory == "learned" else torch.zeros(B, C, c.dim, dtype=h.dtype)
         outs = []
         for t in range(T // C):
             x = x_all[:, t * C : (t + 1) * C]
@@ -80,7 +80,7 @@ def test_gradient_crosses_chunks_through_memory() -> None:
     g_emb, *g_par = torch.autograd.grad(loss3, [emb["out"], *model.layers[0].attn.mem_ffn.parameters()])
     assert g_emb[0, :8].abs().sum() > 0  # chunk 1's tokens reach chunk 3's loss (only via memory)
     assert all(g.abs().sum() > 0 for g in g_par)
-    assert out.state.memory[0].requires_grad  # the returned state is not detached
+    assert out.state.layers[0].memory.requires_grad  # the returned state is not detached
 
 
 def test_zero_memory_stays_zero() -> None:
@@ -151,7 +151,7 @@ def test_compiled_layers_match_eager() -> None:
         a.loss.backward()
         b.loss.backward()
         se, sc = a.state.detach(), b.state.detach()
-    torch.testing.assert_close(sc.memory[1], se.memory[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sc.layers[1].memory, se.layers[1].memory, rtol=1e-5, atol=1e-5)
     for (n, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
     assert set(compiled.state_dict()) == set(eager.state_dict())  # checkpoints keep their keys

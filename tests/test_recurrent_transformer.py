@@ -75,11 +75,11 @@ def _layer(extra: dict | None = None, seed: int = 0):
 
 def _run_layer(model, layer, x, impl, bias_fn="model"):
     B, T, _ = x.shape
-    rope, alibi = model.position_signal(0, T, x.device, x.dtype)
+    rope, alibi = layer.position_signal(0, T, x.device, x.dtype)
     empty = x.new_zeros(B, layer.n_heads, 0, x.shape[-1] // layer.n_heads)
     past = {k: empty for k in ("k", "v", "tk", "tv")}
     start = torch.zeros(B, dtype=torch.long)
-    return layer(x, past, pos0=0, start=start, rope=rope, bias_fn=alibi if bias_fn == "model" else bias_fn, impl=impl)
+    return layer.run(x, past, pos0=0, start=start, rope=rope, bias_fn=alibi if bias_fn == "model" else bias_fn, impl=impl)
 
 
 @pytest.mark.parametrize("impl", ["tiled", "naive"])
@@ -96,7 +96,7 @@ def test_self_position_uses_the_temporary_pair(impl) -> None:
         tk, tv = layer.kv(x, None)
         k, v = layer.kv(z, None)
         torch.testing.assert_close(st["k"], k, rtol=0, atol=1e-12)
-        slopes = model.slopes.double()
+        slopes = layer.slopes.double()
 
         def rebuild(use_persistent_self: bool):
             out = []
@@ -223,7 +223,7 @@ def test_decoding_costs_one_extra_kv_projection() -> None:
         state = model(torch.tensor([[t]]), state=state).state
     L = BASE["n_layers"]
     assert calls == {"wq": 5 * L, "wk": 10 * L, "wv": 10 * L}
-    assert state.k[0].shape[2] == 8
+    assert state.layers[0].k.shape[2] == 8
 
 
 def test_errors() -> None:

@@ -4,6 +4,7 @@ in the final state; causality; state utilities; clear errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import zlib
 
@@ -12,7 +13,8 @@ import torch
 
 from recurformer import RecurformerError, build_model
 from recurformer.models import REGISTRY
-from recurformer.nn import State, attend
+from recurformer.layers import attend
+from recurformer.nn import State
 
 from helpers import TEST_CONFIGS, all_cases, case_id, randomize_params
 
@@ -133,7 +135,7 @@ def test_state_utilities(name) -> None:
     assert all(not t.requires_grad for t in det.to_flat().values())
     moved = st.to(torch.float64)
     assert all(t.dtype == torch.float64 for t in moved.to_flat().values() if t.is_floating_point())
-    again = type(st).from_flat(flat)
+    again = model.state_from_flat(flat)
     assert_states_equal(again, st, 0, 0)
     assert det.batch_size == 3
 
@@ -151,13 +153,20 @@ def test_errors_are_one_line() -> None:
     with pytest.raises(RecurformerError, match="token id -1"):
         model(torch.tensor([[-1, 2]]))
     other = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0])
-    with pytest.raises(RecurformerError, match="state is a MemoryState, but Llama expects a KVState"):
+    with pytest.raises(RecurformerError, match="state does not fit this Llama"):
         model(torch.tensor([[1, 2]]), state=other.init_state(1))
     with pytest.raises(RecurformerError, match="batch size 2, tokens have 1"):
         model(torch.tensor([[1, 2]]), state=model.init_state(2))
     bigger = build_model("llama", dict(TEST_CONFIGS["llama"][0], n_layers=3))
-    with pytest.raises(RecurformerError, match="state"):
+    with pytest.raises(RecurformerError, match="state does not fit this Llama: it has 3 layers, the model 2"):
         model(torch.tensor([[1, 2]]), state=bigger.init_state(1))
+    # the state check is exact: a Memory Attention state of chunk 8 on a chunk-4 model
+    ma8 = build_model("memory_attention", dict(TEST_CONFIGS["memory_attention"][0], chunk_size=8))
+    ma4 = build_model("memory_attention", dict(TEST_CONFIGS["memory_attention"][0], chunk_size=4))
+    with pytest.raises(RecurformerError, match=r"layer 0 \(memory\) 'memory' has shape \(1, 8, 32\), expected \(1, 4, 32\)"):
+        ma4(torch.tensor([[1, 2]]), state=ma8(torch.tensor([[1, 2]])).state)
+    with pytest.raises(RecurformerError, match="'part_k' has shape"):  # 2 tokens read, but pos says 3
+        ma4(torch.tensor([[1]]), state=dataclasses.replace(ma4(torch.tensor([[1, 2]])).state, pos=3))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])

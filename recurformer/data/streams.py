@@ -30,9 +30,6 @@ class Batch:
     y: torch.Tensor
     wrapped: torch.Tensor
 
-    def to(self, device: torch.device | str) -> Batch:
-        return Batch(self.x.to(device), self.y.to(device), self.wrapped.to(device))
-
 
 def _check_common(tokens: np.ndarray, batch_size: int, seq_len: int, rank: int, world_size: int) -> None:
     if tokens.ndim != 1:
@@ -149,14 +146,13 @@ class ShuffledWindows:
         seq_len: int,
         rank: int = 0,
         world_size: int = 1,
-        bos_id: int | None = None,
         seed: int = 0,
     ) -> None:
         _check_common(tokens, batch_size, seq_len, rank, world_size)
         if len(tokens) < seq_len + 1:
             raise RecurformerError(f"{len(tokens)} tokens are too few for windows of seq_len {seq_len} (+1)")
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
-        self.rank, self.world_size, self.bos_id, self.seed = rank, world_size, bos_id, seed
+        self.rank, self.world_size, self.seed = rank, world_size, seed
         self.step = 0
 
     def next_batch(self) -> Batch:

@@ -1,12 +1,14 @@
 """Model registry: name -> (config class, model class). ``build_model`` is the one way to build a
-model from a name and a dict of config values; a new architecture is added with one line here."""
+model from a name and a dict of config values. Every model class names its layer ``kind``, so a
+config's ``layers`` list can stack layers of several kinds (``build_layer``); a new architecture is
+added with one file and one line here."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..config import RecurformerError, _suggest, from_dict
-from ..nn import ModelConfig, StreamingLM
+from ..nn import Layer, ModelConfig, StreamingLM
 from .block_recurrent import BlockRecurrent, BlockRecurrentConfig
 from .llama import Llama, LlamaConfig
 from .memory_attention import MemoryAttention, MemoryAttentionConfig
@@ -22,6 +24,7 @@ REGISTRY: dict[str, tuple[type[ModelConfig], type[StreamingLM]]] = {
     "block_recurrent": (BlockRecurrentConfig, BlockRecurrent),
     "recurrent_transformer": (RecurrentTransformerConfig, RecurrentTransformer),
 }
+LAYER_KINDS: dict[str, type[StreamingLM]] = {model.kind: model for _, model in REGISTRY.values()}
 
 
 def model_names() -> list[str]:
@@ -32,6 +35,16 @@ def lookup(name: str) -> tuple[type[ModelConfig], type[StreamingLM]]:
     if name not in REGISTRY:
         raise RecurformerError(f"unknown model '{name}'{_suggest(name, model_names()).replace('keys', 'models')}")
     return REGISTRY[name]
+
+
+def build_layer(kind: str, cfg: ModelConfig, index: int) -> Layer:
+    """Layer ``index`` of kind ``kind`` ('full', 'window', 'memory', 'xl', ...) for config ``cfg``."""
+    if kind not in LAYER_KINDS:
+        raise RecurformerError(f"unknown layer kind '{kind}' for layer {index}{_suggest(kind, sorted(LAYER_KINDS)).replace('keys', 'kinds')}")
+    model = LAYER_KINDS[kind]
+    if not isinstance(cfg, model.layer_config):
+        raise RecurformerError(f"a '{kind}' layer needs the config of a {model.layer_config.__name__}, not {type(cfg).__name__}")
+    return model.make_layer(cfg, index)
 
 
 def make_config(name: str, values: dict[str, Any] | None = None) -> ModelConfig:
@@ -56,4 +69,4 @@ def model_name(cfg: ModelConfig) -> str:
     raise RecurformerError(f"{type(cfg).__name__} is not a registered config")
 
 
-__all__ = ["REGISTRY", "build_model", "make_config", "model_name", "model_names", "lookup"]
+__all__ = ["REGISTRY", "build_layer", "build_model", "make_config", "model_name", "model_names", "lookup"]

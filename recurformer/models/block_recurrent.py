@@ -1,5 +1,5 @@
-"""Block-Recurrent Transformer (Hutchins et al. 2022, seed 002), as the authors' meliad code runs
-it (shared/notes/brt_xl_rmt.md §1).
+"""Block-Recurrent Transformer (Hutchins et al. 2022, "Block-Recurrent Transformers", §3 "Method":
+the recurrent cell, gates and configurations), as the authors' meliad code runs it.
 
 The sequence is cut into blocks of W tokens. Every layer attends over a sliding window: a token
 sees exactly the W previous tokens, not itself (meliad's mask, -W <= k - q < 0); the keys of the
@@ -31,21 +31,22 @@ updated only when a block completes, so a trailing partial block is kept in the 
 and values) and whole == chunked == stepwise. Layers run one after another over the whole call
 (meliad's default, no feedback). Gradients flow through every block of one call; the trainer
 decides where to detach. A per-row reset (``fresh``) restores the learned initial state and a zero
-key/value cache, lazily at the next call, and only at a block boundary.
+key/value cache, lazily at the next call, and only at a block boundary. Every layer sits in the
+library's pre-norm block (with meliad's 2-matrix ReLU MLP as an option).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..nn import ModelConfig, RMSNorm, State, StreamingLM, apply_rope, attend, merge_heads, rope_cos_sin, split_heads
+from ..layers import MLP, Block, RMSNorm, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
+from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM, reset_rows
 
 
 @dataclass
@@ -89,34 +90,15 @@ class BlockRecurrentConfig(ModelConfig):
 
 
 @dataclass
-class BlockRecurrentState(State):
-    """``k``/``v``: per layer [B, H, W + r, d], un-rotated keys/values of the previous block (zeros
-    at a document start) followed by the r tokens of the current block read so far (same r for all
-    rows). ``cell``: per recurrent layer [B, S, D], the recurrent state left by the last complete
-    block."""
+class BlockRecurrentState(LayerState):
+    """``k``/``v`` [B, H, W + r, d]: un-rotated keys/values of the previous block (zeros at a
+    document start) followed by the r tokens of the current block read so far. ``cell`` [B, S, D]
+    (recurrent layers only): the recurrent state left by the last complete block."""
 
-    k: list[Tensor]
-    v: list[Tensor]
-    cell: list[Tensor]
-
-
-class FFN(nn.Module):
-    """d_in -> hidden -> d_out; ``hidden(x)`` is the activation fed to the output layer (what the
-    LSTM gates read). swiglu: silu(W1 x) * W3 x; relu: relu(W1 x). No biases."""
-
-    def __init__(self, d_in: int, hidden: int, d_out: int, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-        self.w1 = nn.Linear(d_in, hidden, bias=False)
-        if kind == "swiglu":
-            self.w3 = nn.Linear(d_in, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, d_out, bias=False)
-
-    def hidden(self, x: Tensor) -> Tensor:
-        return F.silu(self.w1(x)) * self.w3(x) if self.kind == "swiglu" else F.relu(self.w1(x))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(self.hidden(x))
+    partial: ClassVar[dict[str, int]] = {"k": 2, "v": 2}
+    k: Tensor
+    v: Tensor
+    cell: Tensor | None = None
 
 
 class Gate(nn.Module):
@@ -131,6 +113,16 @@ class Gate(nn.Module):
         else:
             self.wi = nn.Linear(d_hidden, dim)
             self.wf = nn.Linear(d_hidden, dim)
+
+    def init_extra(self, std: float) -> None:
+        """meliad: gate biases N(0, 0.1), gate kernels at 0.1 x the normal scale."""
+        with torch.no_grad():
+            if self.kind == "fixed":
+                self.bias.normal_(0.0, 0.1)
+            else:
+                for lin in (self.wi, self.wf):
+                    lin.weight.normal_(0.0, 0.1 * std)
+                    lin.bias.normal_(0.0, 0.1)
 
     def values(self, h: Tensor) -> tuple[Tensor, Tensor]:
         """(keep, write), broadcastable to [B, S, D]."""
@@ -207,11 +199,15 @@ class StateCell(nn.Module):
             self.gate = Gate(cfg.gate, 2 * D, D)
         if cfg.cell == "dual":
             self.ffn_norm = RMSNorm(D, cfg.norm_eps)
-            self.ffn = FFN(D, cfg.hidden, D, cfg.mlp)
+            self.ffn = MLP(D, cfg.hidden, D, cfg.mlp)
             self.ffn_gate = Gate(cfg.gate, cfg.hidden, D)
         if cfg.cell == "single":
-            self.ffn = FFN(2 * D, cfg.hidden, D, cfg.mlp)
+            self.ffn = MLP(2 * D, cfg.hidden, D, cfg.mlp)
             self.ffn_gate = Gate(cfg.gate, cfg.hidden, D)
+
+    def init_extra(self, std: float) -> None:
+        with torch.no_grad():
+            self.ids.normal_(0.0, 1.0)  # meliad's state IDs
 
     def project(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """c [B, S, D] -> (u, K_c, V_c) with u = Norm(c) + ids, K_c/V_c [B, H, S, d]."""
@@ -235,15 +231,19 @@ class StateCell(nn.Module):
         return c
 
 
-class Layer(nn.Module):
-    """Pre-norm layer with sliding-window attention over blocks; ``cell`` makes it recurrent."""
+class BlockAttention(Layer):
+    """Sliding-window attention over blocks (the mixer of every layer); ``cell`` makes it
+    recurrent. The output is Wo [self-attention ; token->state cross-attention]."""
+
+    kind, unit = "block_recurrent", "block"
+    state_cls = BlockRecurrentState
 
     def __init__(self, cfg: BlockRecurrentConfig, recurrent: bool) -> None:
         super().__init__()
         D = cfg.dim
         self.cfg = cfg
+        self.period = cfg.block_size
         self.n_heads = cfg.n_heads
-        self.attn_norm = RMSNorm(D, cfg.norm_eps)
         self.wq = nn.Linear(D, D, bias=False)
         self.wk = nn.Linear(D, D, bias=False)
         self.wv = nn.Linear(D, D, bias=False)
@@ -254,9 +254,31 @@ class Layer(nn.Module):
         if recurrent:
             self.wq2 = nn.Linear(D, D, bias=False)  # token -> state queries
             self.qk2 = QK(cfg)
+            self.initial_state = nn.Parameter(torch.zeros(cfg.states, D))
         self.wo = nn.Linear(2 * D if recurrent else D, D, bias=False)
-        self.ffn_norm = RMSNorm(D, cfg.norm_eps)
-        self.ffn = FFN(D, cfg.hidden, D, cfg.mlp)
+
+    def init_extra(self, std: float) -> None:
+        if self.cell is not None:
+            with torch.no_grad():
+                self.initial_state.normal_(0.0, 0.1)  # meliad's initial state
+
+    def describe(self) -> str:
+        W = self.cfg.block_size
+        return f"block(W={W})" if self.cell is None else f"block_recurrent(W={W}, S={self.cfg.states})"
+
+    def reach(self, q: int) -> int | None:
+        return q - self.cfg.block_size if self.cell is None else None
+
+    def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> BlockRecurrentState:
+        c, B = self.cfg, batch_size
+        z = lambda *s: torch.zeros(*s, device=device, dtype=dtype)  # noqa: E731
+        cell = z(B, c.states, c.dim) if self.cell is not None else None  # replaced by initial_state (fresh)
+        return BlockRecurrentState(k=z(B, c.n_heads, c.block_size, c.head_dim), v=z(B, c.n_heads, c.block_size, c.head_dim), cell=cell)
+
+    def reset(self, st: BlockRecurrentState, fresh: Tensor) -> BlockRecurrentState:
+        zero = torch.zeros_like(st.k[0])
+        cell = None if st.cell is None else reset_rows(fresh, st.cell, self.initial_state)
+        return BlockRecurrentState(k=reset_rows(fresh, st.k, zero), v=reset_rows(fresh, st.v, zero), cell=cell)
 
     def window_bias(self, r: int, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """[H, n, W + r + n] additive attention bias for queries at block offsets i = r..r+n-1
@@ -272,26 +294,24 @@ class Layer(nn.Module):
             b = torch.zeros(1, *dist.shape, dtype=dtype, device=device)
         return b.masked_fill(~vis, float("-inf"))
 
-    def forward(
-        self, x: Tensor, kcache: Tensor, vcache: Tensor, cell: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """x [B, T, D] (residual stream) -> (y, new kcache, new vcache, new cell)."""
+    def forward(self, x: Tensor, st: BlockRecurrentState, call: Call) -> tuple[Tensor, BlockRecurrentState]:
+        """x [B, T, D] (normed) -> (Wo [self ; cross] [B, T, D], new state), block by block."""
         cfg, W, T = self.cfg, self.cfg.block_size, x.shape[1]
-        xn = self.attn_norm(x)
-        q = self.qk.query(split_heads(self.wq(xn), self.n_heads))  # [B, H, T, d]
-        k = self.qk.key(split_heads(self.wk(xn), self.n_heads))
-        v = split_heads(self.wv(xn), self.n_heads)
-        q2 = self.qk2.query(split_heads(self.wq2(xn), self.n_heads)) if self.cell is not None else None
+        q = self.qk.query(split_heads(self.wq(x), self.n_heads))  # [B, H, T, d]
+        k = self.qk.key(split_heads(self.wk(x), self.n_heads))
+        v = split_heads(self.wv(x), self.n_heads)
+        kcache, vcache, cell = st.k, st.v, st.cell
         if cfg.position == "rope":
-            cos, sin = rope_cos_sin(torch.arange(2 * W, device=x.device), cfg.head_dim, cfg.rope_theta, x.dtype)
-        if cell is not None:
-            u, kc, vc = self.cell.project(cell)  # type: ignore[union-attr]
+            cos, sin = call.shared(("brt-rope", W, x.dtype), lambda: rope_cos_sin(torch.arange(2 * W, device=x.device), cfg.head_dim, cfg.rope_theta, x.dtype))
+        if self.cell is not None:
+            assert cell is not None
+            q2 = self.qk2.query(split_heads(self.wq2(x), self.n_heads))
+            u, kc, vc = self.cell.project(cell)
             kc = self.qk2.key(kc)
         outs: list[Tensor] = []
         a = 0
-        while a < T:
+        for n in pieces(call.pos % W, T, W):
             r = kcache.shape[2] - W  # offset inside the current block
-            n = min(W - r, T - a)
             kx = torch.cat((kcache, k[:, :, a : a + n]), dim=2)  # [B, H, W + r + n, d]
             vx = torch.cat((vcache, v[:, :, a : a + n]), dim=2)
             qa = q[:, :, a : a + n]
@@ -301,118 +321,57 @@ class Layer(nn.Module):
             else:
                 kr = kx
             o = merge_heads(attend(qa, kr, vx, self.qk.bias(self.window_bias(r, n, x.dtype, x.device))))
-            if cell is not None:
-                o = torch.cat((o, merge_heads(attend(q2[:, :, a : a + n], kc, vc))), dim=-1)  # type: ignore[index]
+            if self.cell is not None:
+                o = torch.cat((o, merge_heads(attend(q2[:, :, a : a + n], kc, vc))), dim=-1)
             outs.append(o)
             if r + n == W:  # block complete: update the state, keep this block as the next window
-                if cell is not None:
-                    cell = self.cell.update(cell, u, kc, vc, kr, vx)  # type: ignore[union-attr]
+                if self.cell is not None:
+                    cell = self.cell.update(cell, u, kc, vc, kr, vx)
                     if a + n < T:
-                        u, kc, vc = self.cell.project(cell)  # type: ignore[union-attr]
+                        u, kc, vc = self.cell.project(cell)
                         kc = self.qk2.key(kc)
                 kcache, vcache = kx[:, :, W:], vx[:, :, W:]
             else:
                 kcache, vcache = kx, vx
             a += n
-        h = x + self.wo(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
-        return h + self.ffn(self.ffn_norm(h)), kcache, vcache, cell
+        return self.wo(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]), BlockRecurrentState(kcache, vcache, cell)
 
 
 class BlockRecurrent(StreamingLM):
-    state_cls = BlockRecurrentState
+    kind = "block_recurrent"
+    layer_config = BlockRecurrentConfig
 
-    def __init__(self, config: BlockRecurrentConfig) -> None:
-        super().__init__(config)
-        self.rec_ids = config.recurrent_layer_ids
-        self.layers = nn.ModuleList(Layer(config, i in self.rec_ids) for i in range(config.n_layers))
-        self.initial_state = nn.Parameter(torch.zeros(len(self.rec_ids), config.states, config.dim))
-        self.init_weights()
-
-    def init_weights(self) -> None:
-        """The library's normal(0, std) init, then meliad's special ones: state IDs N(0, 1),
-        initial state N(0, 0.1), gate biases N(0, 0.1), gate kernels at 0.1 x the normal scale."""
-        super().init_weights()
-        std = self.config.init_std
-        with torch.no_grad():
-            self.initial_state.normal_(0.0, 0.1)
-            for m in self.modules():
-                if isinstance(m, StateCell):
-                    m.ids.normal_(0.0, 1.0)
-                if isinstance(m, Gate):
-                    if m.kind == "fixed":
-                        m.bias.normal_(0.0, 0.1)
-                    else:
-                        for lin in (m.wi, m.wf):
-                            lin.weight.normal_(0.0, 0.1 * std)
-                            lin.bias.normal_(0.0, 0.1)
-
-    @property
-    def reset_boundary(self) -> int:
-        return self.config.block_size  # type: ignore[attr-defined]
-
-    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> BlockRecurrentState:  # type: ignore[override]
-        c: BlockRecurrentConfig = self.config  # type: ignore[assignment]
-        dt = self.tok_emb.weight.dtype
-        B, H, W, d = batch_size, c.n_heads, c.block_size, c.head_dim
-        z = lambda *s: torch.zeros(*s, device=device, dtype=dt)  # noqa: E731
-        return BlockRecurrentState(
-            fresh=torch.ones(B, dtype=torch.bool, device=device),
-            k=[z(B, H, W, d) for _ in range(c.n_layers)],
-            v=[z(B, H, W, d) for _ in range(c.n_layers)],
-            cell=[z(B, c.states, c.dim) for _ in self.rec_ids],  # replaced by initial_state (fresh)
-        )
-
-    def body(self, h: Tensor, state: BlockRecurrentState) -> tuple[Tensor, BlockRecurrentState]:  # type: ignore[override]
-        c: BlockRecurrentConfig = self.config  # type: ignore[assignment]
-        W = c.block_size
-        ks, vs, cells = list(state.k), list(state.v), list(state.cell)
-        if bool(state.fresh.any()):
-            r = ks[0].shape[2] - W
-            if r:
-                raise RecurformerError(
-                    f"block_recurrent can reset a row only at a block boundary (current block has {r} of {W} tokens)"
-                )
-            f = state.fresh[:, None, None, None]
-            ks = [torch.where(f, torch.zeros_like(k), k) for k in ks]
-            vs = [torch.where(f, torch.zeros_like(v), v) for v in vs]
-            cells = [
-                torch.where(f[:, :, :, 0], self.initial_state[j].to(h.dtype).expand_as(x), x) for j, x in enumerate(cells)
-            ]
-        j = 0
-        for i, layer in enumerate(self.layers):
-            if layer.cell is not None:
-                h, ks[i], vs[i], cells[j] = layer(h, ks[i], vs[i], cells[j])
-                j += 1
-            else:
-                h, ks[i], vs[i], _ = layer(h, ks[i], vs[i], None)
-        return h, BlockRecurrentState(fresh=torch.zeros_like(state.fresh), k=ks, v=vs, cell=cells)
+    @staticmethod
+    def make_layer(cfg: BlockRecurrentConfig, index: int) -> Layer:
+        return Block(cfg, BlockAttention(cfg, index in cfg.recurrent_layer_ids), mlp=cfg.mlp)
 
     def param_breakdown(self) -> dict[str, int]:
         """Parameters: embedding (tied head), state side of the recurrent cells (IDs, state
         projections, gates, state FFN, initial state), token side of the recurrent layers, the
         other layers, final norm."""
-        out = {"embedding": self.tok_emb.weight.numel(), "recurrent cell (state side)": self.initial_state.numel()}
+        out = {"embedding": self.tok_emb.weight.numel(), "recurrent cell (state side)": 0}
         out["recurrent layers (token side)"] = out["other layers"] = 0
         for layer in self.layers:
-            if layer.cell is not None:
-                cell = sum(p.numel() for p in layer.cell.parameters())
+            total = sum(p.numel() for p in layer.parameters())
+            if layer.attn.cell is not None:
+                cell = sum(p.numel() for p in layer.attn.cell.parameters()) + layer.attn.initial_state.numel()
                 out["recurrent cell (state side)"] += cell
-                out["recurrent layers (token side)"] += sum(p.numel() for p in layer.parameters()) - cell
+                out["recurrent layers (token side)"] += total - cell
             else:
-                out["other layers"] += sum(p.numel() for p in layer.parameters())
+                out["other layers"] += total
         out["final norm"] = self.norm.weight.numel()
         return out
 
     def info_lines(self) -> list[str]:
         c: BlockRecurrentConfig = self.config  # type: ignore[assignment]
-        n_rec = len(self.rec_ids)
-        per_row = c.n_layers * 2 * c.dim * (c.block_size + c.block_size - 1) + n_rec * c.states * c.dim
+        rec = c.recurrent_layer_ids
+        per_row = c.n_layers * 2 * c.dim * (c.block_size + c.block_size - 1) + len(rec) * c.states * c.dim
         parts = self.param_breakdown()
         total = sum(parts.values())
-        lines = [
+        lines = super().info_lines() + [
             f"blocks of W={c.block_size} tokens, S={c.states} states; recurrent layers "
-            f"{[i + 1 for i in self.rec_ids]} (1-based) of {c.n_layers}; gate={c.gate}, cell={c.cell}, position={c.position}",
-            f"state per row: {c.n_layers} x 2 x (W + r) x D window keys/values + {n_rec} x S x D cell "
+            f"{[i + 1 for i in rec]} (1-based) of {c.n_layers}; gate={c.gate}, cell={c.cell}, position={c.position}",
+            f"state per row: {c.n_layers} x 2 x (W + r) x D window keys/values + {len(rec)} x S x D cell "
             f"(<= {per_row:,} numbers)",
         ]
         lines += [f"params {k}: {v:,} ({100 * v / total:.1f}%)" for k, v in parts.items()]

@@ -1,7 +1,8 @@
-"""Llama baseline (Touvron et al. 2023): pre-norm RMSNorm blocks, SwiGLU FFN, RoPE, tied
-embeddings, causal attention through PyTorch SDPA. The streaming state is the KV cache; positions
-continue across calls. With ``window`` set, a query at position p sees keys in (p - window, p] and
-the cache keeps only the last ``window - 1`` keys (bounded memory at any length).
+"""Llama baseline (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models",
+§2.2): pre-norm RMSNorm blocks, SwiGLU FFN, RoPE, tied embeddings, causal attention through
+PyTorch SDPA. The layer state is the KV cache; positions continue across calls. A 'window' layer
+(``window`` = W) lets a query at position p see keys in (p - W, p] and keeps only the last W - 1
+keys (bounded memory at any length: the sliding-window baseline).
 
     h = x + Wo · Attn(RoPE(Wq n(x)), RoPE(Wk n(x)), Wv n(x)),   n = RMSNorm
     y = h + W2 (silu(W1 n(h)) * W3 n(h))
@@ -10,131 +11,107 @@ the cache keeps only the last ``window - 1`` keys (bounded memory at any length)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..nn import ModelConfig, RMSNorm, State, StreamingLM, SwiGLU, apply_rope, attend, merge_heads, rope_cos_sin, split_heads
+from ..layers import Block, apply_rope, attend, merge_heads, rope_cos_sin, split_heads
+from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM
 
 
 @dataclass
 class LlamaConfig(ModelConfig):
     context_field = "window"
-    window: int | None = None  # attention window (None: full causal attention)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.window is not None and self.window < 1:
-            raise RecurformerError(f"config key 'window' must be >= 1, got {self.window}")
 
 
 @dataclass
-class KVState(State):
-    """KV cache. ``k``/``v``: per layer [B, H, S, head_dim], keys already rotated at their
-    absolute positions ``pos - S .. pos - 1``. ``start[b]``: position where row b's current
-    document begins (earlier keys are masked out)."""
+class KVState(LayerState):
+    """KV cache ``k``/``v`` [B, H, S, head_dim], keys already rotated at their absolute positions
+    ``pos - S .. pos - 1`` (keys before a row's document start are masked out)."""
 
-    k: list[Tensor]
-    v: list[Tensor]
-    start: Tensor  # [B] int64
-    pos: int
+    cache: ClassVar[dict[str, int]] = {"k": 2, "v": 2}
+    k: Tensor
+    v: Tensor
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+class Attention(Layer):
+    """Causal self-attention with RoPE over the KV cache; ``window`` W limits it to the last W
+    positions (None: full attention)."""
+
+    state_cls = KVState
+
+    def __init__(self, cfg: ModelConfig, window: int | None) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
+        self.n_heads, self.head_dim, self.theta = cfg.n_heads, cfg.head_dim, cfg.rope_theta
+        self.window = window
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """x: [B, T, D] -> (out [B, T, D], keys [B, H, S+T, d], values [B, H, S+T, d])"""
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return "full" if self.window is None else "window"
+
+    @property
+    def bounded(self) -> bool:  # type: ignore[override]
+        return self.window is not None
+
+    def describe(self) -> str:
+        return self.kind if self.window is None else f"window(W={self.window})"
+
+    def reach(self, q: int) -> int | None:
+        return None if self.window is None else q - (self.window - 1)
+
+    def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> KVState:
+        z = torch.zeros(batch_size, self.n_heads, 0, self.head_dim, device=device, dtype=dtype)
+        return KVState(k=z, v=z)
+
+    def tables(self, call: Call, T: int, S: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """RoPE cos/sin of the queries and the boolean mask [B, 1, T, S+T] (None: plain causal)."""
+        pos0, W, start = call.pos, self.window, call.start
+        q_pos = torch.arange(pos0, pos0 + T, device=x.device)
+        k_pos = torch.arange(pos0 - S, pos0 + T, device=x.device)
+        cos, sin = rope_cos_sin(q_pos, self.head_dim, self.theta, x.dtype)
+        hides_cache = S > 0 and bool((start > pos0 - S).any())
+        if S == 0 and not hides_cache and (W is None or W >= T):
+            return cos, sin, None  # plain causal: SDPA's fast path
+        vis = k_pos[None, :] <= q_pos[:, None]  # [T, S+T]
+        if W is not None:
+            vis = vis & (k_pos[None, :] > q_pos[:, None] - W)
+        return cos, sin, (vis[None] & (k_pos[None, None, :] >= start[:, None, None])).unsqueeze(1)
+
+    def forward(self, x: Tensor, state: KVState, call: Call) -> tuple[Tensor, KVState]:
+        """x: [B, T, D] (normed) -> (out [B, T, D], cache with the new keys/values)."""
+        T, S = x.shape[1], state.k.shape[2]
+        cos, sin, mask = call.shared(("rope+mask", S, self.window, x.dtype), lambda: self.tables(call, T, S, x))
         q = apply_rope(split_heads(self.wq(x), self.n_heads), cos, sin)
-        k = apply_rope(split_heads(self.wk(x), self.n_heads), cos, sin)
-        v = split_heads(self.wv(x), self.n_heads)
-        k = torch.cat((k_cache, k), dim=2)
-        v = torch.cat((v_cache, v), dim=2)
+        k = torch.cat((state.k, apply_rope(split_heads(self.wk(x), self.n_heads), cos, sin)), dim=2)
+        v = torch.cat((state.v, split_heads(self.wv(x), self.n_heads)), dim=2)
         o = attend(q, k, v, mask, causal=mask is None)
-        return self.wo(merge_heads(o)), k, v
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg.dim, cfg.hidden)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, mask: Tensor | None):
-        a, k, v = self.attn(self.attn_norm(x), cos, sin, kc, vc, mask)
-        h = x + a
-        return h + self.ffn(self.ffn_norm(h)), k, v
+        if self.window is not None:
+            keep = min(self.window - 1, k.shape[2])
+            k, v = k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :]
+        return self.wo(merge_heads(o)), KVState(k=k, v=v)
 
 
 class Llama(StreamingLM):
-    state_cls = KVState
+    kind = "full"
 
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__(config)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.window = config.window
-        self.init_weights()
+    def default_kind(self) -> str:
+        return "full" if self.config.window is None else "window"
 
-    @property
-    def bounded_state(self) -> bool:
-        return self.window is not None
+    @staticmethod
+    def make_layer(cfg: ModelConfig, index: int) -> Layer:
+        return Block(cfg, Attention(cfg, None))
 
     def set_window(self, window: int | None) -> None:
         """Evaluate with a sliding-window mask (the seed's "Slide Window" baseline is a normally
         trained Llama evaluated with a 256-token window)."""
         if window is not None and window < 1:
             raise RecurformerError(f"window must be >= 1, got {window}")
-        self.window = window
-
-    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> KVState:  # type: ignore[override]
-        c = self.config
-        dtype = self.tok_emb.weight.dtype
-        empty = [torch.zeros(batch_size, c.n_heads, 0, c.head_dim, device=device, dtype=dtype) for _ in range(c.n_layers)]
-        return self.state_cls(
-            fresh=torch.ones(batch_size, dtype=torch.bool, device=device),
-            k=empty,
-            v=list(empty),
-            start=torch.zeros(batch_size, dtype=torch.long, device=device),
-            pos=0,
-        )
-
-    def body(self, h: Tensor, state: KVState) -> tuple[Tensor, KVState]:  # type: ignore[override]
-        B, T, _ = h.shape
-        S = state.k[0].shape[2]
-        pos0 = state.pos
-        start = torch.where(state.fresh, torch.full_like(state.start, pos0), state.start)
-        q_pos = torch.arange(pos0, pos0 + T, device=h.device)
-        k_pos = torch.arange(pos0 - S, pos0 + T, device=h.device)
-        cos, sin = rope_cos_sin(q_pos, self.config.head_dim, self.config.rope_theta, h.dtype)
-
-        W = self.window
-        hides_cache = S > 0 and bool((start > pos0 - S).any())
-        if S == 0 and not hides_cache and (W is None or W >= T):
-            mask = None  # plain causal: SDPA's fast path
-        else:
-            vis = k_pos[None, :] <= q_pos[:, None]  # [T, S+T]
-            if W is not None:
-                vis = vis & (k_pos[None, :] > q_pos[:, None] - W)
-            mask = (vis[None] & (k_pos[None, None, :] >= start[:, None, None])).unsqueeze(1)  # [B, 1, T, S+T]
-
-        keep = None if W is None else W - 1
-        ks, vs = [], []
-        for layer, kc, vc in zip(self.layers, state.k, state.v):
-            h, k, v = layer(h, cos, sin, kc, vc, mask)
-            if keep is not None:
-                k, v = k[:, :, k.shape[2] - min(keep, k.shape[2]) :], v[:, :, v.shape[2] - min(keep, v.shape[2]) :]
-            ks.append(k)
-            vs.append(v)
-        new = self.state_cls(fresh=torch.zeros_like(state.fresh), k=ks, v=vs, start=start, pos=pos0 + T)
-        return h, new
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.window = window

@@ -1,4 +1,6 @@
-"""Recurrent Transformer (seed 003): layerwise recurrence. Each layer's persistent key/value pair
+"""Recurrent Transformer ("The Recurrent Transformer: Greater Effective Depth and Efficient
+Decoding", §"The Recurrent Transformer layer"; the tiled algorithm in its appendix): layerwise
+recurrence. Each layer's persistent key/value pair
 at position i is computed from that layer's *output* z_i, so later positions read already
 processed representations of earlier ones (§"The Recurrent Transformer layer"):
 
@@ -10,9 +12,10 @@ processed representations of earlier ones (§"The Recurrent Transformer layer"):
 N = RMSNorm (shared by x and z, as in the seed and the authors' code), qkN = RMSNorm over the
 full D-dim q or k (all heads together, as the code), MLP = SwiGLU (library convention; the
 authors' code uses GELU). Scores are scaled by 1/sqrt(head_dim). ALiBi slopes 2^(-8h/H)
-(max bias 8) by default.
+(max bias 8) by default. The FFN sits inside the recurrence (z feeds the persistent pair), so
+this is a whole layer, not a mixer in the shared pre-norm block.
 
-Block variant (the seed's "future work"): with ``block_size`` b > 1, positions are grouped in
+Block variant (the paper's "future work"): with ``block_size`` b > 1, positions are grouped in
 blocks of b; a query sees the persistent pairs of earlier blocks and the temporary pairs of its
 own block up to itself, so persistent pairs are revealed b at a time (b = 1: the exact layer).
 The recurrent depth over N positions is N/b.
@@ -31,13 +34,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..nn import ModelConfig, RMSNorm, State, StreamingLM, SwiGLU, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
+from ..layers import MLP, RMSNorm, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
+from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM
 from ..ops.recurrent_attention import BiasFn, alibi_bias, recurrent_attention_naive, recurrent_attention_tiled
 
 
@@ -59,24 +63,27 @@ class RecurrentTransformerConfig(ModelConfig):
 
 
 @dataclass
-class RecurrentState(State):
-    """Per layer: ``k``/``v`` [B, H, S, d], persistent pairs of positions pos-S..pos-1 (keys
-    rotated at their positions when RoPE is on); ``tk``/``tv`` [B, H, r, d], temporary pairs of
-    the r = pos mod b positions of the unfinished block. ``start[b]``: where row b's document
-    begins (earlier pairs are masked out)."""
+class RecurrentState(LayerState):
+    """``k``/``v`` [B, H, S, d]: persistent pairs of positions pos-S..pos-1 (keys rotated at their
+    positions when RoPE is on); ``tk``/``tv`` [B, H, r, d]: temporary pairs of the r = pos mod b
+    positions of the unfinished block (pairs before a row's document start are masked out)."""
 
-    k: list[Tensor]
-    v: list[Tensor]
-    tk: list[Tensor]
-    tv: list[Tensor]
-    start: Tensor  # [B] int64
-    pos: int
+    cache: ClassVar[dict[str, int]] = {"k": 2, "v": 2}
+    partial: ClassVar[dict[str, int]] = {"tk": 2, "tv": 2}
+    k: Tensor
+    v: Tensor
+    tk: Tensor
+    tv: Tensor
 
 
-class RecurrentLayer(nn.Module):
+class RecurrentLayer(Layer):
+    kind, unit, bounded = "recurrent", "block", False
+    state_cls = RecurrentState
+
     def __init__(self, cfg: RecurrentTransformerConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.period = cfg.block_size
         self.n_heads = cfg.n_heads
         self.alpha = 1 / math.sqrt(cfg.n_layers) if cfg.residual_scale else 1.0
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -87,7 +94,8 @@ class RecurrentLayer(nn.Module):
         self.q_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg.dim, cfg.hidden)
+        self.ffn = MLP(cfg.dim, cfg.hidden)
+        self.register_buffer("slopes", alibi_slopes(cfg.n_heads, cfg.alibi_max_bias), persistent=False)
 
     def kv(self, u: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
         """Key and value [B, H, n, d] of u [B, n, D] (x: temporary pair, z: persistent pair)."""
@@ -97,7 +105,29 @@ class RecurrentLayer(nn.Module):
             k = apply_rope(k, *rope)
         return k, split_heads(self.wv(n), self.n_heads)
 
-    def forward(
+    def describe(self) -> str:
+        return f"recurrent(b={self.period}, {self.cfg.position})"
+
+    def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> RecurrentState:
+        z = torch.zeros(batch_size, self.n_heads, 0, self.cfg.head_dim, device=device, dtype=dtype)
+        return RecurrentState(k=z, v=z, tk=z, tv=z)
+
+    def position_signal(self, pos0: int, T: int, device: torch.device, dtype: torch.dtype) -> tuple[tuple[Tensor, Tensor] | None, BiasFn | None]:
+        """(rope cos/sin for positions pos0..pos0+T-1 or None, bias function or None)."""
+        c = self.cfg
+        if c.position == "rope":
+            return rope_cos_sin(torch.arange(pos0, pos0 + T, device=device), c.head_dim, c.rope_theta, dtype), None
+        return None, alibi_bias(self.slopes.to(dtype))
+
+    def forward(self, x: Tensor, st: RecurrentState, call: Call) -> tuple[Tensor, RecurrentState]:
+        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        rope, bias_fn = call.shared(("rt-pos", self.cfg.position, acc), lambda: self.position_signal(call.pos, x.shape[1], x.device, acc))
+        if rope is not None:
+            rope = (rope[0].to(x.dtype), rope[1].to(x.dtype))
+        z, new = self.run(x, st.tensors(), pos0=call.pos, start=call.start, rope=rope, bias_fn=bias_fn)
+        return z, RecurrentState(**new)
+
+    def run(
         self,
         x: Tensor,
         past: dict[str, Tensor],
@@ -140,60 +170,16 @@ class RecurrentLayer(nn.Module):
 
 
 class RecurrentTransformer(StreamingLM):
-    state_cls = RecurrentState
+    kind = "recurrent"
+    layer_config = RecurrentTransformerConfig
 
-    def __init__(self, config: RecurrentTransformerConfig) -> None:
-        super().__init__(config)
-        self.layers = nn.ModuleList(RecurrentLayer(config) for _ in range(config.n_layers))
-        self.register_buffer("slopes", alibi_slopes(config.n_heads, config.alibi_max_bias), persistent=False)
-        self.init_weights()
-
-    @property
-    def reset_boundary(self) -> int:
-        return self.config.block_size  # type: ignore[attr-defined]
-
-    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> RecurrentState:  # type: ignore[override]
-        c = self.config
-        dt = self.tok_emb.weight.dtype
-        empty = lambda: [torch.zeros(batch_size, c.n_heads, 0, c.head_dim, device=device, dtype=dt) for _ in range(c.n_layers)]  # noqa: E731
-        return RecurrentState(
-            fresh=torch.ones(batch_size, dtype=torch.bool, device=device),
-            k=empty(), v=empty(), tk=empty(), tv=empty(),
-            start=torch.zeros(batch_size, dtype=torch.long, device=device),
-            pos=0,
-        )  # fmt: skip
-
-    def position_signal(self, pos0: int, T: int, device: torch.device, dtype: torch.dtype):  # type: ignore[no-untyped-def]
-        """(rope cos/sin for positions pos0..pos0+T-1 or None, bias function or None)."""
-        c: RecurrentTransformerConfig = self.config  # type: ignore[assignment]
-        if c.position == "rope":
-            return rope_cos_sin(torch.arange(pos0, pos0 + T, device=device), c.head_dim, c.rope_theta, dtype), None
-        return None, alibi_bias(self.slopes.to(dtype))
-
-    def body(self, h: Tensor, state: RecurrentState, impl: str | None = None) -> tuple[Tensor, RecurrentState]:  # type: ignore[override]
-        c: RecurrentTransformerConfig = self.config  # type: ignore[assignment]
-        B, T, _ = h.shape
-        pos0 = state.pos
-        if bool(state.fresh.any()) and pos0 % c.block_size:
-            raise RecurformerError(
-                f"recurrent_transformer can reset a row only at a block boundary (position {pos0} is not a multiple of block_size {c.block_size})"
-            )
-        start = torch.where(state.fresh, torch.full_like(state.start, pos0), state.start)
-        acc = torch.float32 if h.dtype in (torch.float16, torch.bfloat16) else h.dtype
-        rope, bias_fn = self.position_signal(pos0, T, h.device, acc)
-        if rope is not None:
-            rope = (rope[0].to(h.dtype), rope[1].to(h.dtype))
-        new: dict[str, list[Tensor]] = {k: [] for k in ("k", "v", "tk", "tv")}
-        for i, layer in enumerate(self.layers):
-            past = {k: getattr(state, k)[i] for k in new}
-            h, st = layer(h, past, pos0=pos0, start=start, rope=rope, bias_fn=bias_fn, impl=impl)
-            for k in new:
-                new[k].append(st[k])
-        return h, RecurrentState(fresh=torch.zeros_like(state.fresh), start=start, pos=pos0 + T, **new)
+    @staticmethod
+    def make_layer(cfg: RecurrentTransformerConfig, index: int) -> Layer:
+        return RecurrentLayer(cfg)
 
     def info_lines(self) -> list[str]:
         c: RecurrentTransformerConfig = self.config  # type: ignore[assignment]
-        return [
+        return super().info_lines() + [
             f"state: persistent K/V cache 2 * n_layers * dim = {2 * c.n_layers * c.dim} numbers per position (grows with the document)",
             f"block_size b = {c.block_size}: recurrent depth N/b per layer; impl = {c.impl}; position = {c.position}",
         ]

@@ -1,13 +1,15 @@
-"""Sliding-window attention baseline (Beltagy et al. 2020; Mistral): the Llama block, trained and
-evaluated with attention to the last ``window`` tokens only. The state is the last ``window - 1``
-keys/values per layer, so memory is bounded at any length."""
+"""Sliding-window attention baseline (Beltagy et al. 2020, "Longformer", §3.1; Mistral): Llama
+with a required ``window`` W: a query sees the last W tokens, itself included. The layer state is
+the last W - 1 keys/values, so memory is bounded at any length."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..config import RecurformerError
-from .llama import KVState, Llama, LlamaConfig
+from ..layers import Block
+from ..nn import Layer, ModelConfig
+from .llama import Attention, Llama, LlamaConfig
 
 
 @dataclass
@@ -20,13 +22,11 @@ class SlidingWindowConfig(LlamaConfig):
             raise RecurformerError("sliding_window needs an integer 'window'")
 
 
-@dataclass
-class WindowState(KVState):
-    """The KV cache holding at most ``window - 1`` keys/values per layer."""
-
-
 class SlidingWindow(Llama):
-    state_cls = WindowState
+    kind = "window"
 
-    def __init__(self, config: SlidingWindowConfig) -> None:
-        super().__init__(config)
+    @staticmethod
+    def make_layer(cfg: ModelConfig, index: int) -> Layer:
+        if cfg.window is None:
+            raise RecurformerError(f"layer {index} is a 'window' layer: set config key 'window'")
+        return Block(cfg, Attention(cfg, cfg.window))
