@@ -235,14 +235,44 @@ RUN_FILES = ("metrics.jsonl", ckpt.LATEST, "tensorboard")  # what a run writes b
 
 
 class TrainingInterrupted(Exception):
-    """SIGINT or SIGTERM stopped training after a checkpoint was written."""
+    """SIGINT or SIGTERM stopped training (after writing a checkpoint, when there was a step to save)."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path, run_dir: Path) -> None:
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, run_dir: Path) -> None:
         self.signum = signum
         name = signal.Signals(signum).name
-        super().__init__(
-            f"stopped by {name} after step {step}; saved {checkpoint}; continue with: recurformer train --resume {run_dir}"
-        )
+        if checkpoint is None:
+            super().__init__(f"stopped by {name} before training step {step + 1}; nothing new to save")
+        else:
+            super().__init__(
+                f"stopped by {name} after step {step}; saved {checkpoint}; continue with: recurformer train --resume {run_dir}"
+            )
+
+
+class StopSignals:
+    """SIGINT/SIGTERM handler that records the first signal (training stops after the current
+    step and saves) and raises KeyboardInterrupt at a second one (stop at once: the newest
+    checkpoint on disk is complete either way)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    @contextlib.contextmanager
+    def installed(self) -> Any:
+        """Handle SIGINT and SIGTERM inside the block (main thread only; elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
 
 
 def _run_contents(out_dir: Path) -> list[str]:
@@ -292,7 +322,10 @@ class Trainer:
     continues that very run (from its newest checkpoint, or from an older one when ``overwrite``
     allows deleting the later ones) or ``overwrite`` allows replacing it."""
 
-    def __init__(self, cfg: RunConfig, resume: str | None = None, show_progress: bool = True, overwrite: bool = False) -> None:
+    def __init__(
+        self, cfg: RunConfig, resume: str | None = None, show_progress: bool = True, overwrite: bool = False,
+        stop: StopSignals | None = None,
+    ) -> None:
         from .data import ContiguousStreams, ShuffledWindows, Tokenizer, load_prepared, prepare
 
         self.cfg = cfg
@@ -378,7 +411,7 @@ class Trainer:
         self.tokens_seen = 0
         if resumed is not None:
             self._restore(resumed)
-        self._stop: int | None = None  # the signal that asked to stop
+        self.stop = stop or StopSignals()  # installed by run(); by train_main from the start
         self.tb = None
         if self.rank == 0:
             try:
@@ -578,53 +611,36 @@ class Trainer:
         if self.show_progress:
             tqdm.write(msg)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        """First SIGINT/SIGTERM: stop after the current step and save. A second one: stop now
-        (the newest checkpoint on disk is complete)."""
-        if self._stop is not None:
-            raise KeyboardInterrupt
-        self._stop = signum
-
     def _stop_requested(self) -> int | None:
         """The signal that asked to stop, agreed by every rank (any rank's signal stops all)."""
         if self.world > 1:
-            v = torch.tensor([self._stop or 0], device=self.device)
+            v = torch.tensor([self.stop.signum or 0], device=self.device)
             dist.all_reduce(v, op=dist.ReduceOp.MAX)
             return int(v) or None
-        return self._stop
-
-    @contextlib.contextmanager
-    def _signals(self) -> Any:
-        """SIGINT and SIGTERM handled by ``_on_signal`` while training (main thread only)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
+        return self.stop.signum
 
     def run(self) -> dict[str, Any]:
         """Train to ``train.steps``. On SIGINT/SIGTERM: finish the step, save, raise
         ``TrainingInterrupted``."""
-        t = self.cfg.train
-        if self.resumed_from is not None:
-            if self.step >= t.steps:
+        with self.stop.installed():
+            t = self.cfg.train
+            if self.resumed_from is not None and self.step >= t.steps:
                 self._say(
                     f"{self.resumed_from} is already at step {self.step} of train.steps={t.steps}: the run is finished "
                     f"(raise it with --set train.steps=N to train further)"
                 )
                 return {}
-            self._say(f"resuming from {self.resumed_from} at step {self.step} of {t.steps}, writing to {self.out_dir}")
-        self.model.train()
-        bar = tqdm(total=t.steps, initial=self.step, disable=not self.show_progress, desc="train", dynamic_ncols=True)
-        try:
-            with self._signals():
+            stop = self._stop_requested()
+            if stop:  # a signal while the run was being set up
+                raise TrainingInterrupted(stop, self.step, None, self.out_dir)
+            if self.resumed_from is not None:
+                self._say(f"resuming from {self.resumed_from} at step {self.step} of {t.steps}, writing to {self.out_dir}")
+            self.model.train()
+            bar = tqdm(total=t.steps, initial=self.step, disable=not self.show_progress, desc="train", dynamic_ncols=True)
+            try:
                 return self._loop(bar)
-        finally:
-            bar.close()
+            finally:
+                bar.close()
 
     def _loop(self, bar: Any) -> dict[str, Any]:
         t = self.cfg.train
@@ -669,9 +685,11 @@ def train_main(config: str | None, overrides: list[str] | None, resume: str | No
             cfg.train.out_dir = str(loaded["dir"].parent)
     else:
         cfg = load_run_config(config, overrides)
-    trainer = Trainer(cfg, resume=resume, overwrite=overwrite)
-    try:
-        return trainer.run()
-    finally:
-        if trainer.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+    stop = StopSignals()
+    with stop.installed():  # a signal while the run is set up stops it before its first step
+        trainer = Trainer(cfg, resume=resume, overwrite=overwrite, stop=stop)
+        try:
+            return trainer.run()
+        finally:
+            if trainer.world > 1 and dist.is_initialized():
+                dist.destroy_process_group()
