@@ -209,12 +209,17 @@ def _load_json(path: Path) -> dict[str, Any]:
         raise RecurformerError(f"cannot read {path}: {e}") from None
 
 
+def load_config(path: str | Path) -> dict[str, Any]:
+    """The run config stored in a checkpoint (or a run's newest checkpoint), its data paths resolved."""
+    ck = resolve(path)
+    return _resolve_paths(_load_json(ck / "config.json"), ck)
+
+
 def load_checkpoint(path: str | Path, with_train_state: bool = False) -> dict[str, Any]:
     """Returns ``{"dir", "config", "model", "tokenizer_dir"}`` (+ ``"train_tensors"``,
     ``"train_json"`` when asked)."""
     ck = resolve(path)
-    config = _resolve_paths(_load_json(ck / "config.json"), ck)
-    out: dict[str, Any] = {"dir": ck, "config": config, "model": _load_tensors(ck / "model.safetensors")}
+    out: dict[str, Any] = {"dir": ck, "config": load_config(ck), "model": _load_tensors(ck / "model.safetensors")}
     out["tokenizer_dir"] = ck if (ck / "tokenizer.json").is_file() else None
     if with_train_state:
         out["train_tensors"] = _load_tensors(ck / "train_state.safetensors")

@@ -355,8 +355,12 @@ class Trainer:
 
         # data: prepared on first use (rank 0), then memory-mapped
         data_dir = cfg.data.resolved_dir()
-        # the data must be what the run expects: a resumed run, the data it started with
-        expected_key = resumed["train_json"].get("data_key") if resumed is not None else cfg.data.source_key()
+        # the data must be what the run expects: a resumed run, the data it started with (text files
+        # deleted after they were prepared into an explicit data.dir cannot be checked)
+        if resumed is not None:
+            expected_key = resumed["train_json"].get("data_key")
+        else:
+            expected_key = cfg.data.source_key() if all(Path(f).is_file() for f in cfg.data.text_files) else None
         if (data_dir / "meta.json").is_file():
             found_key = json.loads((data_dir / "meta.json").read_text()).get("source_key")
             if expected_key and found_key and found_key != expected_key:
@@ -676,13 +680,13 @@ def train_main(config: str | None, overrides: list[str] | None, resume: str | No
     writing into the resumed run's directory unless ``--set train.out_dir=...`` says otherwise."""
     over = parse_overrides(overrides)
     if resume:
-        loaded = ckpt.load_checkpoint(resume)
+        ck = ckpt.resolve(resume)
         if config:
             cfg = load_run_config(config, overrides)
         else:  # resume with the run's own config
-            cfg = from_dict(RunConfig, merge_config(loaded["config"], over))
+            cfg = from_dict(RunConfig, merge_config(ckpt.load_config(ck), over))
         if "out_dir" not in over.get("train", {}):
-            cfg.train.out_dir = str(loaded["dir"].parent)
+            cfg.train.out_dir = str(ck.parent)
     else:
         cfg = load_run_config(config, overrides)
     stop = StopSignals()
