@@ -224,8 +224,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_synth(args: argparse.Namespace) -> None:
     import json
 
+    from .checkpoint import check_writable
     from .synth import run_synth, result_dict, split_overrides, summary, synth_config
 
+    if args.json:
+        check_writable(Path(args.json), "--json file")  # before training, not after it
     model_over, task_over, synth_over = split_overrides(args.set)
     for key, value in (("steps", args.steps), ("lrs", args.lrs), ("n_train", args.n_train), ("n_test", args.n_test)):
         if value is not None:
