@@ -8,6 +8,7 @@ Each trial starts ``recurformer train`` (a tiny Memory Attention model, a checkp
 step), sends the signal at a random moment of its training, and resumes it with
 ``recurformer train --resume`` (or starts it again with ``--overwrite`` when it died before its
 first checkpoint); with probability 1/2 the resumed run is hit again (at most 4 signals a trial).
+A run that finishes before its trial's first signal is started over, so every trial is hit.
 Every checkpoint write is slowed by random sleeps between its files, so that many signals land
 in the middle of one. A trial survives when the final model weights and optimizer state are
 bitwise equal to the uninterrupted reference, metrics.jsonl has the reference's rows (no
@@ -71,8 +72,9 @@ def launch(args: list[str], marker: Path, log: Path) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, __file__, "--child", *args], stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
-def wait_for(marker: Path, proc: subprocess.Popen) -> None:
-    while not marker.exists() and proc.poll() is None:
+def wait_for(path: Path, proc: subprocess.Popen) -> None:
+    """Until ``path`` exists or the process has ended."""
+    while not path.exists() and proc.poll() is None:
         time.sleep(0.002)
 
 
@@ -107,6 +109,9 @@ def trial(i: int, sig: signal.Signals, work: Path, config: Path, steps: int, dur
         hit = sent == 0 or (sent < 4 and rng.random() < 0.5)
         if hit:
             time.sleep(rng.uniform(0, duration * (steps - newest) / steps))
+        if sent == 0 and proc.poll() == 0:  # finished before the first signal: start over, draw again
+            proc = launch([*fresh, "--overwrite"], marker, log)
+            continue
         if not hit or proc.poll() is not None:
             break
         proc.send_signal(sig)
@@ -141,7 +146,7 @@ def trial(i: int, sig: signal.Signals, work: Path, config: Path, steps: int, dur
         if left:
             problems.append(f"left {left}")
     ok = not problems
-    return ok, sent, mid, f"trial {i:2d}: {', '.join(events) or 'finished before the signal'} -> {'identical' if ok else '; '.join(problems)}"
+    return ok, sent, mid, f"trial {i:2d}: {', '.join(events)} -> {'identical' if ok else '; '.join(problems)}"
 
 
 def main() -> int:
@@ -169,10 +174,11 @@ def main() -> int:
     proc = launch(["--config", str(config), "--set", f"train.out_dir={ref_run}"], work / "reference.started", work / "reference.log")
     wait_for(work / "reference.started", proc)
     t1 = time.perf_counter()
+    wait_for(ref_run / f"step_{args.steps:06d}", proc)  # the signals aim at training, not at the exit after it
+    duration = time.perf_counter() - t1
     if proc.wait() != 0:
         print(f"the reference run failed: see {work / 'reference.log'}")
         return 1
-    duration = time.perf_counter() - t1
     print(f"reference: {args.steps} steps, a checkpoint after each, {duration:.1f}s of training ({t1 - t0:.1f}s start-up)")
     ref, ref_rows = final_state(ref_run), metric_rows(ref_run)
 
