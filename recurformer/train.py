@@ -43,8 +43,8 @@ DEFAULT_DATASET = "tinystories-sample"
 
 @dataclass
 class DataConfig:
-    """Exactly one of ``dataset`` (a bundled dataset name) and ``text_files`` is in force; with
-    neither, ``dataset`` is the bundled TinyStories sample."""
+    """At most one of ``dataset`` (a bundled dataset name) and ``text_files`` is in force; with
+    neither, ``dataset`` is the bundled TinyStories sample, unless ``dir`` names prepared data."""
 
     dataset: str | None = None
     text_files: list[str] = field(default_factory=list)
@@ -57,14 +57,17 @@ class DataConfig:
             raise RecurformerError(
                 f"config sets both data.dataset ({self.dataset}) and data.text_files ({', '.join(self.text_files)}); keep one"
             )
-        if not self.dataset and not self.text_files:
+        if not self.dataset and not self.text_files and not self.dir:
             self.dataset = DEFAULT_DATASET
 
-    def source_key(self) -> str:
+    def source_key(self) -> str | None:
         """A hash of what the prepared data is made of (dataset name or text file contents,
-        tokenizer kind, vocabulary size); ``prepare`` records it in meta.json."""
+        tokenizer kind, vocabulary size), as ``prepare`` records it in meta.json; None when only
+        ``dir`` is given."""
         from .data.prepare import source_key
 
+        if not self.dataset and not self.text_files:
+            return None
         return source_key(self.dataset, self.text_files or None, self.tokenizer, self.vocab_size)
 
     def resolved_dir(self) -> Path:
@@ -72,7 +75,7 @@ class DataConfig:
         ``prepared/text-<content hash>-<tokenizer><vocab>`` for text files."""
         if self.dir:
             return Path(self.dir)
-        name = self.dataset or f"text-{self.source_key()[:12]}"
+        name = self.dataset or f"text-{(self.source_key() or '')[:12]}"  # text_files: __post_init__ leaves no third case
         return Path("prepared") / f"{name}-{self.tokenizer}{self.vocab_size if self.tokenizer == 'bpe' else ''}"
 
 
