@@ -93,20 +93,21 @@ def metric_rows(run: Path) -> list[tuple[int, str]]:
 
 
 def trial(i: int, sig: signal.Signals, work: Path, config: Path, steps: int, duration: float, rng: random.Random,
-          ref: dict, ref_rows: list) -> tuple[bool, int, int, str]:
-    """(survived, signals sent, of which mid-checkpoint, a one-line account). Each signal comes at a
-    uniformly random moment of the training still to do (``duration`` is that of all of it)."""
+          ref: dict, ref_rows: list) -> tuple[bool, int, int, int, str]:
+    """(survived, signals sent, of which before the final checkpoint, of which mid-checkpoint, a
+    one-line account). Each signal comes at a uniformly random moment of the training still to do
+    (``duration`` is that of all of it); a run whose final checkpoint exists is not hit again."""
     import torch
 
     import recurformer.checkpoint as ckpt
 
     run, marker, log = work / f"trial{i:02d}", work / f"trial{i:02d}.started", work / f"trial{i:02d}.log"
     fresh = ["--config", str(config), "--set", f"train.out_dir={run}"]
-    sent, mid, newest, events, problems = 0, 0, 0, [], []
+    sent, early, mid, newest, events, problems = 0, 0, 0, 0, [], []
     proc = launch(fresh, marker, log)
     while True:
         wait_for(marker, proc)
-        hit = sent == 0 or (sent < 4 and rng.random() < 0.5)
+        hit = newest < steps and (sent == 0 or (sent < 4 and rng.random() < 0.5))
         if hit:
             time.sleep(rng.uniform(0, duration * (steps - newest) / steps))
         if sent == 0 and proc.poll() == 0:  # finished before the first signal: start over, draw again
@@ -119,6 +120,7 @@ def trial(i: int, sig: signal.Signals, work: Path, config: Path, steps: int, dur
         rc = proc.wait()
         saved = [ckpt.step_of(c) for c in ckpt.checkpoints(run)]
         newest = saved[-1] if saved else 0
+        early += newest < steps
         if sig == signal.SIGKILL:
             during = run.is_dir() and any(p.name.startswith(LEFTOVERS) for p in run.iterdir())
             mid += during
@@ -146,7 +148,7 @@ def trial(i: int, sig: signal.Signals, work: Path, config: Path, steps: int, dur
         if left:
             problems.append(f"left {left}")
     ok = not problems
-    return ok, sent, mid, f"trial {i:2d}: {', '.join(events)} -> {'identical' if ok else '; '.join(problems)}"
+    return ok, sent, early, mid, f"trial {i:2d}: {', '.join(events)} -> {'identical' if ok else '; '.join(problems)}"
 
 
 def main() -> int:
@@ -183,15 +185,16 @@ def main() -> int:
     ref, ref_rows = final_state(ref_run), metric_rows(ref_run)
 
     rng = random.Random(args.seed)
-    survived = sent = mid = 0
+    survived = sent = early = mid = 0
     for i in range(1, args.trials + 1):
-        ok, n, m, line = trial(i, sig, work, config, args.steps, duration, rng, ref, ref_rows)
+        ok, n, e, m, line = trial(i, sig, work, config, args.steps, duration, rng, ref, ref_rows)
         print(line, flush=True)
         survived += ok
         sent += n
+        early += e
         mid += m
-    during = f", {mid} of them in the middle of a checkpoint write" if sig == signal.SIGKILL else ""
-    print(f"{sent} x SIG{args.signal} at random moments{during}")
+    during = f", {mid} in the middle of a checkpoint write" if sig == signal.SIGKILL else ""
+    print(f"{sent} x SIG{args.signal} at random moments: {early} before the run's final checkpoint{during}")
     print(f"survived {survived}/{args.trials}")
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
