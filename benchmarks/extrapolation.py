@@ -61,6 +61,13 @@ def run_dir(dataset: str, run: str) -> Path:
     return ROOT / "runs" / "repro" / dataset / run
 
 
+def trained_length(run: Path) -> int:
+    """The training segment length (train.seq_len) of a run's latest checkpoint."""
+    from recurformer.checkpoint import resolve
+
+    return json.loads((resolve(run) / "config.json").read_text())["train"]["seq_len"]
+
+
 def train_one(dataset: str, run: str, threads: int) -> str:
     out = run_dir(dataset, run)
     if (out / "latest").is_file():
@@ -114,10 +121,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
         "table1": {label: done[(run, tuple(extra))] for label, run, extra in TABLE1 if (run, tuple(extra)) in done},
         "table2": {label: done[(run, ())] for label, run in TABLE2 if (run, ()) in done},
     }
+    labels = {label: run for label, run, _ in TABLE1} | dict(TABLE2)
     for name, res in tables.items():
         md = markdown_table(res)
         (out_dir / f"{tag}-{name}.md").write_text(md + "\n")
-        plot(res, out_dir / f"{tag}-{name}.png", f"{name.replace('table', 'Table ')}: trained on {args.dataset}" + (f", evaluated on {args.eval_data}" if args.eval_data else ""))
+        trained = {label: trained_length(run_dir(args.dataset, labels[label])) for label in res}
+        title = f"{name.replace('table', 'Table ')}: trained on {args.dataset}" + (f", evaluated on {args.eval_data}" if args.eval_data else "")
+        plot(res, out_dir / f"{tag}-{name}.png", title, 256, trained)
         print(f"\n{name} ({tag}):\n{md}")
     print(f"wrote {out_dir}/{tag}-table{{1,2}}.{{md,png}}")
 

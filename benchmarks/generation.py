@@ -74,24 +74,37 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
-def plot(results: dict, path: Path) -> None:
+def figure(results: dict):  # type: ignore[no-untyped-def]
+    """Resident memory and tokens/s against tokens generated, one line per model; both y axes
+    start at 0, so a flat line reads as flat and a growing one as growing."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4.2))
     for name, r in results.items():
         xs = [m["tokens"] for m in r["marks"]]
         a.plot(xs, [m["rss_mb"] for m in r["marks"]], marker="o", label=name)
         b.plot(xs, [m["tok_per_s"] for m in r["marks"]], marker="o", label=name)
-    for ax, y in ((a, "resident memory (MB)"), (b, "tokens/s (since the previous mark)")):
+    for ax, y, key in ((a, "resident memory (MB)", "rss_mb"), (b, "tokens/s (since the previous mark)", "tok_per_s")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens generated")
         ax.set_ylabel(y)
+        ax.set_ylim(0, 1.15 * max(m[key] for r in results.values() for m in r["marks"]))
         ax.grid(alpha=0.3)
+    a.set_title("memory", fontsize=9)
+    b.set_title("speed", fontsize=9)
     a.legend(fontsize=7)
+    fig.suptitle("Streaming generation, batch 1, greedy, random weights (one process per model)")
     fig.tight_layout()
+    return fig
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(results)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -79,42 +79,60 @@ def tables(results: list[Result]) -> str:
     return "\n".join(out)
 
 
-def plot(results: list[Result], path: Path) -> None:
+MARKERS = "osD^vPX*<>"
+
+
+def figure(results: list[Result]):  # type: ignore[no-untyped-def]
+    """Bars of test accuracy per task (first panel), then accuracy against length for every task
+    with a length sweep. One legend for the figure; each model has its own colour and (hollow,
+    so overlapping points stay visible) marker shape."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     tasks = list(dict.fromkeys(r["task"] for r in results))
     models = list(dict.fromkeys(r["model"] for r in results))
     swept = [t for t in tasks if any(r["by_length"] for r in results if r["task"] == t)]
     cell = {(r["model"], r["task"]): r for r in results}
-    colors = {m: f"C{i}" for i, m in enumerate(models)}
-    fig, axes = plt.subplots(1, 1 + len(swept), figsize=(2.2 + 1.3 * len(tasks) + 3.6 * len(swept), 4.2), squeeze=False)
+    style = {m: dict(color=f"C{i}", marker=MARKERS[i % len(MARKERS)]) for i, m in enumerate(models)}
+    fig, axes = plt.subplots(1, 1 + len(swept), figsize=(2.2 + 1.3 * len(tasks) + 3.6 * len(swept), 4.8), squeeze=False)
     ax = axes[0, 0]
     width = 0.8 / len(models)
     for i, m in enumerate(models):
         js = [j for j, t in enumerate(tasks) if (m, t) in cell]
-        ax.bar([j + i * width for j in js], [cell[m, tasks[j]]["accuracy"] for j in js], width, label=m, color=colors[m])
+        ax.bar([j + i * width for j in js], [cell[m, tasks[j]]["accuracy"] for j in js], width, color=style[m]["color"])
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))])
     ax.set_xticklabels([f"{t}\n({'token acc' if metric_name(t) == 'tok' else 'exact'})" for t in tasks], fontsize=6, rotation=30)
     ax.set_ylim(0, 1)
     ax.set_ylabel("test accuracy")
+    ax.set_title("test accuracy per task", fontsize=9)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=6)
     for ax, t in zip(axes[0, 1:], swept):
         for m in models:
             r = cell.get((m, t))
             if r and r["by_length"]:
                 Ls = sorted(int(L) for L in r["by_length"])
-                ax.plot(Ls, [r["by_length"][str(L)] for L in Ls], "o-", label=m, color=colors[m])
+                ax.plot(Ls, [r["by_length"][str(L)] for L in Ls], "-", **style[m], markersize=7, markerfacecolor="none",
+                        markeredgewidth=1.5, alpha=0.85)
                 if Ls[-1] >= 8 * Ls[0]:
                     ax.set_xscale("log", base=2)
         ax.set_ylim(-0.03, 1.03)
         ax.set_xlabel({"passkey": "filler tokens L", "copy": "string length", "delayed_copy": "delay"}.get(t, "length"))
-        ax.set_title(f"{t} ({'token acc' if metric_name(t) == 'tok' else 'exact match'})", fontsize=9)
+        ax.set_ylabel("test accuracy")
+        ax.set_title(f"{t}: accuracy vs length ({'token acc' if metric_name(t) == 'tok' else 'exact match'})", fontsize=9)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
+    handles = [Line2D([], [], **style[m], markerfacecolor="none", markeredgewidth=1.5, label=m) for m in models]
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(models), 6), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    return fig
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(results)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -197,7 +215,7 @@ def main() -> None:
         results: list[Result] = []
         meta = {"argv": sys.argv[1:]}
         for task, m, values, params, cfg in plans:
-            r = run_synth(task, m, values, params, cfg, log=lambda s: print(s, flush=True))
+            r = run_synth(task, m, values, params, cfg, log=lambda s: print(s, flush=True), progress=sys.stderr.isatty())
             print(summary(r) + f" [{r.seconds:.0f}s]", flush=True)
             results.append(result_dict(r) | {"synth": vars(cfg)})
             write(results, out, meta)

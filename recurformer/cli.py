@@ -1,4 +1,4 @@
-"""The ``recurformer`` command line: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``synth``, ``probe``.
+"""The ``recurformer`` command line: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``synth``, ``probe``, ``export``.
 
 Every user error (bad config key, missing file, wrong checkpoint, ...) is printed as one line
 ``recurformer: error: ...`` with exit code 2, never as a traceback. SIGINT and SIGTERM stop with
@@ -49,6 +49,25 @@ def cmd_info(args: argparse.Namespace) -> None:
         print(f"  {group}: {count:,}")
     for line in model.info_lines():
         print(line)
+    print(state_size_line(model))
+
+
+def state_size_line(model) -> str:  # type: ignore[no-untyped-def]
+    """The state's size per batch row, measured from the state itself (every model alike): after
+    reading 2C - 1 and 4C - 1 tokens, C the model's context field (chunk, window, segment, ...)."""
+    import torch
+
+    field = model.config.context_field
+    c = max(int(getattr(model.config, field) or 1) if field else 1, model.reset_boundary)
+    sizes = []
+    with torch.no_grad():
+        state = model.init_state(1, "cpu")
+        for n in (2 * c - 1, 2 * c):
+            state = model(torch.zeros(1, n, dtype=torch.long), state=state).state
+            sizes.append(sum(t.numel() for t in state.to_flat().values() if t.is_floating_point()))
+    if sizes[1] > sizes[0]:
+        return f"state size per row (measured): grows with the text, {sizes[1]:,} numbers after {4 * c - 1:,} tokens ({(sizes[1] - sizes[0]) / (2 * c):,.0f} per token)"
+    return f"state size per row (measured): {sizes[1]:,} numbers ({4 * sizes[1] / 2**20:.2f} MiB at fp32), the same at any length"
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -147,7 +166,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     check_writable(out.with_suffix(".png"), "plot")
     labels = eval_labels(args.checkpoint)
     device = pick_device(args.device)
-    results, cache = {}, {}
+    results, cache, trained = {}, {}, {}
     for path, label in zip(args.checkpoint, labels):
         model, name, tok, config = load_model(path, device)
         if args.window:
@@ -171,12 +190,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
         for r in rs:
             print(f"  L={r.length:>6}: loss {r.loss:.4f}  acc {r.accuracy:.3f}  {r.tokens_per_s:,.0f} tok/s  peak RSS {r.peak_rss_mb:,.0f} MB")
         results[label] = rs
+        trained[label] = config.get("train", {}).get("seq_len")
     print()
     print(markdown_table(results))
     meta = {k: v for k, v in vars(args).items() if k != "func"}
     save_json(results, out, meta)
     png = out.with_suffix(".png")
-    plot(results, png, f"loss on the last {args.last} tokens")
+    plot(results, png, f"loss on the last {args.last} tokens", args.last, trained)
     print(f"wrote {out} and {png}")
 
 
@@ -195,6 +215,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     model, name, tok, _ = load_model(args.checkpoint, pick_device(args.device))
     if tok is None:
         raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
+    if tok.lowercase and args.prompt != args.prompt.lower():
+        print("[this model's tokenizer was learned from lower-case text: the prompt is lower-cased]", file=sys.stderr)
+        args.prompt = args.prompt.lower()
     session = load_session(args.load_state, model, name) if args.load_state else new_session(model, 1, args.seed)
     ids = ([] if args.load_state else [tok.bos_id]) + tok.encode(args.prompt)
     prompt = torch.tensor([ids], dtype=torch.long) if ids else None
@@ -233,12 +256,21 @@ def cmd_synth(args: argparse.Namespace) -> None:
     for key, value in (("steps", args.steps), ("lrs", args.lrs), ("n_train", args.n_train), ("n_test", args.n_test)):
         if value is not None:
             synth_over[key] = value
-    r = run_synth(args.task, args.model, model_over, task_over, synth_config(synth_over), log=print, device=args.device)
+    r = run_synth(
+        args.task, args.model, model_over, task_over, synth_config(synth_over), log=print, device=args.device, progress=sys.stderr.isatty()
+    )
     print(summary(r))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result_dict(r), indent=2))
         print(f"wrote {args.json}")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from .api import export
+
+    out = export(args.checkpoint, args.out, args.push_to_hub)
+    print(f"wrote {out} (" + ", ".join(sorted(f.name for f in out.iterdir())) + ")" + (f"; uploaded to {args.push_to_hub}" if args.push_to_hub else ""))
 
 
 def _probe_labels(paths: list[str]) -> list[str]:
@@ -320,14 +352,17 @@ def cmd_probe(args: argparse.Namespace) -> None:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "info": cmd_info, "prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-    "synth": cmd_synth, "probe": cmd_probe,
+    "synth": cmd_synth, "probe": cmd_probe, "export": cmd_export,
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .models import model_names
 
+    from . import __version__
+
     ap = argparse.ArgumentParser(prog="recurformer", description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=f"recurformer {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="print a model's configuration and parameter counts")
     p.add_argument("--model", help=f"one of: {', '.join(model_names())}")
@@ -335,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
 
     p = sub.add_parser("prepare", help="tokenize a corpus into train/val token files")
-    p.add_argument("--dataset", help="tinystories-sample, tinystories-repeat, warpeace, books, tinystories (hub)")
+    p.add_argument("--dataset", help="tinystories-sample, tinystories-repeat, tinystories-cased, warpeace, books, tinystories (hub)")
     p.add_argument("--text", nargs="+", metavar="FILE", help="your own text files instead of a dataset")
     p.add_argument("--tokenizer", choices=["bpe", "byte"], default="bpe")
     p.add_argument("--vocab-size", type=int, default=4096)
@@ -414,6 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default="probe.json", help="output JSON (a PNG plot is written beside it)")
+    p = sub.add_parser("export", help="write a run's checkpoint in Hugging Face Hub layout with a model card")
+    p.add_argument("--checkpoint", required=True, help="a run or checkpoint directory")
+    p.add_argument("--out", required=True, help="the directory to write (model.safetensors, config.json, tokenizer.json, README.md)")
+    p.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload it to this Hub repo (needs a network and a token)")
     return ap
 
 

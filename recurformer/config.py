@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -148,10 +149,23 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def bundled_configs() -> list[str]:
+    """Names of the configs shipped inside the package (``recurformer/configs/``), e.g.
+    ``tinystories-cpu`` or ``probe/xl-16``; each is usable wherever a config path is."""
+    root = resources.files("recurformer") / "configs"
+    names = [f.name[:-5] for f in root.iterdir() if f.name.endswith(".yaml")]
+    names += [f"{d.name}/{f.name[:-5]}" for d in root.iterdir() if d.is_dir() for f in d.iterdir() if f.name.endswith(".yaml")]
+    return sorted(names)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
+    """A YAML config: the file ``path``, or else the bundled config of that name (``tinystories-cpu``)."""
+    p: Any = Path(path)  # or a package resource (importlib.resources)
+    name = str(path).removesuffix(".yaml")
     if not p.is_file():
-        raise RecurformerError(f"config file not found: {p}")
+        if name not in bundled_configs():
+            raise RecurformerError(f"config file not found: {p} (bundled configs: {', '.join(bundled_configs())})")
+        p = resources.files("recurformer") / "configs" / f"{name}.yaml"
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:

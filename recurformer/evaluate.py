@@ -123,7 +123,9 @@ def markdown_table(results: dict[str, list[LengthResult]]) -> str:
     return "\n".join([head, sep, *rows])
 
 
-def plot(results: dict[str, list[LengthResult]], path: Path, title: str) -> None:
+def figure(results: dict[str, list[LengthResult]], title: str, last: int, trained: dict[str, int | None] | None = None):  # type: ignore[no-untyped-def]
+    """Loss against length, one line per model; the y label names ``last``, the x label each
+    model's training length (``trained``: label -> train.seq_len, None where unknown)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,12 +135,26 @@ def plot(results: dict[str, list[LengthResult]], path: Path, title: str) -> None
     for label, rs in results.items():
         ax.plot([r.length for r in rs], [r.loss for r in rs], marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length L (trained at 256)")
-    ax.set_ylabel("loss on the last 256 tokens")
+    known = {k: v for k, v in (trained or {}).items() if v is not None}
+    if known and len(set(known.values())) == 1 and len(known) == len(results):
+        ax.set_xlabel(f"sequence length L (trained at {next(iter(known.values()))})")
+    elif known:
+        ax.set_xlabel("sequence length L (trained at: " + ", ".join(f"{k} {v}" for k, v in known.items()) + ")")
+    else:
+        ax.set_xlabel("sequence length L")
+    ax.set_ylabel(f"loss on the last {last} tokens")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot(results: dict[str, list[LengthResult]], path: Path, title: str, last: int, trained: dict[str, int | None] | None = None) -> None:
+    """``figure`` saved as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(results, title, last, trained)
     tmp = path.with_name(f".{path.name}.tmp{path.suffix}")  # written whole, then renamed into place
     try:
         fig.savefig(tmp, dpi=120)

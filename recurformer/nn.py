@@ -7,6 +7,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -229,6 +230,28 @@ class StreamingLM(nn.Module):
         from .generate import stream
 
         return stream(self, prompt, max_new_tokens, temperature, **kwargs)
+
+    def save_pretrained(self, directory: str | Path, **kwargs: Any) -> Path:
+        """Weights, config, model card (+ ``tokenizer=``) in Hub layout; see ``recurformer.hub``."""
+        from .hub import save_pretrained
+
+        return save_pretrained(self, directory, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, dir_or_repo_id: str | Path, **kwargs: Any) -> "StreamingLM":
+        """The model saved in a local directory (pretrained, checkpoint or run) or a Hub repo."""
+        from .hub import from_pretrained
+
+        model = from_pretrained(dir_or_repo_id, **kwargs)[0]
+        if not isinstance(model, cls):
+            raise RecurformerError(f"{dir_or_repo_id} holds a {type(model).__name__}, not a {cls.__name__}")
+        return model
+
+    def push_to_hub(self, repo_id: str, **kwargs: Any) -> str:
+        """Upload to the Hub repo ``repo_id``; see ``recurformer.hub.push_to_hub``."""
+        from .hub import push_to_hub
+
+        return push_to_hub(self, repo_id, **kwargs)
 
     @property
     def bounded_state(self) -> bool:

@@ -1,18 +1,19 @@
 """What does the state carry? Two counterfactual probes read through the streaming contract.
 
-**repeat** (copy). A document is ``s1, marker, s2`` with ``s2 = s1`` (the ``tinystories-repeat``
-val split as it is; for any other corpus, passages of ``n`` tokens cut from its text). For the
-copy offset k (the k-th token of s2):
+**repeat** (copy). A document is ``s1, gap, marker, s2`` with ``s2 = s1``: the ``tinystories-repeat``
+val split as it is (no gap), text files of such documents (scripts/make_copy_task.py: a story's
+first sentence, the rest of the story as the gap), or, for any other text, passages of ``n`` tokens
+cut from it (no gap). For the copy offset k (the k-th token of s2):
 
 - copy_gain(k) = loss(s1[k]) − loss(s2[k]): how much better the copy is predicted than the
-  original, both in the true document;
+  original, both in the true document. Filed under distance k: the last k tokens before s1[k]
+  and before s2[k] are the same, the tokens k back differ.
 - swap_Δ(k) = loss(s2[k] | s1 replaced by another passage of the same length) − loss(s2[k] | s1):
-  how much the prediction depends on what s1 said.
+  how much the prediction depends on what s1 said. Filed under k + |gap| + |marker|, the distance
+  back to the nearest swapped token.
 
-The distance of s2[k] is k: the k tokens before it (the copy so far) are the same in every
-condition, the marker lies k tokens back and the swapped passage at least k + |marker| tokens back.
-So a model whose receptive field is R tokens (see ``receptive_field``) has copy_gain and swap_Δ
-exactly 0 at every k > R.
+Distances count tokens back from the token a prediction is made from, so a model whose receptive
+field is R tokens (see ``receptive_field``) has copy_gain and swap_Δ exactly 0 at every distance > R.
 
 **swap** (any corpus). For a block of S target positions starting at t0 and a distance d, the
 history older than d tokens before t0 (positions < t0 − d) is replaced by other text of the same
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import RecurformerError
-from .data.prepare import REPEAT_PROMPT, load_documents
+from .data.prepare import EOT, REPEAT_PROMPT, load_documents
 from .data.tokenizer import Tokenizer
 from .nn import StreamingLM
 
@@ -101,61 +102,78 @@ def _prefix(stream: np.ndarray, end: int, length: int) -> np.ndarray:
     return stream[idx]
 
 
-def _repeat_sample(prefix: np.ndarray, s1: np.ndarray, marker: np.ndarray, s2: np.ndarray, head: np.ndarray,
-                   tail: np.ndarray, alt: np.ndarray) -> Sample:
-    """Rows [prefix, head, s1, marker, s2, tail] and the same with s1 replaced by ``alt``."""
+def _repeat_sample(prefix: np.ndarray, head: np.ndarray, s1: np.ndarray, gap: np.ndarray, marker: np.ndarray,
+                   s2: np.ndarray, tail: np.ndarray, alt: np.ndarray) -> Sample:
+    """Rows [prefix, head, s1, gap, marker, s2, tail] and the same with s1 replaced by ``alt``.
+    copy_gain(k) is filed under k (the contexts of s1[k] and s2[k] agree on their last k tokens);
+    swap_Δ(k) under k + |gap| + |marker|, the distance back to the nearest swapped token."""
     n = len(s1)
-    true = np.concatenate([prefix, head, s1, marker, s2, tail])
-    swapped = np.concatenate([prefix, head, alt, marker, s2, tail])
+    true = np.concatenate([prefix, head, s1, gap, marker, s2, tail])
+    swapped = np.concatenate([prefix, head, alt, gap, marker, s2, tail])
     a = len(prefix) + len(head)  # position of s1[0]
-    b = a + n + len(marker)  # position of s2[0]
+    b = a + n + len(gap) + len(marker)  # position of s2[0]
     k = np.arange(n)
     return Sample(
         rows=[true, swapped],
         comparisons=[
             Comparison("copy_gain", 0, a + k, 0, b + k, k),
-            Comparison("swap_delta", 1, b + k, 0, b + k, k),
+            Comparison("swap_delta", 1, b + k, 0, b + k, k + len(gap) + len(marker)),
         ],
     )
+
+
+def split_copy_document(doc: np.ndarray, marker: np.ndarray, tail: int) -> tuple[np.ndarray, ...] | None:
+    """[BOS] s1 gap marker s2 [EOS]: s2 follows the last marker and s1 = s2 opens the document.
+    Returns (head, s1, gap, marker, s2, tail) or None when the tokens do not have that form."""
+    m = len(marker)
+    body = doc[1 : len(doc) - tail]
+    hits = [i for i in range(len(body) - m, -1, -1) if np.array_equal(body[i : i + m], marker)]
+    if not hits:
+        return None
+    s2 = body[hits[0] + m :]
+    n = len(s2)
+    if n == 0 or hits[0] < n or not np.array_equal(body[:n], s2):
+        return None
+    return doc[:1], body[:n], body[n : hits[0]], marker, s2, doc[len(doc) - tail :]
 
 
 def repeat_samples(
     tok: Tokenizer, dataset: str | None, text: Sequence[str] | None, n_docs: int, passage: int,
     warm: tuple[int, int], rng: np.random.Generator,
 ) -> list[Sample]:
-    """Copy documents. ``tinystories-repeat``: its val documents as trained on (BOS, story,
-    marker, story, EOS), split at the marker; any other text: ``passage``-token pieces of it."""
+    """Copy documents. Documents that hold the marker (``tinystories-repeat``: BOS, story,
+    marker, story, EOS, as trained on; or text files of ``s1 gap marker s1`` documents, e.g.
+    scripts/make_copy_task.py) are split at their last marker; any other text gives
+    ``passage``-token pieces of it."""
     marker = np.asarray(tok.encode(MARKER_TEXT), dtype=np.int64)
     if dataset == "tinystories-repeat":
         stories = load_documents("tinystories-sample", None, 0.05)[1]
-        docs = _encode(tok, [f"{s}{MARKER_TEXT}{s}" for s in stories], append_eos=True)
-        alone = [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(stories)]
-        stream = np.concatenate(docs)
-        starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
-        usable = []
-        for i, (d, s) in enumerate(zip(docs, alone)):
-            n = len(s)
-            # the document's tokens are exactly [BOS] s marker s [EOS] (no merge across the marker)
-            if len(d) == 2 * n + len(marker) + 2 and np.array_equal(d[1 : 1 + n], s) and np.array_equal(d[1 + n + len(marker) : -1], s):
-                usable.append(i)
-        if len(usable) < n_docs:
-            raise RecurformerError(f"tinystories-repeat has {len(usable)} usable val documents, fewer than --docs {n_docs}")
-        chosen = np.sort(rng.choice(usable, size=n_docs, replace=False))
-        samples = []
-        for i in chosen:
-            s = alone[i]
-            # the swapped passage: other stories' text, cut to len(s)
-            j, pool = (i + 1) % len(docs), []
-            while sum(len(p) for p in pool) < len(s):
-                pool.append(alone[j])
-                j = (j + 1) % len(docs)
-            alt = np.concatenate(pool)[: len(s)]
-            p = int(rng.integers(warm[0], warm[1] + 1))
-            head, tail = docs[i][:1], docs[i][-1:]
-            samples.append(_repeat_sample(_prefix(stream, int(starts[i]), p), s, marker, s, head, tail, alt))
-        return samples
-
-    return repeat_samples_from_stream(text_stream(tok, dataset, text), marker, n_docs, passage, warm, rng)
+        texts, eos = [f"{s}{MARKER_TEXT}{s}" for s in stories], True
+    else:
+        texts, eos = documents(dataset, text), False
+        if not any(MARKER_TEXT in t for t in texts):
+            return repeat_samples_from_stream(np.concatenate(_encode(tok, texts, eos)), marker, n_docs, passage, warm, rng)
+    docs = _encode(tok, texts, eos)
+    parts = [split_copy_document(d, marker, int(eos)) for d in docs]
+    usable = [i for i, x in enumerate(parts) if x is not None]
+    if len(usable) < n_docs:
+        raise RecurformerError(
+            f"the text has {len(usable)} copy documents (s1, marker, s1), fewer than --docs {n_docs}; give more or ask for fewer"
+        )
+    stream = np.concatenate(docs)
+    starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
+    samples = []
+    for i in np.sort(rng.choice(usable, size=n_docs, replace=False)):
+        head, s1, gap, mk, s2, tail = parts[i]  # type: ignore[misc]
+        # the swapped passage: the copied passages of the next documents, cut to len(s1)
+        pool, j = [], (usable.index(i) + 1) % len(usable)
+        while sum(len(q) for q in pool) < len(s1):
+            pool.append(parts[usable[j]][1])  # type: ignore[index]
+            j = (j + 1) % len(usable)
+        alt = np.concatenate(pool)[: len(s1)]
+        p = int(rng.integers(warm[0], warm[1] + 1))
+        samples.append(_repeat_sample(_prefix(stream, int(starts[i]), p), head, s1, gap, mk, s2, tail, alt))
+    return samples
 
 
 def repeat_samples_from_stream(stream: np.ndarray, marker: np.ndarray, n_docs: int, passage: int,
@@ -178,7 +196,7 @@ def repeat_samples_from_stream(stream: np.ndarray, marker: np.ndarray, n_docs: i
         alt = stream[other : other + passage]
         p = int(rng.integers(max(warm[0], 1), max(warm[1], 1) + 1))  # s1[0] needs a token to be predicted from
         empty = stream[:0]
-        samples.append(_repeat_sample(_prefix(stream, at, p), s1, marker, s1, empty, empty, alt))
+        samples.append(_repeat_sample(_prefix(stream, at, p), empty, s1, empty, marker, s1, empty, alt))
     return samples
 
 
@@ -215,21 +233,27 @@ def swap_samples(stream: np.ndarray, n_docs: int, distances: Sequence[int], span
     return samples
 
 
+def documents(dataset: str | None, text: Sequence[str] | None) -> list[str]:
+    """The val documents of a bundled ``dataset``, or the documents of UTF-8 ``text`` files
+    (separated by ``<|endoftext|>``)."""
+    if not text:
+        return load_documents(dataset, None, 0.05)[1]
+    docs: list[str] = []
+    for f in text:
+        p = Path(f)
+        if not p.is_file():
+            raise RecurformerError(f"text file not found: {f}")
+        try:
+            docs += [d.strip() for d in p.read_text(encoding="utf-8").split(EOT) if d.strip()]
+        except UnicodeDecodeError as e:
+            raise RecurformerError(f"{f} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    return docs
+
+
 def text_stream(tok: Tokenizer, dataset: str | None, text: Sequence[str] | None) -> np.ndarray:
-    """The val split of ``dataset`` (or the whole of ``text`` files), BOS before each document."""
-    if text:
-        docs = []
-        for f in text:
-            p = Path(f)
-            if not p.is_file():
-                raise RecurformerError(f"text file not found: {f}")
-            try:
-                docs.append(p.read_text(encoding="utf-8"))
-            except UnicodeDecodeError as e:
-                raise RecurformerError(f"{f} is not UTF-8 text (byte {e.start}: {e.reason})") from None
-    else:
-        docs = load_documents(dataset, None, 0.05)[1]
-    return np.concatenate(_encode(tok, docs, append_eos=dataset == "tinystories-repeat"))
+    """The documents of ``documents(dataset, text)`` as one token stream, BOS before each (and
+    EOS after each for ``tinystories-repeat``, as it was trained)."""
+    return np.concatenate(_encode(tok, documents(dataset, text), append_eos=dataset == "tinystories-repeat"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from .config import RecurformerError, from_dict, merge, parse_overrides
 from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
@@ -226,9 +227,9 @@ def evaluate(learner: Learner, data: TaskData, chunk: int, batch_size: int) -> S
     return Scores(float(hit.mean()), float(per_class.mean()), float(exact.float().mean()), int(scored.sum()), int(rows.sum()))
 
 
-def train_model(learner: Learner, data: TaskData, cfg: SynthConfig, lr: float) -> float:
+def train_model(learner: Learner, data: TaskData, cfg: SynthConfig, lr: float, progress: bool = False) -> float:
     """AdamW with warmup + cosine over ``cfg.steps`` steps of random batches (epoch order, seeded).
-    Returns the mean training loss over the last 10% of the steps."""
+    Returns the mean training loss over the last 10% of the steps; ``progress``: a tqdm bar."""
     tc = TrainConfig(
         steps=cfg.steps, lr=lr, min_lr=lr * cfg.min_lr_ratio, warmup=int(cfg.warmup * cfg.steps), weight_decay=cfg.weight_decay,
         beta1=cfg.beta1, beta2=cfg.beta2, grad_clip=cfg.grad_clip, batch_size=cfg.batch_size,
@@ -240,7 +241,7 @@ def train_model(learner: Learner, data: TaskData, cfg: SynthConfig, lr: float) -
     order = torch.randperm(n, generator=gen)
     pos, tail = 0, []
     learner.train()
-    for step in range(cfg.steps):
+    for step in tqdm(range(cfg.steps), desc=f"lr {lr:g}", unit="step", leave=False, disable=not progress, dynamic_ncols=True):
         if pos + cfg.batch_size > n:
             order, pos = torch.randperm(n, generator=gen), 0
         idx = order[pos : pos + cfg.batch_size]
@@ -266,8 +267,10 @@ def run_synth(
     cfg: SynthConfig | None = None,
     log: Callable[[str], None] = lambda s: None,
     device: str = "cpu",
+    progress: bool = False,
 ) -> SynthResult:
-    """Train ``model_name`` on ``task`` for every lr of ``cfg.lrs``; select by validation accuracy."""
+    """Train ``model_name`` on ``task`` for every lr of ``cfg.lrs``; select by validation accuracy.
+    ``progress``: a tqdm bar (on stderr) for each learning rate's training."""
     cfg = cfg or SynthConfig()
     t = get_task(task)
     params = t.params(task_over)
@@ -290,7 +293,7 @@ def run_synth(
     for lr in cfg.lrs:
         torch.manual_seed(cfg.seed)
         learner = Learner(build_model(model_name, values), t).to(device)
-        loss = train_model(learner, train, cfg, lr)
+        loss = train_model(learner, train, cfg, lr, progress)
         v = evaluate(learner, val, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
         sweep.append({"lr": lr, "train_loss": loss, "val_accuracy": v})
         log(f"  {model_name} lr {lr:g}: train loss {loss:.4f}, val accuracy {v:.4f}")

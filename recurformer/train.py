@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from . import checkpoint as ckpt
+from . import loggers
 from .config import RecurformerError, from_dict, load_yaml, merge, parse_overrides
 from .models import build_model, make_config
 from .nn import State, StreamingLM
@@ -105,6 +106,7 @@ class TrainConfig:
     keep_last: int = 3
     seed: int = 0
     device: str = "auto"
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard"])  # + metrics.jsonl; see loggers.py
 
     def __post_init__(self) -> None:
         for k in ("batch_size", "seq_len", "steps", "grad_accum", "truncation", "eval_every", "log_every", "save_every"):
@@ -137,7 +139,10 @@ def merge_config(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def load_run_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
     raw = load_yaml(path) if path else {}
-    raw = merge_config(raw, parse_overrides(overrides))
+    return run_config_from_dict(merge_config(raw, parse_overrides(overrides)))
+
+
+def run_config_from_dict(raw: dict[str, Any]) -> RunConfig:
     cfg = from_dict(RunConfig, raw)
     if "name" not in cfg.model:
         raise RecurformerError("config key 'model.name' is required (e.g. memory_attention)")
@@ -419,7 +424,7 @@ class Trainer:
         if resumed is not None:
             self._restore(resumed)
         self.stop = stop or StopSignals()  # installed by run(); by train_main from the start
-        self.tb = None
+        self.sinks, self.header = [], []
         if self.rank == 0:
             try:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -428,13 +433,8 @@ class Trainer:
                     copy_metrics(resumed["dir"].parent / "metrics.jsonl", self.out_dir / "metrics.jsonl", self.step)
             except OSError as e:
                 raise RecurformerError(f"cannot write run directory {self.out_dir}: {e.strerror or e}") from None
-            try:  # TensorBoard when it is installed; metrics.jsonl always
-                from torch.utils.tensorboard import SummaryWriter
-
-                # a resumed run drops the events a killed run logged after its checkpoint
-                self.tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=self.step + 1 if resumed else None)
-            except ImportError:
-                pass
+            self.sinks, notes = loggers.make_sinks(t.loggers, self.out_dir, self._config_dict())
+            self.header = loggers.run_header(self, notes)
 
     def _claim_out_dir(self, resumed: dict[str, Any] | None, overwrite: bool) -> None:
         """Refuse (one line) to write into a run directory that is not writable, or that holds
@@ -602,17 +602,16 @@ class Trainer:
         return loss
 
     def log(self, record: dict[str, Any]) -> None:
-        if self.rank == 0:
-            path = self.out_dir / "metrics.jsonl"
-            try:
-                with open(path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            except OSError as e:
-                raise RecurformerError(f"cannot write {path}: {e.strerror or e}") from None
-            if self.tb is not None:
-                for k, v in record.items():
-                    if k != "step" and isinstance(v, (int, float)):
-                        self.tb.add_scalar(k, v, record["step"])
+        try:
+            for sink in self.sinks:
+                sink.log(record, record["step"])
+        except OSError as e:
+            raise RecurformerError(f"cannot write the run's logs in {self.out_dir}: {e.strerror or e}") from None
+
+    def close_loggers(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
     def _say(self, msg: str) -> None:
         if self.show_progress:
@@ -640,6 +639,8 @@ class Trainer:
             stop = self._stop_requested()
             if stop:  # a signal while the run was being set up
                 raise TrainingInterrupted(stop, self.step, None, self.out_dir)
+            if self.show_progress:
+                print("\n".join(self.header), flush=True)
             if self.resumed_from is not None:
                 self._say(f"resuming from {self.resumed_from} at step {self.step} of {t.steps}, writing to {self.out_dir}")
             self.model.train()
@@ -698,5 +699,6 @@ def train_main(config: str | None, overrides: list[str] | None, resume: str | No
         try:
             return trainer.run()
         finally:
+            trainer.close_loggers()
             if trainer.world > 1 and dist.is_initialized():
                 dist.destroy_process_group()

@@ -8,6 +8,8 @@ Outputs (xz-compressed UTF-8 text, documents separated by ``<|endoftext|>\\n``):
 
 * ``tinystories_train.txt.xz`` / ``tinystories_val.txt.xz`` - lower-cased TinyStories, one story
   per document (see corpora/README.md for how the two train source files are merged).
+* ``tinystories_cased_train.txt.xz`` / ``tinystories_cased_val.txt.xz`` - the TinyStories that
+  exist in original case (2,316 train stories, the same 1,000 val stories), normalized alike.
 * ``warpeace.txt.xz`` - War and Peace, one document (BOM stripped, CRLF -> LF).
 * ``books_train.txt.xz`` / ``books_val.txt.xz`` - public-domain books, one book per document.
 """
@@ -53,9 +55,19 @@ def fix_mojibake(text: str) -> str:
     return re.sub(r"[^\x00-\x7f]+", redecode, text)
 
 
-def normalize_story(story: str) -> str:
-    """Lower-case, one paragraph per line, no trailing spaces, no blank lines."""
-    return re.sub(r"[ \t]*\n\s*", "\n", story.strip()).lower()
+def normalize_story(story: str, lower: bool = True) -> str:
+    """Lower-case (unless ``lower`` is false), one paragraph per line, no trailing spaces, no blank lines."""
+    text = re.sub(r"[ \t]*\n\s*", "\n", story.strip())
+    return text.lower() if lower else text
+
+
+def tinystories_cased(src: Path) -> tuple[list[str], list[str]]:
+    """The stories that exist in original case: the eot train file's complete stories (the first
+    2,316 of the lower-case train set) and the val eot file, normalized as above but not lower-cased."""
+    eot_text = fix_mojibake((src / "tinystories_train_head_cased_eot.txt").read_text(encoding="utf-8"))
+    train = [normalize_story(s, lower=False) for s in eot_text.split(EOT)[:-1]]  # the last story is cut at 2 MiB
+    val_text = fix_mojibake((src / "tinystories_val_head_eot.txt").read_text(encoding="utf-8"))
+    return train, [normalize_story(s, lower=False) for s in val_text.split(EOT) if s.strip()]
 
 
 def tinystories_train(src: Path) -> tuple[list[str], dict[str, int]]:
@@ -95,6 +107,10 @@ def main() -> None:
     write_docs(OUT / "tinystories_train.txt.xz", train)
     val_text = fix_mojibake((args.src / "tinystories_val_head_eot.txt").read_text(encoding="utf-8"))
     write_docs(OUT / "tinystories_val.txt.xz", [normalize_story(s) for s in val_text.split(EOT) if s.strip()])
+
+    cased_train, cased_val = tinystories_cased(args.src)
+    write_docs(OUT / "tinystories_cased_train.txt.xz", cased_train)
+    write_docs(OUT / "tinystories_cased_val.txt.xz", cased_val)
 
     wp = (args.src / "warpeace_input.txt").read_text(encoding="utf-8-sig").replace("\r\n", "\n")
     write_docs(OUT / "warpeace.txt.xz", [wp.strip()])

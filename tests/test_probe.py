@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from recurformer import build_model
 from recurformer.cli import main as cli_main
 from recurformer.probe import (
-    aggregate, bootstrap_mean, distance_bins, receptive_field, repeat_samples_from_stream, row_losses, swap_samples,
+    aggregate, bootstrap_mean, distance_bins, receptive_field, repeat_samples_from_stream, row_losses, split_copy_document,
+    swap_samples,
 )
 
 from helpers import randomize_params
@@ -85,8 +86,7 @@ def test_bounded_models_are_exactly_zero_beyond_R_and_not_inside(name, dtype) ->
     for metric in ("copy_gain", "swap_delta"):
         d, v = _values(samples, losses, metric)
         assert np.abs(v[d > R]).max() <= tol, metric
-        inside = d <= R - len(marker)  # the swapped passage lies d + |marker| tokens back
-        assert np.abs(v[inside]).max() > 1e-3, metric
+        assert np.abs(v[d <= R]).max() > 1e-3, metric
         for b in aggregate(samples, losses, metric):
             if b.lo > R:
                 assert max(abs(b.mean), abs(b.ci_lo), abs(b.ci_hi)) <= tol
@@ -108,6 +108,16 @@ def test_recurrent_state_is_seen_far_beyond_any_chunk(name) -> None:
     d, v = _values(samples, _per_sample(samples, model), "swap_delta")
     assert np.abs(v[d >= far]).max() > 1e-4
     assert np.abs(v[d >= 3 * far]).max() > 0
+
+
+def test_split_copy_document() -> None:
+    marker = np.array([7, 8])
+    s1, gap = np.array([3, 4, 5]), np.array([9, 7, 9, 4])
+    doc = np.concatenate([[0], s1, gap, marker, s1, [1]])
+    head, a, g, m, b, tail = split_copy_document(doc, marker, tail=1)
+    assert head.tolist() == [0] and a.tolist() == b.tolist() == s1.tolist() and g.tolist() == gap.tolist() and tail.tolist() == [1]
+    assert split_copy_document(np.concatenate([[0], s1, marker, [3, 4, 6]]), marker, tail=0) is None  # copy differs
+    assert split_copy_document(np.concatenate([[0], s1, gap]), marker, tail=0) is None  # no marker
 
 
 def test_row_losses_stream_exactly_like_one_forward() -> None:
@@ -197,6 +207,29 @@ def test_cli_repeat_and_swap(trained, tmp_path, capsys) -> None:
     assert cli_main(["probe", "--checkpoint", str(run), "--task", "swap", "--text", str(corpus), "--docs", "5",
                      "--distances", "2,20", "--span", "4", "--warm-min", "0", "--warm-max", "10", "--json", str(out)]) == 0
     assert set(json.loads(out.read_text())["results"][0]["metrics"]) == {"swap_delta"}
+
+
+def test_cli_repeat_on_copy_documents_with_a_gap(trained, tmp_path, capsys) -> None:
+    """Documents ``s1 gap marker s1`` (scripts/make_copy_task.py's form): the probe splits them at
+    the marker and files swap_Δ at k + |gap| + |marker|; a window of 14 tokens never sees s1."""
+    from recurformer.data.prepare import EOT, REPEAT_PROMPT
+
+    run, _ = trained
+    rng = random.Random(1)
+    docs = []
+    for _ in range(30):
+        s1 = " ".join(rng.choice(WORDS) for _ in range(3)) + "."
+        gap = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 12)))
+        docs.append(f"{s1}\n{gap}\n{REPEAT_PROMPT}\n{s1}")
+    text = tmp_path / "copy.txt"
+    text.write_text(f"\n{EOT}\n".join(docs))
+    out = tmp_path / "c.json"
+    assert cli_main(["probe", "--checkpoint", str(run), "--text", str(text), "--docs", "20", "--warm-min", "3",
+                     "--warm-max", "20", "--json", str(out)]) == 0
+    m = json.loads(out.read_text())["results"][0]["metrics"]
+    assert min(b["lo"] for b in m["swap_delta"]) >= 16 and max(b["lo"] for b in m["copy_gain"]) < 32
+    assert all(abs(b["mean"]) <= 1e-6 for b in m["swap_delta"])  # s1 lies > |marker| = 15 > R = 14 bytes back
+    assert any(abs(b["mean"]) > 1e-3 for b in m["copy_gain"])  # inside R the contexts of s1[k], s2[k] differ
 
 
 @pytest.mark.parametrize("args, message", [

@@ -34,7 +34,7 @@ from recurformer.data.tokenizer import FILENAME as TOKENIZER_FILE
 from recurformer.data.tokenizer import Tokenizer
 
 EOT = "<|endoftext|>"
-DATASETS = ("tinystories-sample", "tinystories-repeat", "warpeace", "books", "tinystories")
+DATASETS = ("tinystories-sample", "tinystories-repeat", "tinystories-cased", "warpeace", "books", "tinystories")
 TOKENIZERS = ("bpe", "byte")
 REPEAT_PROMPT = "Repeat above."
 BPE_TRAIN_MAX_DOCS = 100_000  # larger train splits train the BPE on a seeded random sample of documents
@@ -152,6 +152,9 @@ def load_documents(
         if dataset == "tinystories-repeat":
             train, val = ([f"{s}\n{REPEAT_PROMPT}\n{s}" for s in docs] for docs in (train, val))
         return train, val, "bundled TinyStories sample, lower-cased (recurformer/data/corpora, CDLA-Sharing-1.0)"
+    if dataset == "tinystories-cased":
+        train, val = bundled_corpus("tinystories_cased_train"), bundled_corpus("tinystories_cased_val")
+        return train, val, "bundled TinyStories sample in original case (recurformer/data/corpora, CDLA-Sharing-1.0)"
     if dataset == "warpeace":
         train, val = split_contiguous(bundled_corpus("warpeace"), val_fraction)
         return train, val, f"bundled War and Peace (public domain), last {val_fraction:.0%} is val"

@@ -80,6 +80,17 @@ class Tokenizer:
         hf.train_from_iterator((p for t in texts for p in pieces(t)), trainer=trainer)
         return Tokenizer("bpe", hf)
 
+    @property
+    def lowercase(self) -> bool:
+        """True for a BPE learned from (almost only) lower-case text: fewer than 1% of its merged
+        tokens hold an ASCII capital (the bundled ``tinystories-repeat`` has two, from its "Repeat
+        above." marker), so a capital letter falls apart into byte tokens the model has hardly seen."""
+        if self._hf is None:
+            return False
+        merged = [t for t in self._hf.get_vocab() if len(t) > 1]
+        capital = sum(any("A" <= c <= "Z" for c in t) for t in merged)
+        return capital < 0.01 * len(merged)
+
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 

@@ -1,0 +1,166 @@
+"""The Python API: what the command line does, callable without a subprocess.
+
+    import recurformer
+
+    run = recurformer.train("tinystories-cpu", train={"steps": 50})   # or **{"train.steps": 50}
+    model, tok = recurformer.load(run.checkpoint)                      # or a pretrained dir / Hub id
+    results = recurformer.evaluate(model, tok, dataset="tinystories-sample", lengths=[256, 1024])
+    probed = recurformer.probe(model, tok, task="repeat", docs=50)
+    recurformer.export(run.dir, "my-model")                            # Hub layout + model card
+
+Every function raises ``RecurformerError`` (a one-line message) on bad input, as the CLI does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .config import RecurformerError, load_yaml, merge
+from .data import Tokenizer
+from .evaluate import LengthResult, evaluate_lengths
+from .nn import StreamingLM
+from .probe import ProbeResult
+
+
+@dataclass
+class Run:
+    """A finished (or stopped) training run."""
+
+    dir: Path  # the run directory: metrics.jsonl, step_XXXXXX/ checkpoints
+    checkpoint: Path | None  # the last checkpoint written (None if none was)
+    metrics: dict[str, Any]  # the last logged metrics: step, loss, val_loss, tokens, ...
+    model: StreamingLM  # the trained model, in eval mode
+    tokenizer: Tokenizer
+    config: dict[str, Any] = field(default_factory=dict)  # the full run config as saved
+
+
+def _overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """``train={"steps": 5}`` and ``**{"train.steps": 5}`` -> a nested dict of config values."""
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        nested: Any = value
+        for part in reversed(key.split(".")[1:]):
+            nested = {part: nested}
+        out = merge(out, {key.split(".")[0]: nested})
+    return out
+
+
+def train(config: str | Path | dict[str, Any] | None = None, *, resume: str | Path | None = None,
+          progress: bool = True, overwrite: bool = False, **overrides: Any) -> Run:
+    """Train as ``recurformer train`` does. ``config``: a YAML path, a bundled config name
+    (``"tinystories-cpu"``) or a dict with model/data/train sections; ``overrides`` as sections
+    (``model={"dim": 64}``) or dotted keys (``**{"train.steps": 10}``); ``resume``: a run or
+    checkpoint directory to continue exactly (written into that run's directory unless
+    ``train.out_dir`` is given); ``overwrite``: replace a run already in ``train.out_dir``."""
+    from . import checkpoint as ckpt
+    from .train import Trainer, merge_config, run_config_from_dict
+
+    if isinstance(config, dict):
+        raw = config
+    elif config is not None:
+        raw = load_yaml(config)
+    else:  # resume with the run's own config, or the defaults
+        raw = ckpt.load_config(resume) if resume is not None else {}
+    over = _overrides(overrides)
+    cfg = run_config_from_dict(merge_config(raw, over))
+    if resume is not None and "out_dir" not in over.get("train", {}):
+        cfg.train.out_dir = str(ckpt.resolve(resume).parent)
+    trainer = Trainer(cfg, resume=str(resume) if resume is not None else None, show_progress=progress, overwrite=overwrite)
+    try:
+        metrics = trainer.run()
+    finally:
+        trainer.close_loggers()
+    try:
+        last = ckpt.resolve(trainer.out_dir)
+    except RecurformerError:
+        last = None
+    return Run(trainer.out_dir, last, metrics, trainer.model.eval(), trainer.tokenizer, trainer._config_dict())
+
+
+def load(dir_or_repo_id: str | Path, device: str = "cpu") -> tuple[StreamingLM, Tokenizer | None]:
+    """(model in eval mode, tokenizer or None) from a run, a checkpoint, a pretrained directory
+    or a Hub repo id."""
+    from .hub import from_pretrained
+
+    model, tok, _ = from_pretrained(dir_or_repo_id, device)
+    return model, tok
+
+
+def _tokens(tokenizer: Tokenizer | None, dataset: str | None, text: Sequence[str | Path] | None) -> np.ndarray:
+    """A bundled dataset's val split, or text files, as one token stream (BOS before each document)."""
+    from .data.prepare import load_documents
+
+    if tokenizer is None:
+        raise RecurformerError("this model has no tokenizer; pass token ids instead of a dataset or text")
+    if (dataset is None) == (not text):
+        raise RecurformerError("give exactly one of dataset=NAME or text=[FILE, ...]")
+    if text:
+        missing = [str(f) for f in text if not Path(f).is_file()]
+        if missing:
+            raise RecurformerError(f"text file not found: {missing[0]}")
+        docs = [Path(f).read_text() for f in text]
+    else:
+        docs = load_documents(dataset, None, 0.05)[1]
+    ids: list[int] = []
+    for d in docs:
+        ids += [tokenizer.bos_id, *tokenizer.encode(d)]
+    return np.asarray(ids, dtype=np.int64)
+
+
+def evaluate(model: StreamingLM, tokenizer: Tokenizer | None = None, *, tokens: np.ndarray | None = None,
+             dataset: str | None = None, text: Sequence[str | Path] | None = None,
+             lengths: Sequence[int] = (256, 512, 1024, 2048, 4096), last: int = 256, windows: int = 16,
+             chunk: int = 256, warm_state: int = 0, batch_size: int = 8, seed: int = 0,
+             context: int | None = None) -> list[LengthResult]:
+    """Length extrapolation as ``recurformer eval``: loss and accuracy on the last ``last``
+    tokens of windows of each length, on ``tokens`` or a dataset's val split or text files."""
+    data = np.asarray(tokens, dtype=np.int64) if tokens is not None else _tokens(tokenizer, dataset, text)
+    if int(data.max()) >= model.config.vocab_size:
+        raise RecurformerError(f"evaluation data has token id {int(data.max())} >= the model's vocabulary {model.config.vocab_size}")
+    return evaluate_lengths(model, data, list(lengths), last, windows, chunk, warm_state, batch_size, seed, context)
+
+
+def probe(model: StreamingLM, tokenizer: Tokenizer, *, task: str = "repeat", dataset: str | None = None,
+          text: Sequence[str | Path] | None = None, docs: int = 500, passage: int = 128,
+          distances: Sequence[int] = (1, 4, 16, 64, 256, 1024), span: int = 32, warm: tuple[int, int] = (32, 288),
+          chunk: int = 256, batch_size: int = 16, precision: str = "fp32", seed: int = 0,
+          label: str = "model") -> ProbeResult:
+    """The copy (``repeat``) or ``swap`` probe as ``recurformer probe``: per-distance-bin means
+    with bootstrap intervals. ``dataset`` defaults to ``tinystories-repeat`` for ``repeat``."""
+    from . import probe as p
+    from .models import model_name
+
+    if task not in p.TASKS:
+        raise RecurformerError(f"unknown probe task '{task}'; valid tasks: {', '.join(p.TASKS)}")
+    if dataset is None and not text:
+        if task != "repeat":
+            raise RecurformerError("the swap probe needs dataset=NAME or text=[FILE, ...]")
+        dataset = "tinystories-repeat"
+    files = [str(f) for f in text] if text else None
+    rng = np.random.default_rng(seed)
+    if task == "repeat":
+        samples = p.repeat_samples(tokenizer, dataset, files, docs, passage, warm, rng)
+    else:
+        samples = p.swap_samples(p.text_stream(tokenizer, dataset, files), docs, list(distances), span, warm, rng)
+    top = max(int(r.max()) for s in samples for r in s.rows)
+    if top >= model.config.vocab_size:
+        raise RecurformerError(f"probe text has token id {top} >= the model's vocabulary ({model.config.vocab_size})")
+    with torch.no_grad():
+        metrics = p.probe_model(model, samples, p.METRICS[task], chunk, batch_size, precision, seed)
+    facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
+    return p.ProbeResult(label, "", model_name(model.config), p.receptive_field(model), metrics=metrics, **facts)
+
+
+def export(checkpoint: str | Path, out: str | Path, push_to_hub: str | None = None) -> Path:
+    """A run or checkpoint -> a pretrained directory (weights, config, tokenizer, model card),
+    uploaded to the Hub repo ``push_to_hub`` when given."""
+    from . import hub
+
+    path = hub.export(checkpoint, out)
+    if push_to_hub:
+        hub.upload(path, push_to_hub)
+    return path

@@ -1,0 +1,196 @@
+"""Hugging Face Hub conventions, through ``huggingface_hub``: ``save_pretrained(dir)``,
+``from_pretrained(dir_or_repo_id)``, ``push_to_hub(repo_id)``, and a model card.
+
+A pretrained directory is a checkpoint directory without the training state, plus a card:
+
+    model.safetensors   weights
+    config.json         {"model": {"name": ..., <the model config>}, "data": ..., "train": ...}
+    tokenizer.json      the tokenizer (when there is one)
+    README.md           model card: architecture, config, training data, the results row
+
+so ``recurformer eval/generate/probe --checkpoint DIR`` read it as they read a checkpoint, and a
+trained run becomes one with ``recurformer export --checkpoint runs/NAME --out DIR``."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+from huggingface_hub import HfApi, ModelCard, ModelCardData, snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+from safetensors.torch import save_file
+
+from .checkpoint import load_model, resolve
+from .config import RecurformerError
+from .data import Tokenizer
+from .models import model_name
+from .nn import StreamingLM
+
+CARD = "README.md"
+FILES = ["model.safetensors", "config.json", "tokenizer.json", CARD]
+ARCHITECTURES = {
+    "llama": "Llama-style dense decoder (full causal attention, KV cache state)",
+    "sliding_window": "Llama-style decoder with sliding-window attention (bounded KV cache state)",
+    "memory_attention": "Memory Attention: block-wise recurrent transformer carrying a per-layer memory across chunks",
+    "transformer_xl": "Transformer-XL: segment recurrence with a cached memory of hidden states",
+    "block_recurrent": "Block-Recurrent Transformer: recurrent cell states updated once per block",
+    "recurrent_transformer": "Recurrent Transformer: each layer attends to the previous layer's persistent keys/values",
+}
+
+
+def run_config_of(model: StreamingLM, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``config`` (a run config dict) with its model section replaced by the model's own config."""
+    out = dict(config or {})
+    out["model"] = {"name": model_name(model.config), **asdict(model.config)}
+    return out
+
+
+def results_row(run_dir: Path, step: int | None = None) -> dict[str, Any]:
+    """The last logged metrics of a run (``metrics.jsonl``) up to ``step``: train loss, val loss,
+    tokens. Empty when the run has no metrics file."""
+    path = run_dir / "metrics.jsonl"
+    row: dict[str, Any] = {}
+    if not path.is_file():
+        return row
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+        if step is not None and rec.get("step", 0) > step:
+            break
+        row.update({k: v for k, v in rec.items() if k in ("step", "loss", "val_loss", "tokens")})
+    return row
+
+
+def model_card(model: StreamingLM, config: dict[str, Any], results: dict[str, Any] | None = None) -> ModelCard:
+    """A Hub model card: metadata header, architecture, config, training data, results row."""
+    name = config["model"]["name"]
+    data = config.get("data") or {}
+    train = config.get("train") or {}
+    dataset = data.get("dataset") or ("text files: " + ", ".join(data.get("text_files", [])) if data.get("text_files") else None)
+    meta = ModelCardData(library_name="recurformer", tags=["recurformer", name, "recurrent-transformer", "text-generation"])
+    n = model.num_params()
+    lines = [
+        f"# recurformer {name}",
+        "",
+        f"**Architecture:** {ARCHITECTURES.get(name, name)}. {n:,} parameters ({n / 1e6:.2f}M; the token embedding is "
+        "tied with the output head).",
+        "",
+        "```python",
+        "import recurformer",
+        'model, tokenizer = recurformer.load("<this directory or repo id>")',
+        "```",
+        "",
+        "## Config",
+        "",
+        "```yaml",
+        yaml.safe_dump({k: v for k, v in config.items() if v}, sort_keys=False).strip(),
+        "```",
+        "",
+        "## Training data",
+        "",
+    ]
+    if dataset:
+        lines.append(f"{dataset}, {data.get('tokenizer', '?')} tokenizer (vocabulary {model.config.vocab_size}).")
+        if train:
+            per_step = train.get("batch_size", 0) * train.get("seq_len", 0) * train.get("grad_accum", 1)
+            lines.append(f"{train.get('steps')} steps of {per_step:,} tokens per rank (train.state={train.get('state')}, "
+                         f"data_order={train.get('data_order')}).")
+    else:
+        lines.append("Not recorded (the model was saved outside a training run).")
+    lines += ["", "## Results", ""]
+    if results:
+        lines += ["| " + " | ".join(results) + " |", "|" + "---|" * len(results),
+                  "| " + " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in results.values()) + " |"]
+    else:
+        lines.append("No results recorded.")
+    return ModelCard(f"---\n{meta.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
+
+
+def save_pretrained(
+    model: StreamingLM,
+    directory: str | Path,
+    tokenizer: Tokenizer | None = None,
+    config: dict[str, Any] | None = None,
+    results: dict[str, Any] | None = None,
+) -> Path:
+    """Write weights, config, tokenizer and model card to ``directory``; returns it."""
+    out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise RecurformerError(f"{out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = run_config_of(model, config)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".tmp_") as tmp:  # every file whole, or not at all
+        t = Path(tmp)
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, t / "model.safetensors")
+        (t / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(t)
+        model_card(model, cfg, results).save(t / CARD)
+        written = [f.name for f in t.iterdir()]
+        for name in written:
+            os.replace(t / name, out / name)
+    for name in set(FILES) - set(written):  # e.g. the tokenizer of an earlier save: it would not fit
+        (out / name).unlink(missing_ok=True)
+    return out
+
+
+def from_pretrained(
+    dir_or_repo_id: str | Path, device: str = "cpu", revision: str | None = None
+) -> tuple[StreamingLM, Tokenizer | None, dict[str, Any]]:
+    """(model in eval mode, tokenizer or None, config) from a local directory (a pretrained
+    directory, a checkpoint or a run) or else a Hub repo id (downloaded and cached)."""
+    path = Path(dir_or_repo_id)
+    if not path.exists():
+        if str(dir_or_repo_id).count("/") != 1 or str(dir_or_repo_id).startswith((".", "/")):
+            raise RecurformerError(f"{dir_or_repo_id} is neither a local directory nor a Hub repo id (owner/name)")
+        try:
+            path = Path(snapshot_download(str(dir_or_repo_id), revision=revision, allow_patterns=FILES))
+        except (HfHubHTTPError, LocalEntryNotFoundError, HFValidationError, OSError) as e:
+            raise RecurformerError(f"{dir_or_repo_id} is no local directory, and getting it from the Hub failed: {str(e).splitlines()[0]}") from None
+    model, _, tok, config = load_model(path, device)
+    return model, tok, config
+
+
+def push_to_hub(
+    model: StreamingLM,
+    repo_id: str,
+    tokenizer: Tokenizer | None = None,
+    config: dict[str, Any] | None = None,
+    results: dict[str, Any] | None = None,
+    private: bool = False,
+    token: str | None = None,
+    commit_message: str = "Upload recurformer model",
+) -> str:
+    """``save_pretrained`` into a temporary directory and ``upload`` it to ``repo_id``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, tmp, tokenizer, config, results)
+        return upload(tmp, repo_id, private, token, commit_message)
+
+
+def upload(directory: str | Path, repo_id: str, private: bool = False, token: str | None = None,
+           commit_message: str = "Upload recurformer model") -> str:
+    """Upload a pretrained directory to the Hub repo ``repo_id`` (created if needed); returns
+    the commit URL."""
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    info = api.upload_folder(repo_id=repo_id, folder_path=str(directory), commit_message=commit_message,
+                             allow_patterns=FILES)
+    return str(info.commit_url)
+
+
+def export(checkpoint: str | Path, out: str | Path) -> Path:
+    """A run or checkpoint directory -> a pretrained directory with its model card (the results
+    row is the run's last logged metrics up to the checkpoint's step)."""
+    ck = resolve(checkpoint)
+    model, _, tok, config = load_model(ck)
+    if not (ck / "train_state.json").is_file():  # not a training checkpoint: no run to take results from
+        return save_pretrained(model, out, tok, config)
+    step = json.loads((ck / "train_state.json").read_text()).get("step")
+    return save_pretrained(model, out, tok, config, results_row(ck.parent, step))
