@@ -50,22 +50,26 @@ def _overrides(overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def train(config: str | Path | dict[str, Any] | None = None, *, resume: str | Path | None = None,
-          progress: bool = True, **overrides: Any) -> Run:
+          progress: bool = True, overwrite: bool = False, **overrides: Any) -> Run:
     """Train as ``recurformer train`` does. ``config``: a YAML path, a bundled config name
     (``"tinystories-cpu"``) or a dict with model/data/train sections; ``overrides`` as sections
     (``model={"dim": 64}``) or dotted keys (``**{"train.steps": 10}``); ``resume``: a run or
-    checkpoint directory to continue exactly."""
+    checkpoint directory to continue exactly (written into that run's directory unless
+    ``train.out_dir`` is given); ``overwrite``: replace a run already in ``train.out_dir``."""
     from . import checkpoint as ckpt
-    from .train import Trainer, run_config_from_dict
+    from .train import Trainer, merge_config, run_config_from_dict
 
     if isinstance(config, dict):
         raw = config
     elif config is not None:
         raw = load_yaml(config)
     else:  # resume with the run's own config, or the defaults
-        raw = ckpt.load_checkpoint(resume)["config"] if resume is not None else {}
-    cfg = run_config_from_dict(merge(raw, _overrides(overrides)))
-    trainer = Trainer(cfg, resume=str(resume) if resume is not None else None, show_progress=progress)
+        raw = ckpt.load_config(resume) if resume is not None else {}
+    over = _overrides(overrides)
+    cfg = run_config_from_dict(merge_config(raw, over))
+    if resume is not None and "out_dir" not in over.get("train", {}):
+        cfg.train.out_dir = str(ckpt.resolve(resume).parent)
+    trainer = Trainer(cfg, resume=str(resume) if resume is not None else None, show_progress=progress, overwrite=overwrite)
     try:
         metrics = trainer.run()
     finally:

@@ -1,5 +1,7 @@
 """Checkpoints: a directory per save, written atomically (a temporary directory renamed into
-place), so a crash mid-write never leaves a checkpoint that loads half-written.
+place), so a crash mid-write never leaves a checkpoint that loads half-written. Directories are
+also deleted atomically (renamed aside first), and leftovers of a killed process are removed by
+``remove_stale`` before the next write.
 
     step_000100/
       model.safetensors        weights
@@ -8,12 +10,18 @@ place), so a crash mid-write never leaves a checkpoint that loads half-written.
       train_state.safetensors  optimizer tensors, carried model state, torch RNG state
       train_state.json         step, scheduler, optimizer hyper-parameters, data cursors, RNG
 
-Nothing is unpickled: tensors go through safetensors, everything else through JSON."""
+Nothing is unpickled: tensors go through safetensors, everything else through JSON.
+
+Paths in ``config.json`` (``data.dir``, ``data.text_files``) are stored relative to the checkpoint
+directory, with their absolute form under ``"locations"``; ``load_checkpoint`` resolves them, so a
+checkpoint reads its data from any working directory, and a copied or moved run finds data that
+moved along with it (relative) or stayed where it was (absolute)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,12 +34,103 @@ from .compat import FORMAT, upgrade_weights
 from .config import RecurformerError
 
 LATEST = "latest"
+STEP_DIR = re.compile(r"step_(\d+)")
+STALE_PREFIXES = (".tmp_step_", ".old_step_", ".del_step_")
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def step_of(path: Path) -> int | None:
+    """The step of a ``step_XXXXXX`` directory name, else None."""
+    m = STEP_DIR.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The complete checkpoints of a run directory, ordered by step (not by name)."""
+    if not run_dir.is_dir():
+        return []
+    found = [d for d in run_dir.iterdir() if step_of(d) is not None and (d / "model.safetensors").is_file()]
+    return sorted(found, key=lambda d: step_of(d))  # type: ignore[arg-type, return-value]
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a checkpoint directory so that a kill mid-way never leaves a partial one under its
+    name: rename it aside (atomic), then delete the renamed copy."""
+    aside = path.with_name(f".del_{path.name}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def remove_stale(run_dir: Path) -> None:
+    """Delete what a killed save left behind: temporary and half-deleted checkpoint directories."""
+    if run_dir.is_dir():
+        for d in run_dir.iterdir():
+            if d.name.startswith(STALE_PREFIXES):
+                shutil.rmtree(d, ignore_errors=True)
+        (run_dir / f"{LATEST}.tmp").unlink(missing_ok=True)
+
+
+def check_writable(path: Path, what: str, is_dir: bool = False) -> None:
+    """Fail with one line, before any long work, when ``path`` (a directory, or a file to be
+    written) cannot be created or replaced: its nearest existing ancestor must be a writable directory."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != is_dir:
+        raise RecurformerError(f"cannot write {what} {path}: it is {'not ' if is_dir else ''}a directory")
+    base = path if is_dir and path.exists() else path.parent
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise RecurformerError(f"cannot write {what} {path}: {base} is not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise RecurformerError(f"cannot write {what} {path}: {base} is not writable")
+
+
+def _relative(path: str, base: Path) -> str:
+    """``path`` relative to ``base`` (both made absolute), or absolute across drives."""
+    try:
+        return os.path.relpath(Path(path).resolve(), base.resolve())
+    except ValueError:  # another drive (Windows)
+        return str(Path(path).resolve())
+
+
+def portable_config(config: dict[str, Any], ck_dir: Path) -> dict[str, Any]:
+    """A copy of ``config`` whose data paths are relative to ``ck_dir``, plus their absolute forms."""
+    out = json.loads(json.dumps(config))
+    data = out.get("data", {})
+    locations: dict[str, Any] = {}
+    if data.get("dir"):
+        locations["data.dir"] = str(Path(data["dir"]).resolve())
+        data["dir"] = _relative(data["dir"], ck_dir)
+    if data.get("text_files"):
+        locations["data.text_files"] = [str(Path(f).resolve()) for f in data["text_files"]]
+        data["text_files"] = [_relative(f, ck_dir) for f in data["text_files"]]
+    if locations:
+        out["locations"] = locations
+    return out
+
+
+def _resolve_paths(config: dict[str, Any], ck_dir: Path) -> dict[str, Any]:
+    """Undo ``portable_config``: each data path becomes the first existing of (relative to the
+    checkpoint, the stored absolute path, relative to the working directory), else the first."""
+    locations = config.pop("locations", {})
+    data = config.get("data", {})
+
+    def pick(stored: str, absolute: str | None) -> str:
+        candidates = [ck_dir / stored, *([Path(absolute)] if absolute else []), Path(stored)]
+        return str(next((c for c in candidates if c.exists()), candidates[0]).resolve())
+
+    if data.get("dir"):
+        data["dir"] = pick(data["dir"], locations.get("data.dir"))
+    if data.get("text_files"):
+        absolute = locations.get("data.text_files") or [None] * len(data["text_files"])
+        data["text_files"] = [pick(f, a) for f, a in zip(data["text_files"], absolute)]
+    return config
 
 
 def save_checkpoint(
@@ -45,43 +144,50 @@ def save_checkpoint(
     keep_last: int = 3,
 ) -> Path:
     """Write ``run_dir/step_XXXXXX`` atomically, point ``run_dir/latest`` at it, and delete all
-    but the last ``keep_last`` checkpoints."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    but the last ``keep_last`` checkpoints by step, never the one just written. A write that fails
+    (disk full, no permission) raises a one-line RecurformerError and leaves no partial checkpoint."""
     final = run_dir / f"step_{step:06d}"
     tmp = run_dir / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    meta = {"format": str(FORMAT)}
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_tensors.items()}, tmp / "model.safetensors", metadata=meta)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    if tokenizer_json is not None:
-        (tmp / "tokenizer.json").write_text(tokenizer_json)
-    if train_tensors is not None:
-        save_file({k: v.detach().contiguous().cpu() for k, v in train_tensors.items()}, tmp / "train_state.safetensors")
-    if train_json is not None:
-        (tmp / "train_state.json").write_text(json.dumps(train_json))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _atomic_write_text(run_dir / LATEST, final.name)
-    if keep_last > 0:
-        for old in sorted(run_dir.glob("step_*"))[:-keep_last]:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale(run_dir)
+        tmp.mkdir()
+        meta = {"format": str(FORMAT)}
+        save_file({k: v.detach().contiguous().cpu() for k, v in model_tensors.items()}, tmp / "model.safetensors", metadata=meta)
+        (tmp / "config.json").write_text(json.dumps(portable_config(config, final), indent=2))
+        if tokenizer_json is not None:
+            (tmp / "tokenizer.json").write_text(tokenizer_json)
+        if train_tensors is not None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in train_tensors.items()}, tmp / "train_state.safetensors")
+        if train_json is not None:
+            (tmp / "train_state.json").write_text(json.dumps(train_json))
+        if final.exists():  # the same step again (a resumed run re-reaching it): swap atomically
+            old = run_dir / f".old_step_{step:06d}"
+            os.replace(final, old)
+            os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _atomic_write_text(run_dir / LATEST, final.name)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = checkpoints(run_dir)
+        last = f"; the last complete checkpoint is {kept[-1]}" if kept else ""
+        raise RecurformerError(f"cannot write checkpoint {final}: {e.strerror or e}{last}") from None
+    if keep_last > 0:
+        for old_ck in [c for c in checkpoints(run_dir)[:-keep_last] if c != final]:
+            remove_dir(old_ck)
     return final
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory (its latest checkpoint)."""
+    """A checkpoint directory, or a run directory (its checkpoint of the highest step)."""
     p = Path(path)
     if not p.exists():
         raise RecurformerError(f"checkpoint not found: {p}")
     if (p / "model.safetensors").is_file():
         return p
-    if (p / LATEST).is_file():
-        ck = p / (p / LATEST).read_text().strip()
-        if (ck / "model.safetensors").is_file():
-            return ck
-    steps = sorted(d for d in p.glob("step_*") if (d / "model.safetensors").is_file())
+    steps = checkpoints(p)  # every step_* directory is complete (renamed into place), so the newest wins
     if not steps:
         raise RecurformerError(f"no checkpoint in {p} (expected model.safetensors or step_* directories)")
     return steps[-1]
@@ -105,11 +211,17 @@ def _load_json(path: Path) -> dict[str, Any]:
         raise RecurformerError(f"cannot read {path}: {e}") from None
 
 
+def load_config(path: str | Path) -> dict[str, Any]:
+    """The run config stored in a checkpoint (or a run's newest checkpoint), its data paths resolved."""
+    ck = resolve(path)
+    return _resolve_paths(_load_json(ck / "config.json"), ck)
+
+
 def load_checkpoint(path: str | Path, with_train_state: bool = False) -> dict[str, Any]:
     """Returns ``{"dir", "config", "model", "tokenizer_dir"}`` (+ ``"train_tensors"``,
     ``"train_json"`` when asked)."""
     ck = resolve(path)
-    out: dict[str, Any] = {"dir": ck, "config": _load_json(ck / "config.json"), "model": _load_tensors(ck / "model.safetensors")}
+    out: dict[str, Any] = {"dir": ck, "config": load_config(ck), "model": _load_tensors(ck / "model.safetensors")}
     out["tokenizer_dir"] = ck if (ck / "tokenizer.json").is_file() else None
     if with_train_state:
         out["train_tensors"] = _load_tensors(ck / "train_state.safetensors")

@@ -1,14 +1,21 @@
 """The ``recurformer`` command line: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``synth``, ``probe``, ``export``.
 
 Every user error (bad config key, missing file, wrong checkpoint, ...) is printed as one line
-``recurformer: error: ...`` with exit code 2, never as a traceback."""
+``recurformer: error: ...`` with exit code 2, never as a traceback. SIGINT and SIGTERM stop with
+exit code 128 + the signal number (``train`` first saves a checkpoint); a closed output pipe
+(``| head``) ends the command quietly."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
-from typing import Callable
+import threading
+from pathlib import Path
+from typing import Any, Callable
 
 from .config import RecurformerError, parse_overrides
 
@@ -80,7 +87,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     if not args.config and not args.resume:
         raise RecurformerError("give --config FILE (see configs/) or --resume DIR")
-    last = train_main(args.config, args.set + (["train.compile=true"] if args.compile else []), args.resume)
+    last = train_main(args.config, args.set + (["train.compile=true"] if args.compile else []), args.resume, args.overwrite)
     if last:
         print("done: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
 
@@ -89,10 +96,9 @@ def _eval_tokens(args: argparse.Namespace, tok, config: dict, cache: dict):
     """The evaluation token stream for one checkpoint: its own prepared val split by default,
     or --dataset / --text encoded with the checkpoint's tokenizer."""
     import numpy as np
-    from pathlib import Path
 
     from .data import load_prepared
-    from .data.prepare import load_documents
+    from .data.prepare import load_documents, read_text_file
 
     if args.dataset or args.text:
         if tok is None:
@@ -102,9 +108,7 @@ def _eval_tokens(args: argparse.Namespace, tok, config: dict, cache: dict):
             if args.dataset:
                 docs = load_documents(args.dataset, None, 0.05)[1]
             else:
-                docs = [Path(f).read_text() for f in args.text] if all(Path(f).is_file() for f in args.text) else None
-                if docs is None:
-                    raise RecurformerError(f"text file not found: {next(f for f in args.text if not Path(f).is_file())}")
+                docs = [read_text_file(f) for f in args.text]
             ids: list[int] = []
             for d in docs:
                 ids += [tok.bos_id, *tok.encode(d)]
@@ -119,10 +123,33 @@ def _eval_tokens(args: argparse.Namespace, tok, config: dict, cache: dict):
     return val
 
 
-def cmd_eval(args: argparse.Namespace) -> None:
-    from pathlib import Path
+def _check_at_least(args: argparse.Namespace, minimum: int, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            raise RecurformerError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
 
-    from .checkpoint import load_model
+
+def eval_labels(paths: list[str]) -> list[str]:
+    """One unique label per checkpoint: the run's name, plus the step where two share a run
+    name, plus the full path where even that is not unique."""
+    from .checkpoint import resolve
+
+    dirs = [resolve(p) for p in paths]
+    seen = {}
+    for p, d in zip(paths, dirs):
+        if d.resolve() in seen:
+            raise RecurformerError(f"--checkpoint {p} and {seen[d.resolve()]} are the same checkpoint ({d})")
+        seen[d.resolve()] = p
+    runs = [d.parent.name if d.name.startswith("step_") else d.name for d in dirs]
+    labels = [f"{r} {d.name}" if runs.count(r) > 1 and d.name.startswith("step_") else r for r, d in zip(runs, dirs)]
+    return [str(d) if labels.count(lab) > 1 else lab for lab, d in zip(labels, dirs)]
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    import math
+
+    from .checkpoint import check_writable, load_model
     from .evaluate import evaluate_lengths, markdown_table, plot, save_json
     from .train import pick_device
 
@@ -130,11 +157,18 @@ def cmd_eval(args: argparse.Namespace) -> None:
         lengths = [int(x) for x in args.lengths.split(",") if x]
     except ValueError:
         raise RecurformerError(f"--lengths must be comma-separated integers, got '{args.lengths}'") from None
+    if not lengths or min(lengths) < 1:
+        raise RecurformerError(f"--lengths must be positive integers, got '{args.lengths}'")
+    _check_at_least(args, 1, "last", "windows", "chunk", "batch_size", "window", "context")
+    _check_at_least(args, 0, "warm_state")
+    out = Path(args.json)
+    check_writable(out, "--json file")  # before the work, not after it
+    check_writable(out.with_suffix(".png"), "plot")
+    labels = eval_labels(args.checkpoint)
     device = pick_device(args.device)
     results, cache, trained = {}, {}, {}
-    for path in args.checkpoint:
+    for path, label in zip(args.checkpoint, labels):
         model, name, tok, config = load_model(path, device)
-        label = Path(path).name if not Path(path).name.startswith("step_") else Path(path).parent.name
         if args.window:
             if not hasattr(model, "set_window"):
                 raise RecurformerError(f"--window applies to dense attention models (llama), not {name}")
@@ -147,13 +181,18 @@ def cmd_eval(args: argparse.Namespace) -> None:
         rs = evaluate_lengths(
             model, tokens, lengths, args.last, args.windows, args.chunk, args.warm_state, args.batch_size, args.seed, args.context
         )
+        bad = next((r for r in rs if not math.isfinite(r.loss)), None)
+        if bad is not None:
+            raise RecurformerError(
+                f"{path} gives non-finite logits (loss {bad.loss} at length {bad.length}) although its weights load; "
+                f"nothing written"
+            )
         for r in rs:
             print(f"  L={r.length:>6}: loss {r.loss:.4f}  acc {r.accuracy:.3f}  {r.tokens_per_s:,.0f} tok/s  peak RSS {r.peak_rss_mb:,.0f} MB")
         results[label] = rs
         trained[label] = config.get("train", {}).get("seq_len")
     print()
     print(markdown_table(results))
-    out = Path(args.json)
     meta = {k: v for k, v in vars(args).items() if k != "func"}
     save_json(results, out, meta)
     png = out.with_suffix(".png")
@@ -166,11 +205,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     import torch
 
-    from .checkpoint import load_model
+    from .checkpoint import check_writable, load_model
     from .evaluate import peak_rss_mb
     from .generate import load_session, new_session, save_session, stream
     from .train import pick_device
 
+    if args.save_state:
+        check_writable(Path(args.save_state), "--save-state file")  # before generating, not after
     model, name, tok, _ = load_model(args.checkpoint, pick_device(args.device))
     if tok is None:
         raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
@@ -205,10 +246,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_synth(args: argparse.Namespace) -> None:
     import json
-    from pathlib import Path
 
+    from .checkpoint import check_writable
     from .synth import run_synth, result_dict, split_overrides, summary, synth_config
 
+    if args.json:
+        check_writable(Path(args.json), "--json file")  # before training, not after it
     model_over, task_over, synth_over = split_overrides(args.set)
     for key, value in (("steps", args.steps), ("lrs", args.lrs), ("n_train", args.n_train), ("n_test", args.n_test)):
         if value is not None:
@@ -232,8 +275,6 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 def _probe_labels(paths: list[str]) -> list[str]:
     """Run name for a run directory, run/step_N for a checkpoint; unique even for repeated paths."""
-    from pathlib import Path
-
     labels = []
     for path in paths:
         p = Path(path).resolve()
@@ -246,8 +287,6 @@ def _probe_labels(paths: list[str]) -> list[str]:
 
 
 def cmd_probe(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
     import numpy as np
     import torch
     from tqdm import tqdm
@@ -339,7 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model (stateful TBPTT) from a YAML config")
     p.add_argument("--config", help="YAML file with model/data/train sections (see configs/)")
-    p.add_argument("--resume", help="a run or checkpoint directory to continue exactly")
+    p.add_argument("--resume", help="a run or checkpoint directory to continue exactly (written into that run "
+                   "directory unless --set train.out_dir=... is given)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run in train.out_dir (or, with --resume of an "
+                   "older checkpoint, delete the run's later checkpoints)")
     p.add_argument("--compile", action="store_true", help="torch.compile every layer (regional compilation; same as --set train.compile=true)")
     _add_set(p)
 
@@ -414,17 +456,39 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _Terminated(BaseException):
+    """SIGTERM outside training: unwinds like Ctrl-C, so temporary files are removed."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .train import TrainingInterrupted
+
     ap = build_parser()
     args = ap.parse_args(argv)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
     try:
         COMMANDS[args.command](args)
     except RecurformerError as e:
         print(f"recurformer: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except TrainingInterrupted as e:
+        print(f"recurformer: {e}", file=sys.stderr)
+        return 128 + e.signum
+    except (KeyboardInterrupt, _Terminated) as e:
         print("recurformer: interrupted", file=sys.stderr)
-        return 130
+        return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as `cat` does
+        with contextlib.suppress(OSError, ValueError):  # no second error when Python flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -8,6 +8,7 @@ read. Windows start from the initial state, or after reading a warm-up prefix.""
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from dataclasses import asdict, dataclass
@@ -154,10 +155,23 @@ def plot(results: dict[str, list[LengthResult]], path: Path, title: str, last: i
     import matplotlib.pyplot as plt
 
     fig = figure(results, title, last, trained)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")  # written whole, then renamed into place
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RecurformerError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
 
 
 def save_json(results: dict[str, list[LengthResult]], path: Path, meta: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "results": {k: [asdict(r) for r in v] for k, v in results.items()}}, indent=2))
+    tmp = path.with_name(f".{path.name}.tmp")  # written whole, then renamed into place
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"meta": meta, "results": {k: [asdict(r) for r in v] for k, v in results.items()}}, indent=2))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RecurformerError(f"cannot write {path}: {e.strerror or e}") from None

@@ -70,8 +70,11 @@ def sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float |
 def read(model: StreamingLM, session: Session, tokens: Tensor) -> Session:
     """Feed ``tokens`` [B, T] (a prompt, or forced tokens) and update the session."""
     out = model(tokens.to(session.state.fresh.device), state=session.state)
+    logits = out.logits[:, -1].float()
+    if not bool(torch.isfinite(logits).all()):
+        raise RecurformerError("the model gives non-finite logits (nan/inf) although its weights load; it cannot generate")
     session.state = out.state
-    session.logits = out.logits[:, -1].float()
+    session.logits = logits
     return session
 
 
@@ -144,8 +147,12 @@ def save_session(session: Session, path: str | Path, model_name: str) -> None:
         tensors["logits"] = session.logits.cpu()
     tensors["generator"] = session.generator.get_state()
     tmp = p.with_name(p.name + ".tmp")
-    save_file(tensors, tmp, metadata={"model": model_name, "state_class": type(session.state).__name__})
-    tmp.replace(p)
+    try:
+        save_file(tensors, tmp, metadata={"model": model_name, "state_class": type(session.state).__name__})
+        tmp.replace(p)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RecurformerError(f"cannot write session {p}: {e.strerror or e}") from None
 
 
 def load_session(path: str | Path, model: StreamingLM, model_name: str) -> Session:

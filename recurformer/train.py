@@ -15,9 +15,13 @@ state, which are never broadcast or averaged; gradients are all-reduced once per
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import random
+import shutil
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,18 +40,44 @@ from .nn import State, StreamingLM
 from .optim import lr_at, make_optimizer, optimizer_from_flat, optimizer_to_flat
 
 
+DEFAULT_DATASET = "tinystories-sample"
+
+
 @dataclass
 class DataConfig:
-    dataset: str | None = "tinystories-sample"  # a bundled dataset name, or None with text_files
+    """At most one of ``dataset`` (a bundled dataset name) and ``text_files`` is in force; with
+    neither, ``dataset`` is the bundled TinyStories sample, unless ``dir`` names prepared data."""
+
+    dataset: str | None = None
     text_files: list[str] = field(default_factory=list)
     tokenizer: Literal["bpe", "byte"] = "bpe"
     vocab_size: int = 4096
     dir: str | None = None  # prepared data directory (default: prepared/<dataset>-<tokenizer><vocab>)
 
+    def __post_init__(self) -> None:
+        if self.dataset and self.text_files:
+            raise RecurformerError(
+                f"config sets both data.dataset ({self.dataset}) and data.text_files ({', '.join(self.text_files)}); keep one"
+            )
+        if not self.dataset and not self.text_files and not self.dir:
+            self.dataset = DEFAULT_DATASET
+
+    def source_key(self) -> str | None:
+        """A hash of what the prepared data is made of (dataset name or text file contents,
+        tokenizer kind, vocabulary size), as ``prepare`` records it in meta.json; None when only
+        ``dir`` is given."""
+        from .data.prepare import source_key
+
+        if not self.dataset and not self.text_files:
+            return None
+        return source_key(self.dataset, self.text_files or None, self.tokenizer, self.vocab_size)
+
     def resolved_dir(self) -> Path:
+        """``data.dir``, or ``prepared/<dataset>-<tokenizer><vocab>`` for a bundled dataset and
+        ``prepared/text-<content hash>-<tokenizer><vocab>`` for text files."""
         if self.dir:
             return Path(self.dir)
-        name = self.dataset or "text"
+        name = self.dataset or f"text-{(self.source_key() or '')[:12]}"  # text_files: __post_init__ leaves no third case
         return Path("prepared") / f"{name}-{self.tokenizer}{self.vocab_size if self.tokenizer == 'bpe' else ''}"
 
 
@@ -94,9 +124,23 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
+def merge_config(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``merge`` for run configs, where naming a data source in ``over`` replaces the other
+    source of ``base``: ``data.text_files`` drops the base's ``data.dataset`` and vice versa."""
+    data_over = over.get("data")
+    if isinstance(data_over, dict) and isinstance(base.get("data"), dict):
+        data = dict(base["data"])
+        if data_over.get("text_files") and "dataset" not in data_over:
+            data.pop("dataset", None)
+        if data_over.get("dataset") and "text_files" not in data_over:
+            data.pop("text_files", None)
+        base = {**base, "data": data}
+    return merge(base, over)
+
+
 def load_run_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
     raw = load_yaml(path) if path else {}
-    return run_config_from_dict(merge(raw, parse_overrides(overrides)))
+    return run_config_from_dict(merge_config(raw, parse_overrides(overrides)))
 
 
 def run_config_from_dict(raw: dict[str, Any]) -> RunConfig:
@@ -161,13 +205,103 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Non
 
 
 # ----------------------------------------------------------------------------------------------
+# the run directory
+
+RUN_FILES = ("metrics.jsonl", ckpt.LATEST, "tensorboard")  # what a run writes besides step_* checkpoints
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT or SIGTERM stopped training (after writing a checkpoint, when there was a step to save)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, run_dir: Path) -> None:
+        self.signum = signum
+        name = signal.Signals(signum).name
+        if checkpoint is None:
+            super().__init__(f"stopped by {name} before training step {step + 1}; nothing new to save")
+        else:
+            super().__init__(
+                f"stopped by {name} after step {step}; saved {checkpoint}; continue with: recurformer train --resume {run_dir}"
+            )
+
+
+class StopSignals:
+    """SIGINT/SIGTERM handler that records the first signal (training stops after the current
+    step and saves) and raises KeyboardInterrupt at a second one (stop at once: the newest
+    checkpoint on disk is complete either way)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    @contextlib.contextmanager
+    def installed(self) -> Any:
+        """Handle SIGINT and SIGTERM inside the block (main thread only; elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def _run_contents(out_dir: Path) -> list[str]:
+    """Names of the run files (checkpoints, metrics, ...) present in ``out_dir``."""
+    return [c.name for c in ckpt.checkpoints(out_dir)] + [n for n in RUN_FILES if (out_dir / n).exists()]
+
+
+def clear_run(out_dir: Path, keep_until: int | None = None) -> None:
+    """Delete a run's files (everything after step ``keep_until`` when it is given)."""
+    for c in ckpt.checkpoints(out_dir):
+        if keep_until is None or (ckpt.step_of(c) or 0) > keep_until:
+            ckpt.remove_dir(c)
+    if keep_until is None:
+        for name in RUN_FILES:
+            target = out_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink(missing_ok=True)
+
+
+def copy_metrics(source: Path, target: Path, until: int) -> None:
+    """Write the rows of ``source`` (a metrics.jsonl) up to step ``until`` to ``target``,
+    atomically; a torn last line (a killed write) is dropped."""
+    rows = []
+    if source.is_file():
+        for line in source.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and row.get("step", until + 1) <= until:
+                rows.append(line)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text("".join(r + "\n" for r in rows))
+    os.replace(tmp, target)
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 class Trainer:
     """Holds everything that a checkpoint must restore: model, optimizer, step, data streams,
-    carried state, RNG. ``run()`` trains to ``train.steps``."""
+    carried state, RNG. ``run()`` trains to ``train.steps``.
 
-    def __init__(self, cfg: RunConfig, resume: str | None = None, show_progress: bool = True) -> None:
+    ``train.out_dir`` is never silently reused: it must not hold another run, unless ``resume``
+    continues that very run (from its newest checkpoint, or from an older one when ``overwrite``
+    allows deleting the later ones) or ``overwrite`` allows replacing it."""
+
+    def __init__(
+        self, cfg: RunConfig, resume: str | None = None, show_progress: bool = True, overwrite: bool = False,
+        stop: StopSignals | None = None,
+    ) -> None:
         from .data import ContiguousStreams, ShuffledWindows, Tokenizer, load_prepared, prepare
 
         self.cfg = cfg
@@ -191,10 +325,27 @@ class Trainer:
                 raise RecurformerError(
                     f"checkpoint {resumed['dir']} holds a '{saved.get('model', {}).get('name')}' model, the config asks for '{cfg.model['name']}'"
                 )
+        self.resumed_from: Path | None = resumed["dir"] if resumed is not None else None
+        if self.rank == 0:  # before the data is prepared: fail fast
+            self._claim_out_dir(resumed, overwrite)
 
         # data: prepared on first use (rank 0), then memory-mapped
         data_dir = cfg.data.resolved_dir()
-        if not (data_dir / "meta.json").is_file():
+        # the data must be what the run expects: a resumed run, the data it started with (text files
+        # deleted after they were prepared into an explicit data.dir cannot be checked)
+        if resumed is not None:
+            expected_key = resumed["train_json"].get("data_key")
+        else:
+            expected_key = cfg.data.source_key() if all(Path(f).is_file() for f in cfg.data.text_files) else None
+        if (data_dir / "meta.json").is_file():
+            found_key = json.loads((data_dir / "meta.json").read_text()).get("source_key")
+            if expected_key and found_key and found_key != expected_key:
+                what = "the data this run started with" if resumed is not None else "the configured data source and tokenizer"
+                raise RecurformerError(
+                    f"prepared data {data_dir} was made from other data than {what} (source key {found_key[:12]}, "
+                    f"expected {expected_key[:12]}); point data.dir elsewhere or delete it"
+                )
+        else:
             if self.rank == 0:
                 prepare(
                     data_dir, dataset=cfg.data.dataset, text_files=cfg.data.text_files or None,
@@ -204,6 +355,7 @@ class Trainer:
                 dist.barrier()
         self.meta, train_tokens, self.val_tokens, self.tokenizer = load_prepared(data_dir)
         self.data_dir = data_dir
+        self.data_key: str | None = self.meta.get("source_key")
         self.tokenizer_json = (data_dir / "tokenizer.json").read_text()
 
         torch.manual_seed(t.seed)
@@ -239,11 +391,46 @@ class Trainer:
         self.tokens_seen = 0
         if resumed is not None:
             self._restore(resumed)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.stop = stop or StopSignals()  # installed by run(); by train_main from the start
         self.sinks, self.header = [], []
         if self.rank == 0:
+            try:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                ckpt.remove_stale(self.out_dir)
+                if resumed is not None:  # the history up to the resumed step, without rows a killed run wrote later
+                    copy_metrics(resumed["dir"].parent / "metrics.jsonl", self.out_dir / "metrics.jsonl", self.step)
+            except OSError as e:
+                raise RecurformerError(f"cannot write run directory {self.out_dir}: {e.strerror or e}") from None
             self.sinks, notes = loggers.make_sinks(t.loggers, self.out_dir, self._config_dict())
             self.header = loggers.run_header(self, notes)
+
+    def _claim_out_dir(self, resumed: dict[str, Any] | None, overwrite: bool) -> None:
+        """Refuse (one line) to write into a run directory that is not writable, or that holds
+        another run, or checkpoints beyond the resumed step; with ``overwrite``, delete those."""
+        out = self.out_dir
+        ckpt.check_writable(out, "run directory", is_dir=True)
+        same_run = resumed is not None and out.resolve() == resumed["dir"].parent.resolve()
+        if same_run:
+            step = resumed["train_json"]["step"]  # type: ignore[index]
+            later = [c.name for c in ckpt.checkpoints(out) if (ckpt.step_of(c) or 0) > step]
+            if later and not overwrite:
+                raise RecurformerError(
+                    f"{out} has checkpoints after step {step} ({', '.join(later)}); continuing from step {step} would mix two "
+                    f"histories: resume the newest with --resume {out}, write elsewhere with --set train.out_dir=DIR, "
+                    f"or pass --overwrite to delete them"
+                )
+            if later:
+                clear_run(out, keep_until=step)
+            return
+        found = _run_contents(out)
+        if found and not overwrite:
+            how = "continue it with --resume " + str(out) + ", " if resumed is None else ""
+            raise RecurformerError(
+                f"{out} already holds a run ({', '.join(found[-3:])}); {how}train into another directory "
+                f"(--set train.out_dir=DIR), or pass --overwrite to replace it"
+            )
+        if found:
+            clear_run(out)
 
     # -- state of the run ------------------------------------------------------------------------
     def _config_dict(self) -> dict[str, Any]:
@@ -279,6 +466,7 @@ class Trainer:
             "rng": rng_meta,
             "streams": [loc["streams"] for loc in everyone],
             "state_class": type(self.model.init_state(1, "cpu")).__name__,
+            "data_key": self.data_key,
         }
         path = ckpt.save_checkpoint(
             self.out_dir, self.step, self.model.state_dict(), self._config_dict(), self.tokenizer_json,
@@ -382,59 +570,103 @@ class Trainer:
         return loss
 
     def log(self, record: dict[str, Any]) -> None:
-        for sink in self.sinks:
-            sink.log(record, record["step"])
+        try:
+            for sink in self.sinks:
+                sink.log(record, record["step"])
+        except OSError as e:
+            raise RecurformerError(f"cannot write the run's logs in {self.out_dir}: {e.strerror or e}") from None
 
     def close_loggers(self) -> None:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
 
-    def run(self) -> dict[str, Any]:
-        t = self.cfg.train
-        self.model.train()
+    def _say(self, msg: str) -> None:
         if self.show_progress:
-            print("\n".join(self.header), flush=True)
-        bar = tqdm(total=t.steps, initial=self.step, disable=not self.show_progress, desc="train", dynamic_ncols=True)
+            tqdm.write(msg)
+
+    def _stop_requested(self) -> int | None:
+        """The signal that asked to stop, agreed by every rank (any rank's signal stops all)."""
+        if self.world > 1:
+            v = torch.tensor([self.stop.signum or 0], device=self.device)
+            dist.all_reduce(v, op=dist.ReduceOp.MAX)
+            return int(v) or None
+        return self.stop.signum
+
+    def run(self) -> dict[str, Any]:
+        """Train to ``train.steps``. On SIGINT/SIGTERM: finish the step, save, raise
+        ``TrainingInterrupted``."""
+        with self.stop.installed():
+            t = self.cfg.train
+            if self.resumed_from is not None and self.step >= t.steps:
+                self._say(
+                    f"{self.resumed_from} is already at step {self.step} of train.steps={t.steps}: the run is finished "
+                    f"(raise it with --set train.steps=N to train further)"
+                )
+                return {}
+            stop = self._stop_requested()
+            if stop:  # a signal while the run was being set up
+                raise TrainingInterrupted(stop, self.step, None, self.out_dir)
+            if self.show_progress:
+                print("\n".join(self.header), flush=True)
+            if self.resumed_from is not None:
+                self._say(f"resuming from {self.resumed_from} at step {self.step} of {t.steps}, writing to {self.out_dir}")
+            self.model.train()
+            bar = tqdm(total=t.steps, initial=self.step, disable=not self.show_progress, desc="train", dynamic_ncols=True)
+            try:
+                return self._loop(bar)
+            finally:
+                bar.close()
+
+    def _loop(self, bar: Any) -> dict[str, Any]:
+        t = self.cfg.train
         last: dict[str, Any] = {}
         t0, tok0 = time.perf_counter(), self.tokens_seen
-        try:
-            while self.step < t.steps:
-                loss = self.train_step()
-                bar.update(1)
-                if self.step % t.log_every == 0 or self.step == t.steps:
-                    dt = time.perf_counter() - t0
-                    tps = (self.tokens_seen - tok0) / max(dt, 1e-9)
-                    t0, tok0 = time.perf_counter(), self.tokens_seen
-                    last = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t.lr, t.min_lr, t.warmup, t.steps), "tokens": self.tokens_seen, "tok_per_s": tps}
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
-                    self.log(last)
-                if self.step % t.eval_every == 0 or self.step == t.steps:
-                    val = self.evaluate()
-                    last = {**last, "step": self.step, "val_loss": val}
-                    self.log({"step": self.step, "val_loss": val, "tokens": self.tokens_seen})
-                    if self.show_progress:
-                        tqdm.write(f"step {self.step}: val loss {val:.4f}")
-                if self.step % t.save_every == 0 or self.step == t.steps:
-                    path = self.save()
-                    if path is not None and self.show_progress:
-                        tqdm.write(f"saved {path}")
-        finally:
-            bar.close()
+        while self.step < t.steps:
+            loss = self.train_step()
+            bar.update(1)
+            if self.step % t.log_every == 0 or self.step == t.steps:
+                dt = time.perf_counter() - t0
+                tps = (self.tokens_seen - tok0) / max(dt, 1e-9)
+                t0, tok0 = time.perf_counter(), self.tokens_seen
+                last = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t.lr, t.min_lr, t.warmup, t.steps), "tokens": self.tokens_seen, "tok_per_s": tps}
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+                self.log(last)
+            if self.step % t.eval_every == 0 or self.step == t.steps:
+                val = self.evaluate()
+                last = {**last, "step": self.step, "val_loss": val}
+                self.log({"step": self.step, "val_loss": val, "tokens": self.tokens_seen})
+                self._say(f"step {self.step}: val loss {val:.4f}")
+            stop = self._stop_requested() if self.step < t.steps else None  # a finished run just finishes
+            if self.step % t.save_every == 0 or self.step == t.steps or stop:
+                path = self.save()
+                if path is not None:
+                    self._say(f"saved {path}")
+            if stop:
+                raise TrainingInterrupted(stop, self.step, self.out_dir / f"step_{self.step:06d}", self.out_dir)
         return last
 
 
-def train_main(config: str | None, overrides: list[str] | None, resume: str | None) -> dict[str, Any]:
-    if resume and not config:
-        saved = ckpt.load_checkpoint(resume)["config"]  # resume with the run's own config
-        saved["model"] = {k: v for k, v in saved["model"].items()}
-        cfg = from_dict(RunConfig, merge(saved, parse_overrides(overrides)))
+def train_main(config: str | None, overrides: list[str] | None, resume: str | None, overwrite: bool = False) -> dict[str, Any]:
+    """``train`` from a config, or ``--resume`` a run: with the run's own config (or ``config``),
+    writing into the resumed run's directory unless ``--set train.out_dir=...`` says otherwise."""
+    over = parse_overrides(overrides)
+    if resume:
+        ck = ckpt.resolve(resume)
+        if config:
+            cfg = load_run_config(config, overrides)
+        else:  # resume with the run's own config
+            cfg = from_dict(RunConfig, merge_config(ckpt.load_config(ck), over))
+        if "out_dir" not in over.get("train", {}):
+            cfg.train.out_dir = str(ck.parent)
     else:
         cfg = load_run_config(config, overrides)
-    trainer = Trainer(cfg, resume=resume)
-    try:
-        return trainer.run()
-    finally:
-        trainer.close_loggers()
-        if trainer.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+    stop = StopSignals()
+    with stop.installed():  # a signal while the run is set up stops it before its first step
+        trainer = Trainer(cfg, resume=resume, overwrite=overwrite, stop=stop)
+        try:
+            return trainer.run()
+        finally:
+            trainer.close_loggers()
+            if trainer.world > 1 and dist.is_initialized():
+                dist.destroy_process_group()

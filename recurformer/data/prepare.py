@@ -5,12 +5,16 @@ The ``.bin`` files are raw little-endian token arrays (uint16, or uint32 for voc
 pretokenisation), so documents are concatenated into one stream per split; the ``-repeat``
 variant also ends each document with EOS, as the authors' ``tinystories_repeat`` did.
 The BPE tokenizer is trained on the train split only. The directory is written to a temporary
-sibling and renamed into place, so an interrupted ``prepare`` never leaves a half-written dataset.
+sibling and renamed into place, so an interrupted ``prepare`` never leaves a half-written dataset;
+the temporary directory is removed on failure, and one left by a killed ``prepare`` is removed by
+the next. ``meta.json`` records a ``source_key`` (a hash of the dataset name or the text files'
+contents, the tokenizer and the split) so that prepared data is never confused with other data.
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import itertools
 import json
 import lzma
@@ -24,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from recurformer.checkpoint import check_writable
 from recurformer.config import RecurformerError
 from recurformer.data.tokenizer import FILENAME as TOKENIZER_FILE
 from recurformer.data.tokenizer import Tokenizer
@@ -75,16 +80,42 @@ def split_contiguous(docs: Sequence[str], val_fraction: float) -> tuple[list[str
     return [d for d in train if d], [d for d in val if d]
 
 
-def _read_text_files(paths: Sequence[str | Path]) -> list[str]:
-    docs: list[str] = []
-    for p in map(Path, paths):
+def read_text_file(path: str | Path) -> str:
+    """A UTF-8 text file (BOM dropped, CRLF -> LF), or a one-line error naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecurformerError(f"text file {p} does not exist")
+    try:
+        return p.read_text(encoding="utf-8-sig").replace("\r\n", "\n")
+    except UnicodeDecodeError as e:
+        raise RecurformerError(f"text file {p} is not UTF-8 (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise RecurformerError(f"cannot read text file {p}: {e.strerror or e}") from None
+
+
+def source_key(
+    dataset: str | None, text_files: Sequence[str | Path] | None, tokenizer: str, vocab_size: int,
+    val_fraction: float = 0.05, seed: int = 0,
+) -> str:
+    """A hex digest of everything a prepared directory is made of: the dataset name or the text
+    files' contents (in order), the tokenizer kind and vocabulary size, the split settings."""
+    h = hashlib.sha256()
+    settings = {"dataset": dataset, "tokenizer": tokenizer, "vocab_size": vocab_size if tokenizer == "bpe" else None,
+                "val_fraction": val_fraction, "seed": seed}
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    for f in text_files or []:
+        p = Path(f)
         if not p.is_file():
             raise RecurformerError(f"text file {p} does not exist")
-        try:
-            text = p.read_text(encoding="utf-8-sig").replace("\r\n", "\n")
-        except (OSError, UnicodeDecodeError) as e:
-            raise RecurformerError(f"cannot read text file {p} as UTF-8: {e}") from None
-        docs.extend(_split_docs(text))
+        with p.open("rb") as fh:
+            h.update(hashlib.file_digest(fh, "sha256").digest())
+    return h.hexdigest()
+
+
+def _read_text_files(paths: Sequence[str | Path]) -> list[str]:
+    docs: list[str] = []
+    for p in paths:
+        docs.extend(_split_docs(read_text_file(p)))
     if not docs:
         raise RecurformerError(f"text files {', '.join(map(str, paths))} contain no text")
     return docs
@@ -167,6 +198,21 @@ def _write_tokens(path: Path, docs: Sequence[str], tok: Tokenizer, dtype: np.dty
     return n
 
 
+def _remove_stale_temporaries(out: Path) -> None:
+    """Delete the temporary siblings of ``out`` left by a ``prepare`` that was killed (its
+    process is gone); those of a ``prepare`` still running are left alone."""
+    for d in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = d.name[len(out.name) + 2 :].rpartition("-")
+        if kind not in ("tmp", "old") or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 def prepare(
     out_dir: str | Path,
     dataset: str | None = None,
@@ -188,6 +234,7 @@ def prepare(
         raise RecurformerError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / "meta.json").is_file())):
         raise RecurformerError(f"{out} exists and is not a prepared dataset directory; refusing to overwrite it")
+    check_writable(out, "prepared data", is_dir=True)
 
     _log(f"reading {dataset or f'{len(text_files or [])} text file(s)'}")
     train, val, source = load_documents(dataset, text_files, val_fraction)
@@ -204,9 +251,11 @@ def prepare(
     append_eos = dataset == "tinystories-repeat"
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         counts = {}
         for split, docs in (("train", train), ("val", val)):
             n = _write_tokens(tmp / f"{split}.bin", docs, tok, dtype, append_eos, f"encode {split}")
@@ -217,6 +266,7 @@ def prepare(
             "format_version": 1,
             "dataset": dataset or "text_files",
             "source": source,
+            "source_key": source_key(dataset, text_files, tokenizer, vocab_size, val_fraction, seed),
             "tokenizer": tok.kind,
             "vocab_size": tok.vocab_size,
             "bos_id": tok.bos_id,
@@ -236,6 +286,8 @@ def prepare(
             out.rename(old)
         tmp.rename(out)
         shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        raise RecurformerError(f"cannot write prepared data {out}: {e.strerror or e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _log(f"wrote {out}")

@@ -1,0 +1,360 @@
+"""Never lose a run (issue 16): reruns into a run directory, prepared-data caches, eval labels,
+SIGINT/SIGTERM, resume bookkeeping, checkpoint paths, and I/O or argument faults. Every test
+reproduces a fault through the CLI (or the library call it makes) with a tiny model."""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import recurformer.checkpoint as ckpt
+from recurformer import RecurformerError
+from recurformer.cli import main as cli
+from recurformer.train import DataConfig, Trainer, load_run_config
+
+ROOT = Path(__file__).resolve().parent.parent
+prep = importlib.import_module("recurformer.data.prepare")  # the module, not the function recurformer.data exports
+WORDS = "the a cat dog ran sat on mat big small red blue happy sad tree house went saw".split()
+
+
+def write_corpus(path: Path, seed: int, words: list[str] = WORDS) -> Path:
+    rng = random.Random(seed)
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 80))) + "." for _ in range(120)]
+    path.write_text("<|endoftext|>".join(docs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt", 0)
+    (path.parent / "tiny.yaml").write_text("model:\n  name: memory_attention\n")
+    return path
+
+
+def tiny(corpus: Path, out: Path | str, data: Path | str | None, **train) -> list[str]:
+    """``--config`` and ``--set`` arguments of a tiny Memory Attention run (a second per run)."""
+    values = {"model.name": "memory_attention", "model.dim": 32, "model.n_layers": 1, "model.n_heads": 2, "model.chunk_size": 8,
+              "data.dataset": "null", "data.text_files": f"[{corpus}]", "data.tokenizer": "byte",
+              "train.out_dir": out, "train.batch_size": 2, "train.seq_len": 16, "train.steps": 6, "train.warmup": 2,
+              "train.precision": "fp32", "train.eval_every": 3, "train.eval_batches": 1, "train.save_every": 3, "train.log_every": 1}
+    if data is not None:
+        values["data.dir"] = data
+    values.update({f"train.{k}": v for k, v in train.items()})
+    return ["--config", str(corpus.parent / "tiny.yaml"), *(a for k, v in values.items() for a in ("--set", f"{k}={v}"))]
+
+
+def train(*args: str) -> int:
+    return cli(["train", *args])
+
+
+def last_error(capsys) -> str:
+    """The last line on stderr (progress bars of the data preparation come before it)."""
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def steps_in(run: Path) -> list[int]:
+    """The steps of the checkpoints in ``run``, in order."""
+    return sorted(int(d.name[5:]) for d in run.glob("step_*"))
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(ckpt.resolve(run) / "model.safetensors")
+
+
+def metric_steps(run: Path) -> list[tuple[int, str]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], "val" if "val_loss" in r else "train") for r in rows]
+
+
+# -- reproduction 1: a rerun into an existing run directory -----------------------------------------
+
+
+def test_rerun_into_a_run_directory_is_refused_and_overwrite_replaces_it(corpus, tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    assert train(*tiny(corpus, run, tmp_path / "data")) == 0
+    before = weights(run)
+    capsys.readouterr()
+    assert train(*tiny(corpus, run, tmp_path / "data", steps=2, save_every=1)) == 2
+    err = last_error(capsys)
+    assert err.startswith(f"recurformer: error: {run} already holds a run") and "--resume" in err and "--overwrite" in err
+    assert steps_in(run) == [3, 6] and all(torch.equal(before[k], v) for k, v in weights(run).items())
+    assert train(*tiny(corpus, run, tmp_path / "data", steps=2, save_every=1), "--overwrite") == 0
+    assert steps_in(run) == [1, 2] and ckpt.resolve(run).name == "step_000002"
+    assert (run / ckpt.LATEST).read_text() == "step_000002"
+    assert [s for s, _ in metric_steps(run)] == [1, 2, 2]  # the replaced run's rows are gone
+
+
+def test_retention_orders_by_step_and_keeps_what_was_just_written(tmp_path) -> None:
+    w = {"w": torch.zeros(1)}
+    for step in (999_998, 999_999, 1_000_000):  # "step_1000000" sorts before "step_999998" by name
+        ckpt.save_checkpoint(tmp_path, step, w, {}, None, keep_last=2)
+    assert steps_in(tmp_path) == [999_999, 1_000_000]
+    assert ckpt.resolve(tmp_path).name == "step_1000000"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_1000000", "step_999999"]  # nothing half-deleted
+
+
+# -- reproduction 2: prepared data and the data source ------------------------------------------------
+
+
+def test_text_files_get_their_own_prepared_data(corpus, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the default prepared/... directory is relative to the working directory
+    a = write_corpus(tmp_path / "a.txt", 1, WORDS[:9])
+    b = write_corpus(tmp_path / "b.txt", 2, WORDS[9:])
+    assert DataConfig(text_files=[str(a)]).resolved_dir() != DataConfig(text_files=[str(b)]).resolved_dir()
+    assert DataConfig(text_files=[str(a)]).resolved_dir() != DataConfig(text_files=[str(a)], tokenizer="byte").resolved_dir()
+    for path, words in ((a, WORDS[:9]), (b, WORDS[9:])):
+        cfg = load_run_config(None, tiny(corpus, tmp_path / path.stem, None)[3::2] + [f"data.text_files=[{path}]"])
+        tr = Trainer(cfg, show_progress=False)
+        read = re.findall(r"[a-z]+", tr.tokenizer.decode([int(t) for t in tr.val_tokens[:2000]]))[1:-1]  # ends may be cut
+        assert set(read) <= set(words)  # b's run reads b's tokens, not a's
+    # an explicit data.dir holding other data is refused, not silently reused
+    cfg = load_run_config(None, tiny(corpus, tmp_path / "c", tmp_path / "a-data")[3::2] + [f"data.text_files=[{a}]"])
+    Trainer(cfg, show_progress=False)
+    cfg = load_run_config(None, tiny(corpus, tmp_path / "d", tmp_path / "a-data")[3::2] + [f"data.text_files=[{b}]"])
+    with pytest.raises(RecurformerError, match="a-data was made from other data"):
+        Trainer(cfg, show_progress=False)
+
+
+def test_naming_text_files_replaces_the_default_dataset(tmp_path) -> None:
+    cfg = load_run_config(str(ROOT / "configs" / "tinystories-cpu.yaml"), ["data.text_files=my.txt"])
+    assert cfg.data.dataset is None and cfg.data.text_files == ["my.txt"]
+    cfg = load_run_config(str(ROOT / "configs" / "tinystories-cpu.yaml"), ["data.dataset=warpeace"])
+    assert cfg.data.dataset == "warpeace" and cfg.data.text_files == []
+    with pytest.raises(RecurformerError, match="both data.dataset .warpeace. and data.text_files .my.txt."):
+        load_run_config(None, ["model.name=llama", "data.text_files=my.txt", "data.dataset=warpeace"])
+    both = tmp_path / "both.yaml"
+    both.write_text("model:\n  name: llama\ndata:\n  dataset: warpeace\n  text_files: [my.txt]\n")
+    with pytest.raises(RecurformerError, match="both data.dataset .warpeace. and data.text_files"):
+        load_run_config(str(both))
+    assert load_run_config(None, ["model.name=llama"]).data.dataset == "tinystories-sample"
+
+
+# -- reproduction 3: eval labels -----------------------------------------------------------------------
+
+
+def test_eval_labels_are_unique(corpus, tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    assert train(*tiny(corpus, run, tmp_path / "data")) == 0
+    out = tmp_path / "e.json"
+    common = ["--lengths", "32", "--last", "16", "--windows", "1", "--chunk", "16", "--json", str(out)]
+    assert cli(["eval", "--checkpoint", str(run), str(run / "step_000003"), *common]) == 0
+    assert list(json.loads(out.read_text())["results"]) == ["run step_000006", "run step_000003"]
+    other = tmp_path / "other" / "run"
+    shutil.copytree(run, other)
+    assert cli(["eval", "--checkpoint", str(run), str(other), *common]) == 0
+    assert list(json.loads(out.read_text())["results"]) == [str(run / "step_000006"), str(other / "step_000006")]
+    capsys.readouterr()
+    assert cli(["eval", "--checkpoint", str(run), str(run / "step_000006"), *common]) == 2
+    assert "are the same checkpoint" in capsys.readouterr().err
+
+
+# -- signals, resume bookkeeping ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_finishes_the_step_saves_and_says_how_to_resume(corpus, tmp_path, capsys, monkeypatch, sig) -> None:
+    ref = tmp_path / "ref"
+    assert train(*tiny(corpus, ref, tmp_path / "data")) == 0
+    real = Trainer.train_step
+
+    def step_then_signal(self):  # the signal arrives in the middle of step 2
+        if self.step == 1:
+            os.kill(os.getpid(), sig)
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    run = tmp_path / "run"
+    fallback = signal.signal(signal.SIGTERM, signal.default_int_handler)  # never let SIGTERM kill pytest itself
+    try:
+        rc = train(*tiny(corpus, run, tmp_path / "data"))
+    finally:
+        signal.signal(signal.SIGTERM, fallback)
+    err = last_error(capsys)
+    assert rc == 128 + sig
+    assert err == (f"recurformer: stopped by {sig.name} after step 2; saved {run / 'step_000002'}; "
+                   f"continue with: recurformer train --resume {run}")
+    assert steps_in(run) == [2]
+    monkeypatch.setattr(Trainer, "train_step", real)
+    assert train("--resume", str(run)) == 0
+    assert f"resuming from {run / 'step_000002'} at step 2 of 6" in capsys.readouterr().out
+    assert steps_in(run) == [2, 3, 6]
+    assert all(torch.equal(v, weights(run)[k]) for k, v in weights(ref).items())  # bitwise the uninterrupted run
+    assert metric_steps(run) == metric_steps(ref)
+
+
+def test_resume_truncates_metrics_refuses_mixed_histories_and_reports_a_finished_run(corpus, tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    assert train(*tiny(corpus, run, tmp_path / "data")) == 0
+    full = metric_steps(run)
+    # as if killed after logging step 6 but before its checkpoint, mid-way through a metrics line
+    shutil.rmtree(run / "step_000006")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')
+    capsys.readouterr()
+    assert train("--resume", str(run)) == 0
+    assert f"resuming from {run / 'step_000003'} at step 3 of 6" in capsys.readouterr().out
+    assert metric_steps(run) == full  # no duplicate rows, no torn line
+    assert train("--resume", str(run)) == 0
+    out = capsys.readouterr().out
+    assert "is already at step 6 of train.steps=6: the run is finished" in out and "saved" not in out
+    # resuming an older checkpoint while newer ones exist would mix two histories
+    assert train("--resume", str(run / "step_000003")) == 2
+    assert "has checkpoints after step 3 (step_000006)" in capsys.readouterr().err
+    assert train("--resume", str(run / "step_000003"), "--overwrite", "--set", "train.steps=4") == 0
+    assert steps_in(run) == [3, 4] and metric_steps(run)[-1] == (4, "val")
+
+
+def test_checkpoint_paths_resolve_from_anywhere_and_resume_writes_into_the_given_run(corpus, tmp_path, monkeypatch, capsys) -> None:
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(home)
+    assert train(*tiny(corpus, "run", "prepared")) == 0  # relative paths, as a user types them
+    monkeypatch.chdir(elsewhere)
+    ev = ["--lengths", "32", "--last", "16", "--windows", "1", "--chunk", "16", "--json", "e.json"]
+    assert cli(["eval", "--checkpoint", str(home / "run"), *ev]) == 0
+    # a copied run (its data stayed where it was) resumes into the copy
+    copy = tmp_path / "copy" / "run"
+    shutil.copytree(home / "run", copy)
+    before = {p.name for p in (home / "run").iterdir()}
+    assert train("--resume", str(copy), "--set", "train.steps=9") == 0
+    assert steps_in(copy) == [3, 6, 9] and {p.name for p in (home / "run").iterdir()} == before
+    # a moved project (run and data together) still finds its data
+    moved = tmp_path / "moved"
+    shutil.move(home, moved)
+    assert cli(["eval", "--checkpoint", str(moved / "run"), *ev]) == 0
+    assert train("--resume", str(moved / "run"), "--set", "train.steps=7") == 0
+    assert steps_in(moved / "run") == [3, 6, 7]
+    assert "at step 6 of 7, writing to " + str(moved / "run") in capsys.readouterr().out
+
+
+# -- I/O and argument faults -------------------------------------------------------------------------
+
+
+def test_unwritable_run_directory_fails_before_any_work(corpus, tmp_path, capsys) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert train(*tiny(corpus, blocker / "run", tmp_path / "data")) == 2
+    assert last_error(capsys) == (
+        f"recurformer: error: cannot write run directory {blocker / 'run'}: {blocker} is not a directory"
+    )
+    assert not (tmp_path / "data").exists()  # refused before the data was prepared
+
+
+def test_disk_full_during_a_checkpoint_leaves_no_partial_checkpoint(corpus, tmp_path, capsys, monkeypatch) -> None:
+    real = ckpt.save_file
+    calls = {"n": 0}
+
+    def full_disk(tensors, path, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the second checkpoint's weights
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(tensors, path, *a, **k)
+
+    monkeypatch.setattr(ckpt, "save_file", full_disk)
+    run = tmp_path / "run"
+    assert train(*tiny(corpus, run, tmp_path / "data")) == 2
+    assert last_error(capsys) == (
+        f"recurformer: error: cannot write checkpoint {run / 'step_000006'}: No space left on device; "
+        f"the last complete checkpoint is {run / 'step_000003'}"
+    )
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith((".", "step_"))) == ["step_000003"]
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("trained")
+    assert train(*tiny(corpus, tmp / "run", tmp / "data")) == 0
+    return tmp / "run"
+
+
+def test_eval_and_generate_check_their_outputs_and_arguments_first(trained, tmp_path, capsys) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    ev = ["eval", "--checkpoint", str(trained), "--lengths", "32", "--last", "16", "--windows", "1", "--chunk", "16"]
+    cases = {
+        ("--json", str(blocker / "e.json")): f"cannot write --json file {blocker / 'e.json'}: {blocker} is not a directory",
+        ("--json", str(tmp_path / "e.json"), "--chunk", "0"): "--chunk must be >= 1, got 0",
+        ("--json", str(tmp_path / "e.json"), "--batch-size", "0"): "--batch-size must be >= 1, got 0",
+        ("--json", str(tmp_path / "e.json"), "--lengths", "0"): "--lengths must be positive integers, got '0'",
+    }
+    for extra, message in cases.items():
+        assert cli([*ev, *extra]) == 2
+        got = capsys.readouterr()
+        assert got.err.strip() == f"recurformer: error: {message}" and "evaluating" not in got.out
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café au lait ".encode("latin-1") * 50)
+    assert cli([*ev, "--json", str(tmp_path / "e.json"), "--text", str(latin1)]) == 2
+    assert last_error(capsys) == (
+        f"recurformer: error: text file {latin1} is not UTF-8 (byte 3: invalid continuation byte)"
+    )
+    assert not (tmp_path / "e.json").exists()
+    gen = ["generate", "--checkpoint", str(trained), "--prompt", "the cat", "--max-new-tokens", "3"]
+    assert cli([*gen, "--save-state", str(blocker / "s.safetensors")]) == 2
+    got = capsys.readouterr()
+    assert got.err.strip() == f"recurformer: error: cannot write --save-state file {blocker / 's.safetensors'}: {blocker} is not a directory"
+    assert got.out == ""  # refused before generating
+
+
+def test_non_finite_logits_from_finite_weights_are_one_line_errors(trained, tmp_path, capsys) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt.resolve(trained), broken)
+    w = load_file(broken / "model.safetensors")
+    w = {k: v * 1e30 if v.dim() == 2 and "tok_emb" not in k else v for k, v in w.items()}  # finite, but overflows
+    assert all(bool(torch.isfinite(v).all()) for v in w.values())
+    save_file(w, broken / "model.safetensors")
+    out = tmp_path / "e.json"
+    assert cli(["eval", "--checkpoint", str(broken), "--lengths", "32", "--last", "16", "--windows", "1", "--chunk", "16",
+                "--json", str(out)]) == 2
+    err = last_error(capsys)
+    assert err.startswith(f"recurformer: error: {broken} gives non-finite logits (loss nan at length 32)")
+    assert not out.exists()
+    assert cli(["generate", "--checkpoint", str(broken), "--prompt", "the", "--max-new-tokens", "3"]) == 2
+    assert last_error(capsys).endswith("non-finite logits (nan/inf) although its weights load; it cannot generate")
+
+
+def test_closed_output_pipe_ends_quietly(trained) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recurformer.cli", "generate", "--checkpoint", str(trained), "--prompt", "the cat",
+         "--max-new-tokens", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+    proc.stdout.close()  # like `| head` that has already exited
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE
+    assert err == ""
+
+
+def test_prepare_removes_its_temporary_directory_and_stale_ones(corpus, tmp_path, monkeypatch, capsys) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process id that is no longer alive: a killed prepare's leftovers
+    stale = tmp_path / f".p.tmp-{gone.pid}"
+    stale.mkdir()
+    (stale / "train.bin").write_bytes(b"\x00" * 10)
+    running = tmp_path / f".p.tmp-{os.getppid()}"  # a prepare that is still running: left alone
+    running.mkdir()
+
+    def full_disk(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(prep, "_write_tokens", full_disk)
+    assert cli(["prepare", "--text", str(corpus), "--tokenizer", "byte", "--out", str(tmp_path / "p")]) == 2
+    assert last_error(capsys) == f"recurformer: error: cannot write prepared data {tmp_path / 'p'}: No space left on device"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [running.name]
+    monkeypatch.undo()
+    assert cli(["prepare", "--text", str(corpus), "--tokenizer", "byte", "--out", str(tmp_path / "p")]) == 0
+    assert json.loads((tmp_path / "p" / "meta.json").read_text())["source_key"] == DataConfig(
+        text_files=[str(corpus)], tokenizer="byte").source_key()
