@@ -292,7 +292,7 @@ def cmd_probe(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from . import probe
-    from .checkpoint import load_model, resolve
+    from .checkpoint import atomic_write, check_writable, load_model, resolve
     from .train import pick_device
 
     if args.task not in probe.TASKS:
@@ -307,8 +307,8 @@ def cmd_probe(args: argparse.Namespace) -> None:
     except ValueError:
         raise RecurformerError(f"--distances must be comma-separated integers, got '{args.distances}'") from None
     out = Path(args.json)
-    probe.check_writable(out)
-    probe.check_writable(out.with_suffix(".png"))
+    check_writable(out, "--json file")  # before the work, not after it
+    check_writable(out.with_suffix(".png"), "plot")
     device = pick_device(args.device)
     dataset = args.dataset if (args.dataset or args.text) else ("tinystories-repeat" if args.task == "repeat" else None)
     results = []
@@ -344,9 +344,9 @@ def cmd_probe(args: argparse.Namespace) -> None:
     print()
     print(probe.markdown_tables(results))
     meta = {k: v for k, v in vars(args).items() if k != "func"} | {"dataset_used": dataset}
-    probe.atomic_write(out, lambda p: p.write_text(json.dumps(probe.to_json(results, meta), indent=2) + "\n"))
+    atomic_write(out, lambda p: p.write_text(json.dumps(probe.to_json(results, meta), indent=2) + "\n"))
     png = out.with_suffix(".png")
-    probe.atomic_write(png, lambda p: probe.plot(results, p, f"{args.task} probe"))
+    atomic_write(png, lambda p: probe.plot(results, p, f"{args.task} probe"))
     print(f"wrote {out} and {png}")
 
 

@@ -8,7 +8,6 @@ read. Windows start from the initial state, or after reading a warm-up prefix.""
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
 from dataclasses import asdict, dataclass
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .checkpoint import atomic_write
 from .config import RecurformerError
 from .nn import StreamingLM
 
@@ -155,23 +155,12 @@ def plot(results: dict[str, list[LengthResult]], path: Path, title: str, last: i
     import matplotlib.pyplot as plt
 
     fig = figure(results, title, last, trained)
-    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")  # written whole, then renamed into place
     try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise RecurformerError(f"cannot write {path}: {e.strerror or e}") from None
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))
     finally:
         plt.close(fig)
 
 
 def save_json(results: dict[str, list[LengthResult]], path: Path, meta: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")  # written whole, then renamed into place
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"meta": meta, "results": {k: [asdict(r) for r in v] for k, v in results.items()}}, indent=2))
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise RecurformerError(f"cannot write {path}: {e.strerror or e}") from None
+    text = json.dumps({"meta": meta, "results": {k: [asdict(r) for r in v] for k, v in results.items()}}, indent=2)
+    atomic_write(path, lambda tmp: tmp.write_text(text))
