@@ -92,37 +92,6 @@ def cmd_train(args: argparse.Namespace) -> None:
         print("done: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
 
 
-def _eval_tokens(args: argparse.Namespace, tok, config: dict, cache: dict):
-    """The evaluation token stream for one checkpoint: its own prepared val split by default,
-    or --dataset / --text encoded with the checkpoint's tokenizer."""
-    import numpy as np
-
-    from .data import load_prepared
-    from .data.prepare import load_documents, read_text_file
-
-    if args.dataset or args.text:
-        if tok is None:
-            raise RecurformerError("this checkpoint has no tokenizer.json; evaluate it with --data DIR")
-        key = (args.dataset, tuple(args.text or ()), id(tok))
-        if key not in cache:
-            if args.dataset:
-                docs = load_documents(args.dataset, None, 0.05)[1]
-            else:
-                docs = [read_text_file(f) for f in args.text]
-            ids: list[int] = []
-            for d in docs:
-                ids += [tok.bos_id, *tok.encode(d)]
-            cache[key] = np.asarray(ids, dtype=np.int64)
-        return cache[key]
-    data_dir = args.data or config.get("data", {}).get("dir")
-    if not data_dir:
-        raise RecurformerError("the checkpoint does not name its data; give --data DIR, --dataset NAME or --text FILE")
-    _, _, val, data_tok = load_prepared(data_dir)
-    if tok is not None and data_tok.encode("The quick brown fox, 1984.") != tok.encode("The quick brown fox, 1984."):
-        raise RecurformerError(f"{data_dir} was tokenized with another tokenizer than the checkpoint's; use --dataset or --text")
-    return val
-
-
 def _check_at_least(args: argparse.Namespace, minimum: int, *names: str) -> None:
     for name in names:
         value = getattr(args, name)
@@ -150,7 +119,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import math
 
     from .checkpoint import check_writable, load_model
-    from .evaluate import evaluate_lengths, markdown_table, plot, save_json
+    from .evaluate import eval_tokens, evaluate_lengths, markdown_table, plot, save_json
     from .train import pick_device
 
     try:
@@ -174,7 +143,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
                 raise RecurformerError(f"--window applies to dense attention models (llama), not {name}")
             model.set_window(args.window)
             label += f" (window {args.window})"
-        tokens = _eval_tokens(args, tok, config, cache)
+        tokens = eval_tokens(tok, config, data=args.data, dataset=args.dataset, text=args.text, cache=cache)
         if int(tokens.max()) >= model.config.vocab_size:
             raise RecurformerError(f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}")
         print(f"evaluating {label} ({name}) at lengths {lengths}, {args.windows} windows each, loss on the last {args.last} tokens")
@@ -273,19 +242,6 @@ def cmd_export(args: argparse.Namespace) -> None:
     print(f"wrote {out} (" + ", ".join(sorted(f.name for f in out.iterdir())) + ")" + (f"; uploaded to {args.push_to_hub}" if args.push_to_hub else ""))
 
 
-def _probe_labels(paths: list[str]) -> list[str]:
-    """Run name for a run directory, run/step_N for a checkpoint; unique even for repeated paths."""
-    labels = []
-    for path in paths:
-        p = Path(path).resolve()
-        label = f"{p.parent.name}/{p.name}" if p.name.startswith("step_") else p.name
-        base, n = label, 2
-        while label in labels:
-            label, n = f"{base} ({n})", n + 1
-        labels.append(label)
-    return labels
-
-
 def cmd_probe(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
@@ -312,7 +268,7 @@ def cmd_probe(args: argparse.Namespace) -> None:
     device = pick_device(args.device)
     dataset = args.dataset if (args.dataset or args.text) else ("tinystories-repeat" if args.task == "repeat" else None)
     results = []
-    for path, label in zip(args.checkpoint, _probe_labels(args.checkpoint)):
+    for path, label in zip(args.checkpoint, eval_labels(args.checkpoint)):
         model, name, tok, config = load_model(path, device)
         if tok is None:
             raise RecurformerError(f"checkpoint {path} has no tokenizer.json, so it cannot read text")

@@ -81,6 +81,36 @@ def score_windows(model: StreamingLM, windows: torch.Tensor, last: int, chunk: i
     return total_loss, correct, count
 
 
+def eval_tokens(tok, config: dict, *, data: str | None = None, dataset: str | None = None,  # type: ignore[no-untyped-def]
+                text: list[str] | None = None, cache: dict | None = None) -> np.ndarray:
+    """The evaluation token stream for one checkpoint: its own prepared val split (or the
+    prepared directory ``data``) by default, or the val split of a bundled ``dataset`` / the
+    ``text`` files encoded with the checkpoint's tokenizer ``tok`` (BOS before each document).
+    ``cache`` reuses an encoding across checkpoints that share a tokenizer."""
+    from .data import load_prepared
+    from .data.prepare import load_documents, read_text_file
+
+    cache = {} if cache is None else cache
+    if dataset or text:
+        if tok is None:
+            raise RecurformerError("this checkpoint has no tokenizer.json; evaluate it with --data DIR")
+        key = (dataset, tuple(text or ()), id(tok))
+        if key not in cache:
+            docs = load_documents(dataset, None, 0.05)[1] if dataset else [read_text_file(f) for f in text or []]
+            ids: list[int] = []
+            for d in docs:
+                ids += [tok.bos_id, *tok.encode(d)]
+            cache[key] = np.asarray(ids, dtype=np.int64)
+        return cache[key]
+    data_dir = data or config.get("data", {}).get("dir")
+    if not data_dir:
+        raise RecurformerError("the checkpoint does not name its data; give --data DIR, --dataset NAME or --text FILE")
+    _, _, val, data_tok = load_prepared(data_dir)
+    if tok is not None and data_tok.encode("The quick brown fox, 1984.") != tok.encode("The quick brown fox, 1984."):
+        raise RecurformerError(f"{data_dir} was tokenized with another tokenizer than the checkpoint's; use --dataset or --text")
+    return val
+
+
 def evaluate_lengths(
     model: StreamingLM,
     tokens: np.ndarray,

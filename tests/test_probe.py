@@ -191,14 +191,18 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def test_cli_repeat_and_swap(trained, tmp_path, capsys) -> None:
+    import shutil
+
     run, corpus = trained
+    other = tmp_path / "run2"
+    shutil.copytree(run, other)
     out = tmp_path / "p" / "probe.json"
-    assert cli_main(["probe", "--checkpoint", str(run), str(run), "--text", str(corpus), "--docs", "12", "--passage", "20",
+    assert cli_main(["probe", "--checkpoint", str(run), str(other), "--text", str(corpus), "--docs", "12", "--passage", "20",
                      "--warm-min", "5", "--warm-max", "30", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "**copy_gain**" in printed and "**swap_delta**" in printed and "| run (2) | 14 |" in printed
+    assert "**copy_gain**" in printed and "**swap_delta**" in printed and "| run2 | 14 |" in printed
     res = json.loads(out.read_text())
-    assert out.with_suffix(".png").is_file() and [r["label"] for r in res["results"]] == ["run", "run (2)"]
+    assert out.with_suffix(".png").is_file() and [r["label"] for r in res["results"]] == ["run", "run2"]
     first = res["results"][0]
     assert first["receptive_field"] == 14 and first["step"] == 2 and first["val_loss"] is not None
     far = [b for b in first["metrics"]["swap_delta"] if b["lo"] > 14]
