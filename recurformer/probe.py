@@ -168,6 +168,12 @@ def repeat_samples(
     return samples
 
 
+def _elsewhere(stream: np.ndarray, at: int, length: int, rng: np.random.Generator) -> np.ndarray:
+    """``length`` tokens of ``stream`` starting half to three quarters of the stream away from ``at``."""
+    o = (at + len(stream) // 2 + int(rng.integers(0, len(stream) // 4))) % (len(stream) - length)
+    return stream[o : o + length]
+
+
 def repeat_samples_from_stream(stream: np.ndarray, marker: np.ndarray, n_docs: int, passage: int,
                                warm: tuple[int, int], rng: np.random.Generator) -> list[Sample]:
     """Copy documents ``prefix, s1, marker, s1`` with s1 a ``passage``-token piece of ``stream``,
@@ -184,8 +190,7 @@ def repeat_samples_from_stream(stream: np.ndarray, marker: np.ndarray, n_docs: i
     for _ in range(n_docs):
         at = int(rng.integers(warm[1], len(stream) - passage))
         s1 = stream[at : at + passage]
-        other = (at + len(stream) // 2 + int(rng.integers(0, len(stream) // 4))) % (len(stream) - passage)
-        alt = stream[other : other + passage]
+        alt = _elsewhere(stream, at, passage, rng)
         p = int(rng.integers(max(warm[0], 1), max(warm[1], 1) + 1))  # s1[0] needs a token to be predicted from
         empty = stream[:0]
         samples.append(_repeat_sample(_prefix(stream, at, p), empty, s1, empty, marker, s1, empty, alt))
@@ -212,8 +217,7 @@ def swap_samples(stream: np.ndarray, n_docs: int, distances: Sequence[int], span
         hist = dmax + int(rng.integers(warm[0], warm[1] + 1))
         t0 = int(rng.integers(hist, len(stream) - span))
         true = stream[t0 - hist : t0 + span]
-        o = (t0 + len(stream) // 2 + int(rng.integers(0, len(stream) // 4))) % (len(stream) - hist)
-        other = stream[o : o + hist]
+        other = _elsewhere(stream, t0, hist, rng)
         rows, comps = [true], []
         i = np.arange(span)
         for d in distances:
