@@ -92,23 +92,16 @@ def load(dir_or_repo_id: str | Path, device: str = "cpu") -> tuple[StreamingLM, 
 
 def _tokens(tokenizer: Tokenizer | None, dataset: str | None, text: Sequence[str | Path] | None) -> np.ndarray:
     """A bundled dataset's val split, or text files, as one token stream (BOS before each document)."""
-    from .data.prepare import load_documents
+    from .evaluate import eval_tokens
 
     if tokenizer is None:
         raise RecurformerError("this model has no tokenizer; pass token ids instead of a dataset or text")
     if (dataset is None) == (not text):
         raise RecurformerError("give exactly one of dataset=NAME or text=[FILE, ...]")
-    if text:
-        missing = [str(f) for f in text if not Path(f).is_file()]
-        if missing:
-            raise RecurformerError(f"text file not found: {missing[0]}")
-        docs = [Path(f).read_text() for f in text]
-    else:
-        docs = load_documents(dataset, None, 0.05)[1]
-    ids: list[int] = []
-    for d in docs:
-        ids += [tokenizer.bos_id, *tokenizer.encode(d)]
-    return np.asarray(ids, dtype=np.int64)
+    missing = [str(f) for f in text or [] if not Path(f).is_file()]
+    if missing:
+        raise RecurformerError(f"text file not found: {missing[0]}")
+    return eval_tokens(tokenizer, {}, dataset=dataset, text=[str(f) for f in text] if text else None)
 
 
 def evaluate(model: StreamingLM, tokenizer: Tokenizer | None = None, *, tokens: np.ndarray | None = None,
@@ -141,14 +134,8 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, task: str = "repeat", dat
             raise RecurformerError("the swap probe needs dataset=NAME or text=[FILE, ...]")
         dataset = "tinystories-repeat"
     files = [str(f) for f in text] if text else None
-    rng = np.random.default_rng(seed)
-    if task == "repeat":
-        samples = p.repeat_samples(tokenizer, dataset, files, docs, passage, warm, rng)
-    else:
-        samples = p.swap_samples(p.text_stream(tokenizer, dataset, files), docs, list(distances), span, warm, rng)
-    top = max(int(r.max()) for s in samples for r in s.rows)
-    if top >= model.config.vocab_size:
-        raise RecurformerError(f"probe text has token id {top} >= the model's vocabulary ({model.config.vocab_size})")
+    samples = p.make_samples(tokenizer, task, dataset, files, model.config.vocab_size, docs=docs, passage=passage,
+                             distances=distances, span=span, warm=warm, seed=seed)
     with torch.no_grad():
         metrics = p.probe_model(model, samples, p.METRICS[task], chunk, batch_size, precision, seed)
     facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}

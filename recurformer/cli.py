@@ -243,7 +243,6 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_probe(args: argparse.Namespace) -> None:
-    import numpy as np
     import torch
     from tqdm import tqdm
 
@@ -253,9 +252,7 @@ def cmd_probe(args: argparse.Namespace) -> None:
 
     if args.task not in probe.TASKS:
         raise RecurformerError(f"unknown probe task '{args.task}'; valid tasks: {', '.join(probe.TASKS)}")
-    for key in ("docs", "batch_size", "chunk"):
-        if getattr(args, key) < 1:
-            raise RecurformerError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    _check_at_least(args, 1, "docs", "batch_size", "chunk")
     if not 0 <= args.warm_min <= args.warm_max:
         raise RecurformerError(f"need 0 <= --warm-min <= --warm-max, got {args.warm_min} and {args.warm_max}")
     try:
@@ -276,15 +273,10 @@ def cmd_probe(args: argparse.Namespace) -> None:
             dataset = config.get("data", {}).get("dataset")
             if not dataset:
                 raise RecurformerError(f"checkpoint {path} does not name a bundled dataset; give --dataset NAME or --text FILE")
-        rng = np.random.default_rng(args.seed)
-        warm = (args.warm_min, args.warm_max)
-        if args.task == "repeat":
-            samples = probe.repeat_samples(tok, dataset, args.text, args.docs, args.passage, warm, rng)
-        else:
-            samples = probe.swap_samples(probe.text_stream(tok, dataset, args.text), args.docs, distances, args.span, warm, rng)
-        top = max(int(r.max()) for s in samples for r in s.rows)
-        if top >= model.config.vocab_size:
-            raise RecurformerError(f"probe text has token id {top} >= the vocabulary of {path} ({model.config.vocab_size})")
+        samples = probe.make_samples(
+            tok, args.task, dataset, args.text, model.config.vocab_size, docs=args.docs, passage=args.passage,
+            distances=distances, span=args.span, warm=(args.warm_min, args.warm_max), seed=args.seed,
+        )
         R = probe.receptive_field(model)
         print(f"probing {label} ({name}, receptive field {'unbounded' if R is None else R}) on {len(samples)} documents, task {args.task}")
         rows = sum(len(s.rows) for s in samples)

@@ -252,6 +252,23 @@ def text_stream(tok: Tokenizer, dataset: str | None, text: Sequence[str] | None)
     return np.concatenate(_encode(tok, documents(dataset, text), append_eos=dataset == "tinystories-repeat"))
 
 
+def make_samples(tok: Tokenizer, task: str, dataset: str | None, text: Sequence[str] | None, vocab_size: int, *,
+                 docs: int, passage: int, distances: Sequence[int], span: int, warm: tuple[int, int], seed: int) -> list[Sample]:
+    """The documents of a ``task`` probe (``repeat`` or ``swap``), checked against the model's
+    vocabulary; the same ``seed`` gives the same documents for every checkpoint."""
+    if task not in TASKS:
+        raise RecurformerError(f"unknown probe task '{task}'; valid tasks: {', '.join(TASKS)}")
+    rng = np.random.default_rng(seed)
+    if task == "repeat":
+        samples = repeat_samples(tok, dataset, text, docs, passage, warm, rng)
+    else:
+        samples = swap_samples(text_stream(tok, dataset, text), docs, list(distances), span, warm, rng)
+    top = max(int(r.max()) for s in samples for r in s.rows)
+    if top >= vocab_size:
+        raise RecurformerError(f"probe text has token id {top} >= the model's vocabulary ({vocab_size})")
+    return samples
+
+
 # ----------------------------------------------------------------------------------------------
 # reading rows through the streaming contract
 
