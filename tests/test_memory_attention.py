@@ -48,7 +48,11 @@ def reference_forward(model: ma.MemoryAttention, tokens: torch.Tensor) -> torch.
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, 2C, d]
             o = o.transpose(1, 2).reshape(B, 2 * C, c.dim)[:, C:]  # discard the memory rows
             out = att.wo(o)
-            mem = o if c.memory_source == "pre_wo" else out
+            new = o if c.memory_source == "pre_wo" else out
+            if c.memory_update == "gated":  # g = sigmoid(W_g [M'; O]), M <- g M' + (1 - g) O
+                g = torch.sigmoid(att.mem_gate(torch.cat((m, new), -1)))
+                new = g * m + (1 - g) * new
+            mem = new
             outs.append(out)
         h = h + torch.cat(outs, 1)
         h = h + block.ffn(block.ffn_norm(h))
@@ -57,8 +61,16 @@ def reference_forward(model: ma.MemoryAttention, tokens: torch.Tensor) -> torch.
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, dict(memory_qkv="separate"), dict(memory_source="post_wo"), dict(init_memory="learned"), dict(memory_ffn=False, memory_norm=False)],
-    ids=["shared", "separate", "post_wo", "learned", "no_ffn_norm"],
+    [
+        {},
+        dict(memory_qkv="separate"),
+        dict(memory_source="post_wo"),
+        dict(init_memory="learned"),
+        dict(memory_ffn=False, memory_norm=False),
+        dict(memory_update="gated"),
+        dict(memory_update="gated", memory_source="post_wo", init_memory="learned"),
+    ],
+    ids=["shared", "separate", "post_wo", "learned", "no_ffn_norm", "gated", "gated_post_wo_learned"],
 )
 def test_matches_algorithm_1(extra) -> None:
     model = build_model("memory_attention", dict(CFG, **extra)).double().eval()
@@ -66,6 +78,30 @@ def test_matches_algorithm_1(extra) -> None:
     tokens = torch.randint(0, 61, (2, 5 * 8))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens).logits, reference_forward(model, tokens), rtol=1e-10, atol=1e-10)
+
+
+def test_gated_update_limits() -> None:
+    """A gate shut (g = 0) is the seed's model with the same weights; a gate open (g = 1) keeps the
+    initial zero memory for ever, so every chunk reads only itself."""
+    tokens = torch.randint(0, 61, (2, 5 * 8))
+    seed = build_model("memory_attention", CFG).double().eval()
+    randomize_params(seed, 0.2)
+    gated = build_model("memory_attention", dict(CFG, memory_update="gated")).double().eval()
+    assert set(gated.state_dict()) - set(seed.state_dict()) == {f"layers.{i}.attn.mem_gate.{p}" for i in range(2) for p in ("weight", "bias")}
+    gated.load_state_dict(seed.state_dict(), strict=False)
+    with torch.no_grad():
+        want = seed(tokens).logits
+        for layer in gated.layers:
+            layer.attn.mem_gate.weight.zero_()
+            layer.attn.mem_gate.bias.fill_(-1e4)
+        torch.testing.assert_close(gated(tokens).logits, want, rtol=0, atol=0)
+        for layer in gated.layers:
+            layer.attn.mem_gate.bias.fill_(1e4)
+        alone = torch.cat([seed(tokens[:, i : i + 8]).logits for i in range(0, 40, 8)], 1)
+        torch.testing.assert_close(gated(tokens).logits, alone, rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(want, alone)
+    fresh = build_model("memory_attention", dict(CFG, memory_update="gated"))
+    assert torch.equal(fresh.layers[0].attn.mem_gate.bias, torch.ones(32))  # a fresh gate keeps ~73%
 
 
 def test_gradient_crosses_chunks_through_memory() -> None:

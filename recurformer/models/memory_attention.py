@@ -15,6 +15,16 @@ so no position exceeds 2C-1 at any length. Gradients flow through every chunk of
 trainer decides where to detach. A trailing partial chunk is kept in the state, so splitting a
 sequence across calls changes nothing. The memory layer sits in the library's pre-norm block.
 
+``memory_update="gated"`` (not in the paper or the code; added for issue 15 after the copy probe
+found the seed's memory does not hold a sentence across chunks) keeps part of the evolved memory
+instead of replacing it: when chunk t completes,
+
+    g = sigmoid(W_g [M'_t; O_t] + b_g),    M_{t+1} = g * M'_t + (1 - g) * O_t
+
+per slot and channel, with O_t the chunk's output that the default ("replace") takes as M_{t+1}.
+b_g starts at 1 (a fresh gate keeps ~73% of the memory, as forget-gate biases favour
+remembering). The default leaves the seed's model exactly as it was.
+
 ``memory_layers`` puts memory attention in the chosen layers only and full attention (or, with
 ``window``, sliding-window attention) in the others, as the code's ``memlayerN`` option.
 """
@@ -41,6 +51,7 @@ class MemoryAttentionConfig(ModelConfig):
     memory_ffn: bool = True  # the projection FFN (eq. 2)
     memory_norm: bool = True  # the output RMSNorm of eq. 2
     init_memory: Literal["zeros", "learned"] = "zeros"
+    memory_update: Literal["replace", "gated"] = "replace"  # M_{t+1} = O_t (seed) or the gated mix above
     memory_layers: list[int] | None = None  # memory attention only in these layers (None: all)
 
     def __post_init__(self) -> None:
@@ -98,11 +109,17 @@ class MemoryAttentionLayer(Layer):
             self.mem_ffn = MLP(cfg.dim, cfg.hidden)
         if cfg.memory_norm:
             self.mem_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if cfg.memory_update == "gated":
+            self.mem_gate = nn.Linear(2 * cfg.dim, cfg.dim)
         if cfg.init_memory == "learned":  # zero-initialised and trainable, as `train_orimem` in the code
             self.init_memory = nn.Parameter(torch.zeros(cfg.chunk_size, cfg.dim))
 
+    def init_extra(self, std: float) -> None:
+        if self.cfg.memory_update == "gated":
+            nn.init.constant_(self.mem_gate.bias, 1.0)
+
     def describe(self) -> str:
-        return f"memory(C={self.period})"
+        return f"memory(C={self.period}{', gated' if self.cfg.memory_update == 'gated' else ''})"
 
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> MemoryState:
         B, C, D, H, d = batch_size, self.cfg.chunk_size, self.cfg.dim, self.n_heads, self.cfg.head_dim
@@ -122,10 +139,14 @@ class MemoryAttentionLayer(Layer):
         return m
 
     def memory_kv(self, m: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys/values of the evolved memory at RoPE positions 0..C-1: [B, H, C, d] each."""
-        m = self.evolve(m)
+        """Keys/values of the evolved memory M' = ``evolve(m)`` at RoPE positions 0..C-1: [B, H, C, d] each."""
         wk, wv = (self.wkm, self.wvm) if self.cfg.memory_qkv == "separate" else (self.wk, self.wv)
         return apply_rope(split_heads(wk(m), self.n_heads), cos, sin), split_heads(wv(m), self.n_heads)
+
+    def gated_update(self, evolved: Tensor, out: Tensor) -> Tensor:
+        """M_{t+1} = g * M'_t + (1 - g) * O_t from the evolved memory M'_t and the chunk's output O_t [B, C, D]."""
+        g = torch.sigmoid(self.mem_gate(torch.cat((evolved, out), dim=-1)))
+        return g * evolved + (1 - g) * out
 
     def tables(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """RoPE cos/sin [2C, d/2] (rows 0..C-1 memory, C..2C-1 chunk positions) and the boolean
@@ -152,18 +173,24 @@ class MemoryAttentionLayer(Layer):
         sizes = pieces(r0, T, C)
         pre_wo = self.cfg.memory_source == "pre_wo"
         memory, mem_k, mem_v, part_k, part_v, part_o = st.memory, st.mem_k, st.mem_v, st.part_k, st.part_v, st.part_o
+        evolved: Tensor | None = None  # M'_t of the chunk in progress, once computed in this call
         outs: list[Tensor] = []
         for q, k_new, v_new in zip(q_all.split(sizes, 2), k_all.split(sizes, 2), v_all.split(sizes, 2)):
             r, n = part_k.shape[2], q.shape[2]
             if r == 0:
-                mem_k, mem_v = self.memory_kv(memory, cos[:C], sin[:C])
+                evolved = self.evolve(memory)
+                mem_k, mem_v = self.memory_kv(evolved, cos[:C], sin[:C])
             k = torch.cat((part_k, k_new), dim=2) if r else k_new
             v = torch.cat((part_v, v_new), dim=2) if r else v_new
             o = merge_heads(attend(q, torch.cat((mem_k, k), 2), torch.cat((mem_v, v), 2), mask[r : r + n, : C + r + n]))
             out = o if pre_wo else self.wo(o)
             src = torch.cat((part_o, out), dim=1) if r else out  # the memory: o (pre_wo) or Wo o
-            if r + n == C:  # chunk complete: its output becomes the next memory
-                memory = src
+            if r + n == C:  # chunk complete: its output becomes (or, gated, enters) the next memory
+                if self.cfg.memory_update == "gated":  # M'_t again if an earlier call began this chunk
+                    memory = self.gated_update(evolved if evolved is not None else self.evolve(memory), src)
+                else:
+                    memory = src
+                evolved = None
                 B, _, _, d = k.shape  # fresh empty tensors, not views (torch.compile mishandles aliased empty outputs)
                 part_k, part_v, part_o = k.new_zeros(B, H, 0, d), v.new_zeros(B, H, 0, d), src.new_zeros(B, 0, src.shape[2])
             else:
