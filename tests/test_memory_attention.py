@@ -1,5 +1,5 @@
-"""Memory Attention against a literal reading of seed 000 Algorithm 1 and the properties the
-model-core issue asks for."""
+"""Memory Attention against a literal reading of seed 000 Algorithm 1 (``algorithm_1``) and the
+properties the model-core issue asks for."""
 
 from __future__ import annotations
 
@@ -10,53 +10,11 @@ import pytest
 import recurformer.models.memory_attention as ma
 from recurformer import build_model
 from recurformer.cli import main as cli_main
-from recurformer.layers import apply_rope, rope_cos_sin
+from recurformer.layers import rope_cos_sin
 
 from helpers import randomize_params
 
 CFG = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8)
-
-
-def reference_forward(model: ma.MemoryAttention, tokens: torch.Tensor) -> torch.Tensor:
-    """Algorithm 1, one chunk at a time, nothing batched or cached: Q/K/V of the concatenation
-    [M'; X_t] (memory queries computed, then their rows discarded), RoPE over the concatenation
-    at positions 0..2C-1, a square causal mask, O_t = output[:, C:]."""
-    c = model.config
-    C, H = c.chunk_size, c.n_heads
-    B, T = tokens.shape
-    assert T % C == 0
-    h = model.tok_emb(tokens)
-    cos, sin = rope_cos_sin(torch.arange(2 * C), c.head_dim, c.rope_theta, h.dtype)
-    for li, block in enumerate(model.layers):
-        att = block.attn
-        x_all = block.attn_norm(h)
-        mem = att.init_memory.expand(B, C, c.dim) if c.init_memory == "learned" else torch.zeros(B, C, c.dim, dtype=h.dtype)
-        outs = []
-        for t in range(T // C):
-            x = x_all[:, t * C : (t + 1) * C]
-            m = mem
-            if c.memory_ffn:
-                m = m + att.mem_ffn(att.mem_ffn_norm(m))
-            if c.memory_norm:
-                m = att.mem_norm(m)
-            wk, wv = (att.wkm, att.wvm) if c.memory_qkv == "separate" else (att.wk, att.wv)
-            seq_q = torch.cat((att.wq(m), att.wq(x)), 1)  # memory queries from wq (the code used wk: a bug)
-            seq_k = torch.cat((wk(m), att.wk(x)), 1)
-            seq_v = torch.cat((wv(m), att.wv(x)), 1)
-            q, k, v = (s.view(B, 2 * C, H, -1).transpose(1, 2) for s in (seq_q, seq_k, seq_v))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, 2C, d]
-            o = o.transpose(1, 2).reshape(B, 2 * C, c.dim)[:, C:]  # discard the memory rows
-            out = att.wo(o)
-            new = o if c.memory_source == "pre_wo" else out
-            if c.memory_update == "gated":  # g = sigmoid(W_g [M'; O]), M <- g M' + (1 - g) O
-                g = torch.sigmoid(att.mem_gate(torch.cat((m, new), -1)))
-                new = g * m + (1 - g) * new
-            mem = new
-            outs.append(out)
-        h = h + torch.cat(outs, 1)
-        h = h + block.ffn(block.ffn_norm(h))
-    return F.linear(model.norm(h), model.tok_emb.weight)
 
 
 @pytest.mark.parametrize(
@@ -77,7 +35,7 @@ def test_matches_algorithm_1(extra) -> None:
     randomize_params(model, 0.2)
     tokens = torch.randint(0, 61, (2, 5 * 8))
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens).logits, reference_forward(model, tokens), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(model(tokens).logits, ma.algorithm_1(model, tokens), rtol=1e-10, atol=1e-10)
 
 
 def test_gated_update_limits() -> None:
