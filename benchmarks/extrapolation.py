@@ -68,12 +68,12 @@ def trained_length(run: Path) -> int:
     return json.loads((resolve(run) / "config.json").read_text())["train"]["seq_len"]
 
 
-def train_one(dataset: str, run: str, threads: int) -> str:
+def train_one(dataset: str, run: str, threads: int, device: str) -> str:
     out = run_dir(dataset, run)
     if (out / "latest").is_file():
         return f"{run}: exists, skipped"
     cmd = [sys.executable, "-m", "recurformer.cli", "train", "--config", str(BASE), "--set", f"data.dataset={dataset}",
-           "--set", f"train.out_dir={out}"]
+           "--set", f"train.out_dir={out}", "--device", device]
     for o in RUNS[run]:
         cmd += ["--set", o]
     out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +90,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     subprocess.check_call([sys.executable, "-m", "recurformer.cli", "prepare", "--dataset", args.dataset], cwd=ROOT,
                           stdout=subprocess.DEVNULL) if not (ROOT / "prepared" / f"{args.dataset}-bpe4096" / "meta.json").is_file() else None
     with ThreadPoolExecutor(args.jobs) as ex:
-        for msg in ex.map(lambda r: train_one(args.dataset, r, args.threads), runs):
+        for msg in ex.map(lambda r: train_one(args.dataset, r, args.threads, args.device), runs):
             print(msg, flush=True)
 
 
@@ -110,7 +110,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         lengths = args.lengths if run != "llama" or extra else args.dense_lengths
         cmd = [sys.executable, "-m", "recurformer.cli", "eval", "--checkpoint", str(run_dir(args.dataset, run)),
                "--lengths", lengths, "--last", "256", "--windows", str(args.windows), "--json", str(js), *extra,
-               "--context", str(max(int(x) for x in args.lengths.split(",")) + WARM)]  # every job scores the same tokens
+               "--context", str(max(int(x) for x in args.lengths.split(",")) + WARM),  # every job scores the same tokens
+               "--device", args.device]
         if args.eval_data:
             cmd += ["--dataset", args.eval_data]
         print(" ".join(cmd[2:]), flush=True)
@@ -140,6 +141,7 @@ def main() -> None:
     p.add_argument("--runs", help=f"comma-separated subset of {','.join(RUNS)}")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p = sub.add_parser("eval")
     p.add_argument("--dataset", default="tinystories-sample", help="the training dataset of the runs")
     p.add_argument("--eval-data", help="evaluate on another prepared dataset (e.g. warpeace)")
@@ -147,6 +149,7 @@ def main() -> None:
     p.add_argument("--dense-lengths", default="256,512,1024,2048,4096", help="lengths for the full-attention Llama")
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     args = ap.parse_args()
     {"train": cmd_train, "eval": cmd_eval}[args.cmd](args)
 

@@ -184,6 +184,7 @@ def main() -> None:
     ap.add_argument("--model-set", action="append", default=[], metavar="MODEL:KEY=VALUE")
     ap.add_argument("--task-set", action="append", default=[], metavar="TASK:KEY=VALUE", help="a task parameter for one task")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="only build the outputs from these result files")
+    ap.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     ap.add_argument("--out", default=str(ROOT / "docs" / "synthetic"), help="output path without suffix")
     args = ap.parse_args()
     out = Path(args.out)
@@ -215,7 +216,7 @@ def main() -> None:
         results: list[Result] = []
         meta = {"argv": sys.argv[1:]}
         for task, m, values, params, cfg in plans:
-            r = run_synth(task, m, values, params, cfg, log=lambda s: print(s, flush=True), progress=sys.stderr.isatty())
+            r = run_synth(task, m, values, params, cfg, log=lambda s: print(s, flush=True), device=args.device, progress=sys.stderr.isatty())
             print(summary(r) + f" [{r.seconds:.0f}s]", flush=True)
             results.append(result_dict(r) | {"synth": vars(cfg)})
             write(results, out, meta)

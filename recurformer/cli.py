@@ -87,7 +87,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     if not args.config and not args.resume:
         raise RecurformerError("give --config FILE (see configs/) or --resume DIR")
-    last = train_main(args.config, args.set + (["train.compile=true"] if args.compile else []), args.resume, args.overwrite)
+    sets = args.set + (["train.compile=true"] if args.compile else []) + ([f"train.device={args.device}"] if args.device else [])
+    last = train_main(args.config, sets, args.resume, args.overwrite)
     if last:
         print("done: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
 
@@ -119,8 +120,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     import math
 
     from .checkpoint import check_writable, load_model
+    from .device import memory_kind, pick_device
     from .evaluate import eval_tokens, evaluate_lengths, markdown_table, plot, save_json
-    from .train import pick_device
 
     try:
         lengths = [int(x) for x in args.lengths.split(",") if x]
@@ -157,7 +158,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
                 f"nothing written"
             )
         for r in rs:
-            print(f"  L={r.length:>6}: loss {r.loss:.4f}  acc {r.accuracy:.3f}  {r.tokens_per_s:,.0f} tok/s  peak RSS {r.peak_rss_mb:,.0f} MB")
+            print(f"  L={r.length:>6}: loss {r.loss:.4f}  acc {r.accuracy:.3f}  {r.tokens_per_s:,.0f} tok/s  peak {memory_kind(device)} {r.peak_memory_mb:,.0f} MB")
         results[label] = rs
         trained[label] = config.get("train", {}).get("seq_len")
     print()
@@ -175,13 +176,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
     from .checkpoint import check_writable, load_model
-    from .evaluate import peak_rss_mb
+    from .device import memory_kind, peak_memory_mb, pick_device, reset_peak_memory, synchronize
     from .generate import load_session, new_session, save_session, stream
-    from .train import pick_device
 
     if args.save_state:
         check_writable(Path(args.save_state), "--save-state file")  # before generating, not after
-    model, name, tok, _ = load_model(args.checkpoint, pick_device(args.device))
+    device = pick_device(args.device)
+    model, name, tok, _ = load_model(args.checkpoint, device)
     if tok is None:
         raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
     if tok.lowercase and args.prompt != args.prompt.lower():
@@ -194,6 +195,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(args.prompt, end="", flush=True)
     out: list[int] = []
     shown = ""
+    reset_peak_memory(device)
     t0 = time.perf_counter()
     for step in stream(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, session=session, stop_tokens=stops):
         t = int(step[0])
@@ -204,13 +206,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
             print(text[len(shown):], end="", flush=True)
             shown = text
+    synchronize(device)
     dt = time.perf_counter() - t0
     print(tok.decode(out)[len(shown):])
     if args.save_state:
         save_session(session, args.save_state, name)
         print(f"[saved the generation state to {args.save_state}]", file=sys.stderr)
     if args.stats:
-        print(f"[{len(out)} tokens in {dt:.2f}s: {len(out) / max(dt, 1e-9):,.1f} tok/s, peak RSS {peak_rss_mb():,.0f} MB]", file=sys.stderr)
+        print(f"[{len(out)} tokens in {dt:.2f}s: {len(out) / max(dt, 1e-9):,.1f} tok/s, peak {memory_kind(device)} {peak_memory_mb(device):,.0f} MB]", file=sys.stderr)
 
 
 def cmd_synth(args: argparse.Namespace) -> None:
@@ -248,7 +251,7 @@ def cmd_probe(args: argparse.Namespace) -> None:
 
     from . import probe
     from .checkpoint import atomic_write, check_writable, load_model, resolve
-    from .train import pick_device
+    from .device import pick_device
 
     if args.task not in probe.TASKS:
         raise RecurformerError(f"unknown probe task '{args.task}'; valid tasks: {', '.join(probe.TASKS)}")
@@ -331,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace the run in train.out_dir (or, with --resume of an "
                    "older checkpoint, delete the run's later checkpoints)")
     p.add_argument("--compile", action="store_true", help="torch.compile every layer (regional compilation; same as --set train.compile=true)")
+    p.add_argument("--device", help="auto (CUDA when present; the default), cpu, cuda or cuda:N (same as --set train.device=...)")
     _add_set(p)
 
     p = sub.add_parser("eval", help="length-extrapolation evaluation (loss on the last tokens at several lengths)")
@@ -349,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--context", type=int, help="windows end where this many tokens fit before them (default: warm-up + the "
                    "longest length); give the same value to compare runs with different lengths on the same tokens")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.add_argument("--json", default="eval.json", help="output JSON (a PNG plot is written beside it)")
 
     p = sub.add_parser("generate", help="stream text from a checkpoint")
@@ -364,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-state", metavar="FILE", help="save the generation state (safetensors) to continue later")
     p.add_argument("--load-state", metavar="FILE", help="continue a saved generation (the prompt is appended)")
     p.add_argument("--stats", action="store_true", help="print tokens/s and peak memory")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
 
     from .data.synthetic import TASKS
 
@@ -376,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lrs", help="comma-separated learning rates to sweep (default 5e-4,1e-3,3e-3)")
     p.add_argument("--n-train", type=int, help="training examples (default: the task's MAD baseline)")
     p.add_argument("--n-test", type=int, help="test examples (default 1280)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.add_argument("--json", help="write the full result as JSON here")
 
     p = sub.add_parser("probe", help="how far back the state carries information: copy and swap probes with bootstrap intervals")
@@ -395,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.add_argument("--json", default="probe.json", help="output JSON (a PNG plot is written beside it)")
     p = sub.add_parser("export", help="write a run's checkpoint in Hugging Face Hub layout with a model card")
     p.add_argument("--checkpoint", required=True, help="a run or checkpoint directory")

@@ -8,7 +8,6 @@ read. Windows start from the initial state, or after reading a warm-up prefix.""
 from __future__ import annotations
 
 import json
-import resource
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 
 from .checkpoint import atomic_write
 from .config import RecurformerError
+from .device import peak_memory_mb, reset_peak_memory, synchronize
 from .nn import StreamingLM
 
 
@@ -30,28 +30,7 @@ class LengthResult:
     scored_tokens: int
     windows: int
     tokens_per_s: float  # tokens read (windows x (warm + L)) per second
-    peak_rss_mb: float  # peak resident memory of the process while evaluating this length
-
-
-def reset_peak_rss() -> None:
-    """Restart the peak-RSS counter (Linux: VmHWM, via /proc/self/clear_refs); no-op elsewhere."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss_mb() -> float:
-    """Peak resident memory since the last ``reset_peak_rss`` (Linux), else since start."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_memory_mb: float  # peak memory while evaluating this length (device.peak_memory_mb: RSS on CPU, allocated on CUDA)
 
 
 @torch.no_grad()
@@ -134,11 +113,13 @@ def evaluate_lengths(
             raise RecurformerError(f"length {L} is shorter than --last {last}")
         # windows end at the same positions for every L: each length scores the same targets
         w = eval_windows(tokens, warm + L, windows, seed=seed, context=context or warm + max(lengths))
-        reset_peak_rss()
+        device = model.tok_emb.weight.device
+        reset_peak_memory(device)
         t0 = time.perf_counter()
         loss, corr, n = score_windows(model, w, last, chunk, batch_size)
+        synchronize(device)
         dt = time.perf_counter() - t0
-        out.append(LengthResult(L, loss / n, corr / n, n, windows, windows * (warm + L) / dt, peak_rss_mb()))
+        out.append(LengthResult(L, loss / n, corr / n, n, windows, windows * (warm + L) / dt, peak_memory_mb(device)))
     return out
 
 

@@ -103,13 +103,12 @@ def make_sinks(names: list[str], run_dir: Path, config: dict[str, Any]) -> tuple
 def run_header(trainer: Any, notes: list[str]) -> list[str]:
     """What a run is about to do, in a few lines: device, precision, threads, parameters, tokens
     per step, data, where checkpoints and logs go."""
-    from .train import cpu_has_bf16
+    from .device import resolve_precision
 
     t = trainer.cfg.train
     precision = t.precision
     if precision == "auto":
-        ok = torch.cuda.is_bf16_supported() if trainer.device.type == "cuda" else cpu_has_bf16()
-        precision = f"auto -> {'bf16 autocast' if ok else 'fp32'}"
+        precision = f"auto -> {'bf16 autocast' if resolve_precision('auto', trainer.device) == 'bf16' else 'fp32'}"
     device = str(trainer.device)
     if trainer.device.type == "cuda":
         device += f" ({torch.cuda.get_device_name(trainer.device)})"
@@ -125,5 +124,8 @@ def run_header(trainer: Any, notes: list[str]) -> list[str]:
         f"data: {source} ({data.tokenizer}, vocabulary {trainer.meta['vocab_size']:,}) from {trainer.data_dir}, "
         f"{trainer.meta['train_tokens']:,} train tokens",
         f"checkpoints: {trainer.out_dir}/step_XXXXXX every {t.save_every} steps (keeping the last {t.keep_last})",
+        f"speed: {trainer.flops_per_token / 1e6:,.1f} MFLOP per training token (counted, flops.py); matmul peak "
+        f"{trainer.peak_flops / 1e9:,.0f} GFLOP/s in {resolve_precision(t.precision, trainer.device)} measured now; "
+        f"mfu = tokens/s x FLOP per token / peak",
         *notes,
     ]

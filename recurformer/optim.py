@@ -17,13 +17,16 @@ def lr_at(step: int, lr: float, min_lr: float, warmup: int, steps: int) -> float
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]) -> torch.optim.AdamW:
-    """AdamW with weight decay on >= 2-D weights only (not norms, not biases)."""
+def make_optimizer(
+    model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], fused: bool = False
+) -> torch.optim.AdamW:
+    """AdamW with weight decay on >= 2-D weights only (not norms, not biases); ``fused`` (CUDA)
+    runs the update as one kernel, the same math as the per-parameter loop."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None)
 
 
 def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -46,7 +46,7 @@ from .models import build_model, lookup
 from .layers import RMSNorm
 from .nn import IGNORE_INDEX, StreamingLM
 from .optim import lr_at, make_optimizer
-from .train import autocast_context
+from .device import autocast_context, pick_device
 
 MODEL_DEFAULTS: dict[str, Any] = {"dim": 128, "n_layers": 1, "n_heads": 16, "ffn_hidden": 512}
 ONE_LAYER_FIELDS: dict[str, Any] = {"recurrent_layers": (-1,)}  # block_recurrent's default (-3,) needs 3 layers
@@ -233,8 +233,8 @@ def train_model(learner: Learner, data: TaskData, cfg: SynthConfig, lr: float, p
     """AdamW with warmup + cosine over ``cfg.steps`` steps of random batches (epoch order, seeded).
     Returns the mean training loss over the last 10% of the steps; ``progress``: a tqdm bar."""
     min_lr, warmup = lr * cfg.min_lr_ratio, int(cfg.warmup * cfg.steps)
-    opt = make_optimizer(learner, lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     device = learner.model.tok_emb.weight.device
+    opt = make_optimizer(learner, lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(cfg.seed)
     n = len(data.inputs)
     order = torch.randperm(n, generator=gen)
@@ -265,12 +265,13 @@ def run_synth(
     task_over: dict[str, Any] | None = None,
     cfg: SynthConfig | None = None,
     log: Callable[[str], None] = lambda s: None,
-    device: str = "cpu",
+    device: str = "auto",
     progress: bool = False,
 ) -> SynthResult:
     """Train ``model_name`` on ``task`` for every lr of ``cfg.lrs``; select by validation accuracy.
     ``progress``: a tqdm bar (on stderr) for each learning rate's training."""
     cfg = cfg or SynthConfig()
+    dev = pick_device(device)
     t = get_task(task)
     params = t.params(task_over)
     if cfg.n_train is not None and cfg.n_train < cfg.batch_size:
@@ -291,7 +292,7 @@ def run_synth(
     sweep = []
     for lr in cfg.lrs:
         torch.manual_seed(cfg.seed)
-        learner = Learner(build_model(model_name, values), t).to(device)
+        learner = Learner(build_model(model_name, values), t).to(dev)
         loss = train_model(learner, train, cfg, lr, progress)
         v = evaluate(learner, val, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
         sweep.append({"lr": lr, "train_loss": loss, "val_accuracy": v})

@@ -35,6 +35,8 @@ from tqdm import tqdm
 from . import checkpoint as ckpt
 from . import loggers
 from .config import RecurformerError, from_dict, load_yaml, merge, parse_overrides
+from .device import autocast_context, configure, pick_device, resolve_precision, to_device
+from .flops import matmul_peak, train_flops_per_token
 from .models import build_model, make_config
 from .nn import State, StreamingLM
 from .optim import lr_at, make_optimizer, optimizer_from_flat, optimizer_to_flat
@@ -156,30 +158,6 @@ def build_from_run_config(cfg: RunConfig, vocab_size: int | None = None) -> Stre
     if vocab_size is not None:
         values.setdefault("vocab_size", vocab_size)
     return build_model(cfg.model["name"], values)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def autocast_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast where it pays (CUDA with bf16, CPUs with avx512_bf16/AMX), fp32 otherwise."""
-    if precision == "auto":
-        ok = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16()
-        precision = "bf16" if ok else "fp32"
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,6 +287,7 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", 0))
         self.world = int(os.environ.get("WORLD_SIZE", 1))
         self.device = pick_device(t.device)
+        configure(self.device)
         if self.world > 1:
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -370,7 +349,11 @@ class Trainer:
             raise RecurformerError(
                 f"{cfg.model['name']} carries a KV cache that grows without bound; train it with train.state=reset"
             )
-        self.opt = make_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2))
+        self.opt = make_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), fused=self.device.type == "cuda")
+        # tokens/s as a fraction of this machine's matmul peak, measured now (flops.py)
+        self.flops_per_token = train_flops_per_token(self.model, t.seq_len, self.device)
+        bf16 = resolve_precision(t.precision, self.device) == "bf16"
+        self.peak_flops = matmul_peak(torch.bfloat16 if bf16 else torch.float32, str(self.device), seconds=0.2)
         if t.compile:
             self.model.compile_layers()
         self.ddp: torch.nn.Module = self.model
@@ -499,7 +482,7 @@ class Trainer:
             state = self.model.init_state(t.batch_size, self.device)
         elif bool(batch.wrapped.any()):
             state = state.reset(batch.wrapped.to(self.device))
-        x, y = batch.x.to(self.device), batch.y.to(self.device)
+        x, y = to_device(batch.x, self.device), to_device(batch.y, self.device)
         with autocast_context(t.precision, self.device):
             out = self.ddp(x, state=state, targets=y)
         return out.loss, out.state
@@ -558,7 +541,7 @@ class Trainer:
             elif bool(b.wrapped.any()):
                 state = state.reset(b.wrapped.to(self.device))
             with autocast_context(t.precision, self.device):
-                out = self.model(b.x.to(self.device), state=state, targets=b.y.to(self.device))
+                out = self.model(to_device(b.x, self.device), state=state, targets=to_device(b.y, self.device))
             state = out.state
             losses.append(float(out.loss))
         self.model.train()
@@ -629,8 +612,10 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 tps = (self.tokens_seen - tok0) / max(dt, 1e-9)
                 t0, tok0 = time.perf_counter(), self.tokens_seen
-                last = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, t.lr, t.min_lr, t.warmup, t.steps), "tokens": self.tokens_seen, "tok_per_s": tps}
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+                mfu = tps * self.flops_per_token / (self.peak_flops * self.world)
+                lr = lr_at(self.step - 1, t.lr, t.min_lr, t.warmup, t.steps)
+                last = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen, "tok_per_s": tps, "mfu": mfu}
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.0%}")
                 self.log(last)
             if self.step % t.eval_every == 0 or self.step == t.steps:
                 val = self.evaluate()
@@ -644,6 +629,8 @@ class Trainer:
                     self._say(f"saved {path}")
             if stop:
                 raise TrainingInterrupted(stop, self.step, self.out_dir / f"step_{self.step:06d}", self.out_dir)
+            if self.step % t.eval_every == 0 or self.step % t.save_every == 0:
+                t0, tok0 = time.perf_counter(), self.tokens_seen  # tokens/s counts training time only
         return last
 
 

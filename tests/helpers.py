@@ -4,7 +4,11 @@ streaming-equivalence test runs (hybrid stacks included: every layer kind next t
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+# tests that run on every device: CUDA rows are skipped (not failed) on a machine without a GPU
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
 
 TEST_CONFIGS: dict[str, list[dict]] = {
     "llama": [

@@ -56,7 +56,7 @@ model = build_model(name, dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, *
 tokens = np.random.default_rng(0).integers(0, 256, 20000)
 evaluate_lengths(model, tokens, [256], last=256, windows=1, chunk=256)  # warm-up: lazy allocations
 (r,) = evaluate_lengths(model, tokens, [L], last=256, windows=1, chunk=256)
-print(json.dumps({"peak": r.peak_rss_mb}))
+print(json.dumps({"peak": r.peak_memory_mb}))
 """
 
 

@@ -16,7 +16,7 @@ from recurformer.models import REGISTRY
 from recurformer.layers import attend
 from recurformer.nn import State
 
-from helpers import TEST_CONFIGS, all_cases, case_id, randomize_params
+from helpers import DEVICES, TEST_CONFIGS, all_cases, case_id, randomize_params
 
 CASES = all_cases()
 
@@ -61,13 +61,15 @@ def assert_states_equal(s1: State, s2: State, rtol: float, atol: float) -> None:
     "dtype,std,rtol,atol", [(torch.float64, 0.3, 1e-10, 1e-10), (torch.float32, 0.1, 1e-5, 1e-5)], ids=["f64", "f32"]
 )
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
-def test_whole_equals_chunked_equals_stepwise(case, dtype, std, rtol, atol) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_whole_equals_chunked_equals_stepwise(case, dtype, std, rtol, atol, device) -> None:
     name, cfg = case
     rng = random.Random(zlib.crc32(case_id(case).encode()))
     model = build_model(name, cfg).to(dtype).eval()
     randomize_params(model, std)
+    model.to(device)
     B, T = 2, 77
-    tokens = torch.randint(0, cfg["vocab_size"], (B, T))
+    tokens = torch.randint(0, cfg["vocab_size"], (B, T)).to(device)
     with torch.no_grad():
         whole = model(tokens)
         for _ in range(3):
@@ -196,13 +198,15 @@ def test_attend_runs_fp32_under_cpu_autocast() -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_bf16_autocast_close_to_fp32(case) -> None:
-    """Training under bf16 autocast computes the same function to bf16 precision."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_autocast_close_to_fp32(case, device) -> None:
+    """Training under bf16 autocast computes the same function to bf16 precision (on CUDA the
+    attention itself runs in bf16 too)."""
     torch.manual_seed(0)
-    model = build_model(*case)
-    x = torch.randint(0, model.config.vocab_size, (2, 40))
+    model = build_model(*case).to(device)
+    x = torch.randint(0, model.config.vocab_size, (2, 40)).to(device)
     ref = model(x, targets=x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         out = model(x, targets=x)
     out.loss.backward()
     assert abs(float(out.loss.detach()) - float(ref.loss.detach())) < 2e-3

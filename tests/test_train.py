@@ -14,6 +14,8 @@ from recurformer import RecurformerError
 from recurformer.cli import main as cli_main
 from recurformer.train import RunConfig, Trainer, load_run_config
 
+from helpers import DEVICES
+
 WORDS = "the a cat dog ran sat on mat big small red blue happy sad tree house went saw".split()
 
 
@@ -38,14 +40,17 @@ def run_config(corpus: Path, tmp: Path, **train) -> RunConfig:
     return load_run_config(None, over)
 
 
-def test_resume_is_exact(corpus, tmp_path) -> None:
-    full = Trainer(run_config(corpus, tmp_path / "a", steps=6, save_every=100, grad_accum=2), show_progress=False)
+@pytest.mark.parametrize("device", DEVICES)
+def test_resume_is_exact(corpus, tmp_path, device) -> None:
+    full = Trainer(run_config(corpus, tmp_path / "a", steps=6, save_every=100, grad_accum=2, device=device), show_progress=False)
     losses_full = [full.train_step() for _ in range(6)]
 
-    half = Trainer(run_config(corpus, tmp_path / "b", steps=3, grad_accum=2), show_progress=False)
+    half = Trainer(run_config(corpus, tmp_path / "b", steps=3, grad_accum=2, device=device), show_progress=False)
     losses_half = [half.train_step() for _ in range(3)]
     half.save()
-    resumed = Trainer(run_config(corpus, tmp_path / "b", steps=6, grad_accum=2), resume=str(tmp_path / "b" / "run"), show_progress=False)
+    resumed = Trainer(
+        run_config(corpus, tmp_path / "b", steps=6, grad_accum=2, device=device), resume=str(tmp_path / "b" / "run"), show_progress=False
+    )
     assert resumed.step == 3
     losses_half += [resumed.train_step() for _ in range(3)]
 
@@ -59,6 +64,21 @@ def test_resume_is_exact(corpus, tmp_path) -> None:
     fa, fb = full.state.to_flat(), resumed.state.to_flat()
     assert all(torch.equal(fa[k], fb[k]) for k in fa)
     assert full.streams.state_dict() == resumed.streams.state_dict()
+
+
+def test_metrics_give_tokens_per_s_and_fraction_of_peak(corpus, tmp_path) -> None:
+    """mfu = tokens/s x counted FLOP per token / the matmul peak measured at start (flops.py)."""
+    import json
+
+    tr = Trainer(run_config(corpus, tmp_path, steps=4, log_every=2, loggers="[]"), show_progress=False)
+    assert tr.flops_per_token > 6 * sum(p.numel() for p in tr.model.parameters() if p.dim() >= 2) / 2  # 3 forwards of >= 2N
+    tr.run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "mfu" in r]
+    assert [r["step"] for r in logged] == [2, 4]
+    for r in logged:
+        assert r["mfu"] == pytest.approx(r["tok_per_s"] * tr.flops_per_token / tr.peak_flops)
+        assert 0 < r["mfu"] < 1.5
 
 
 @pytest.mark.parametrize("order", ["contiguous", "shuffled"])

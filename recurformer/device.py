@@ -1,0 +1,120 @@
+"""Devices: one place that picks the device and decides what runs fast on it.
+
+Every command takes ``--device`` (``train.device`` in a run config): ``auto`` is CUDA when a GPU is
+present, else the CPU. On CUDA: bf16 autocast where the GPU supports it (attention then runs in
+bf16 through SDPA's flash / memory-efficient kernels), TF32 matmuls for fp32 work, fused AdamW
+(``optim.make_optimizer``), pinned host memory with non-blocking copies for batches, and the
+allocator's peak (``torch.cuda.max_memory_allocated``) as the memory figure. Timings synchronise
+first, as CUDA kernels run asynchronously.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .config import RecurformerError
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; any other name as torch spells it, with a
+    one-line error for a device this machine does not have."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise RecurformerError(f"unknown device '{name}'; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RecurformerError(f"device '{name}' asked for, but this machine has no CUDA GPU (torch {torch.__version__}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RecurformerError(f"device '{name}' asked for, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif dev.type != "cpu":
+        raise RecurformerError(f"device type '{dev.type}' is not supported; use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def configure(device: torch.device) -> None:
+    """Process-wide settings for fast work on ``device``: TF32 for fp32 matmuls and convolutions on
+    CUDA (about 1e-3 relative error, as in most GPU training; set ``RECURFORMER_NO_TF32=1`` to keep
+    full fp32)."""
+    import os
+
+    if device.type == "cuda" and not os.environ.get("RECURFORMER_NO_TF32"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto`` -> ``bf16`` where it pays (a CUDA GPU with bf16, a CPU with avx512_bf16/AMX), else ``fp32``."""
+    if precision != "auto":
+        return precision
+    ok = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16()
+    return "bf16" if ok else "fp32"
+
+
+def autocast_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast for ``bf16`` (``auto`` resolved as above), nothing for ``fp32``."""
+    if resolve_precision(precision, device) == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def to_device(x: Tensor, device: torch.device) -> Tensor:
+    """A host batch onto ``device``: pinned and copied without blocking on CUDA (the copy overlaps
+    the work already queued), unchanged on the CPU."""
+    if device.type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued device work (CUDA kernels run asynchronously), so timings are real."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Restart the peak counter: CUDA's allocator statistics, or on the CPU the process's peak
+    resident set (Linux: VmHWM, via /proc/self/clear_refs; elsewhere it cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory in MB since ``reset_peak_memory``: tensors allocated on a CUDA device, or the
+    process's resident set on the CPU (RSS: weights, activations and the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory_kind(device: torch.device) -> str:
+    """What ``peak_memory_mb`` measures on ``device``, for tables and logs."""
+    return "CUDA allocated" if device.type == "cuda" else "RSS"

@@ -1,0 +1,85 @@
+"""Devices (device.py): choosing one, clear errors for one this machine lacks, and CPU == CUDA
+for every model where a GPU is present (skipped, not failed, without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recurformer import RecurformerError, build_model
+from recurformer.cli import main as cli_main
+from recurformer.device import memory_kind, peak_memory_mb, pick_device, reset_peak_memory, resolve_precision, to_device
+from recurformer.optim import make_optimizer
+
+from helpers import TEST_CONFIGS, randomize_params
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+
+
+def test_auto_picks_cuda_when_present() -> None:
+    assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert pick_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", ["tpu", "cuda:x", "banana"])
+def test_unknown_device_is_one_line(name) -> None:
+    with pytest.raises(RecurformerError, match="device"):
+        pick_device(name)
+
+
+@no_cuda
+def test_cuda_without_a_gpu_is_one_line(capsys) -> None:
+    with pytest.raises(RecurformerError, match="no CUDA GPU"):
+        pick_device("cuda")
+    assert cli_main(["train", "--config", "tinystories-cpu", "--device", "cuda", "--set", "train.out_dir=/nonexistent/x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA GPU" in err[0]
+
+
+def test_cpu_helpers() -> None:
+    x = torch.arange(4)
+    assert to_device(x, torch.device("cpu")) is x
+    reset_peak_memory(torch.device("cpu"))
+    assert peak_memory_mb(torch.device("cpu")) > 10  # the interpreter and torch are resident
+    assert memory_kind(torch.device("cpu")) == "RSS"
+    assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
+
+
+@cuda
+@pytest.mark.parametrize("name", sorted(TEST_CONFIGS))
+def test_cpu_and_cuda_agree(name) -> None:
+    """float64 logits, final state and gradients of the same weights on CPU and CUDA, split across
+    calls on CUDA: the device changes nothing but rounding."""
+    cfg = TEST_CONFIGS[name][0]
+    torch.manual_seed(0)
+    cpu = build_model(name, cfg).double()
+    randomize_params(cpu, 0.2)
+    gpu = build_model(name, cfg).double()
+    gpu.load_state_dict(cpu.state_dict())
+    gpu.cuda()
+    tokens = torch.randint(0, cfg["vocab_size"], (2, 45))
+    ref = cpu(tokens, targets=tokens)
+    ref.loss.backward()
+    a = gpu(tokens[:, :20].cuda(), targets=tokens[:, :20].cuda())
+    b = gpu(tokens[:, 20:].cuda(), state=a.state, targets=tokens[:, 20:].cuda())
+    torch.testing.assert_close(torch.cat((a.logits, b.logits), 1).cpu(), ref.logits, rtol=1e-9, atol=1e-9)
+    (a.loss * 20 / 45 + b.loss * 25 / 45).backward()
+    for (n, p), q in zip(cpu.named_parameters(), gpu.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-8, atol=1e-9, msg=n)
+
+
+@cuda
+def test_cuda_training_uses_the_fast_paths() -> None:
+    """Fused AdamW and a bf16 autocast step that runs and stays finite."""
+    model = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0]).cuda()
+    opt = make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), fused=True)
+    assert opt.param_groups[0]["fused"]
+    x = torch.randint(0, 61, (2, 32), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(x, targets=x)
+    out.loss.backward()
+    opt.step()
+    assert torch.isfinite(out.loss)
+    assert memory_kind(torch.device("cuda")) == "CUDA allocated" and peak_memory_mb(torch.device("cuda")) > 0
