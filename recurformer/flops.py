@@ -24,34 +24,47 @@ from .device import synchronize
 aten = torch.ops.aten
 
 
-def _sdpa_flops(q: Any, k: Any, mask: Any, is_causal: bool) -> int:
-    """2 FLOPs x (q.k and p.v) x head dim x visible (query, key) pairs, per batch and head."""
+def _sdpa_flops(q: Any, k: Any, v: Any, mask: Any, is_causal: bool) -> int:
+    """2 FLOPs x (q.k over d, p.v over d_v) x the (query, key) pairs the mask shows, per batch and head."""
     B, H, Lq, d = q.shape
-    Lk = k.shape[-2]
-    dv = d
+    Lk, dv = k.shape[-2], v.shape[-1]
     if mask is not None:  # boolean, or additive (SDPA turns a boolean mask into one: -inf = hidden)
         visible = mask if mask.dtype == torch.bool else mask != float("-inf")
         pairs = int(torch.broadcast_to(visible, (B, H, Lq, Lk)).sum())
-    elif is_causal:  # query i sees keys 0..i (+ Lk - Lq)
-        pairs = B * H * sum(min(Lk, Lk - Lq + i + 1) for i in range(Lq))
+    elif is_causal:  # query i sees keys 0..i + (Lk - Lq), as SDPA aligns them
+        pairs = B * H * sum(max(0, min(Lk, Lk - Lq + i + 1)) for i in range(Lq))
     else:
         pairs = B * H * Lq * Lk
     return 2 * pairs * (d + dv)
 
 
-def _sdpa_forward(query: Any, key: Any, value: Any, dropout_p: float = 0.0, is_causal: bool = False, *args: Any, attn_mask: Any = None, out_val: Any = None, **kw: Any) -> int:
-    return _sdpa_flops(query, key, attn_mask, is_causal)
+def _raw(f: Any) -> Any:
+    f._get_raw = True  # the counter passes these tensors, not their shapes: the mask is read
+    return f
 
 
-_sdpa_forward._get_raw = True  # type: ignore[attr-defined]  # the counter passes tensors, not shapes: the mask is read
+# each SDPA kernel's arguments, as its aten schema orders them
+@_raw
+def _flash_cpu(q: Any, k: Any, v: Any, dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Any = None, **kw: Any) -> int:
+    return _sdpa_flops(q, k, v, attn_mask, is_causal)
 
 
-SDPA_OPS = [
-    aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._scaled_dot_product_flash_attention,
-    aten._scaled_dot_product_efficient_attention,
-    aten._scaled_dot_product_cudnn_attention,
-]
+@_raw
+def _flash_cuda(q: Any, k: Any, v: Any, dropout_p: float = 0.0, is_causal: bool = False, *args: Any, **kw: Any) -> int:
+    return _sdpa_flops(q, k, v, None, is_causal)
+
+
+@_raw
+def _with_bias(q: Any, k: Any, v: Any, attn_bias: Any, compute_log_sumexp: bool, dropout_p: float = 0.0, is_causal: bool = False, *args: Any, **kw: Any) -> int:
+    return _sdpa_flops(q, k, v, attn_bias, is_causal)
+
+
+SDPA_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu,
+    aten._scaled_dot_product_flash_attention: _flash_cuda,
+    aten._scaled_dot_product_efficient_attention: _with_bias,
+    aten._scaled_dot_product_cudnn_attention: _with_bias,
+}
 
 
 def forward_flops_per_token(model: torch.nn.Module, T: int, device: torch.device | str = "cpu") -> float:
@@ -60,7 +73,7 @@ def forward_flops_per_token(model: torch.nn.Module, T: int, device: torch.device
     SDPA kernels are counted by the pairs their mask lets through (``_sdpa_flops``), so the number
     does not depend on which kernel the device picks."""
     x = torch.zeros(1, T, dtype=torch.long, device=device)
-    counter = FlopCounterMode(display=False, custom_mapping={op: _sdpa_forward for op in SDPA_OPS})
+    counter = FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS)
     was_training = model.training
     model.eval()
     try:

@@ -49,3 +49,22 @@ def test_matmul_peak_is_positive_and_leaves_the_rng_alone() -> None:
     peak = matmul_peak(torch.float32, "cpu", n=128, seconds=0.05)
     assert torch.equal(torch.rand(3), want)
     assert 1e6 < peak < 1e15
+
+
+def test_every_sdpa_kernel_counts_the_visible_pairs() -> None:
+    """The CUDA kernels' counters (their aten argument order) give what the CPU kernel gives, on CPU
+    tensors: a causal mask as a flag, as an additive bias, or as booleans."""
+    from recurformer.flops import SDPA_FLOPS
+
+    aten = torch.ops.aten
+    q, k, v = torch.zeros(2, 3, 5, 8), torch.zeros(2, 3, 7, 8), torch.zeros(2, 3, 7, 4)
+    visible = torch.ones(5, 7, dtype=torch.bool).tril(2)  # SDPA's causal alignment when Lk > Lq
+    bias = torch.zeros(5, 7).masked_fill(~visible, float("-inf"))
+    want = 2 * 2 * 3 * int(visible.sum()) * (8 + 4)
+    assert SDPA_FLOPS[aten._scaled_dot_product_flash_attention_for_cpu](q, k, v, 0.0, True) == want
+    assert SDPA_FLOPS[aten._scaled_dot_product_flash_attention_for_cpu](q, k, v, attn_mask=visible) == want
+    assert SDPA_FLOPS[aten._scaled_dot_product_flash_attention](q, k, v, 0.0, True, False) == want
+    for op in (aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention):
+        assert SDPA_FLOPS[op](q, k, v, bias, True, 0.0, False) == want
+        assert SDPA_FLOPS[op](q, k, v, None, True, 0.0, True) == want
+        assert SDPA_FLOPS[op](q, k, v, None, True, 0.0, False) == 2 * 2 * 3 * 5 * 7 * 12
