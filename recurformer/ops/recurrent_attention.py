@@ -110,7 +110,9 @@ def merge(stats: Stats, s: Tensor, v: Tensor) -> Stats:
     return m_new, l * c + p.sum(-1), o * c.unsqueeze(-1) + torch.matmul(p.to(v.dtype), v).to(o.dtype)
 
 
-def softmax_backward(s: Tensor, lse: Tensor, delta: Tensor, da: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def softmax_backward(
+    s: Tensor, lse: Tensor, delta: Tensor, da: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """The part of the attention gradient carried by one group of keys (FlashAttention backward).
     s [..., nq, nk]: recomputed scores (scaled, biased, -inf = invisible); lse [..., nq] = m + log l,
     the queries' final log-normaliser over *all* their keys; da [..., nq, d] = dL/da;
@@ -191,7 +193,9 @@ def _cache_scores(q: Tensor, past_k: Tensor, q0: int, tiling: _Tiling) -> Tensor
     return s.masked_fill(~_visible(qpos, kpos, tiling.block, tiling.start, temporary=False)[:, None], float("-inf"))
 
 
-def _tile_bias(tiling: _Tiling, cache: dict[tuple[int, int, int], Tensor], q0: int, q1: int, k0: int, k1: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+def _tile_bias(
+    tiling: _Tiling, cache: dict[tuple[int, int, int], Tensor], q0: int, q1: int, k0: int, k1: int, device: torch.device, dtype: torch.dtype
+) -> Tensor:
     """Bias of query rows q0..q1-1 against keys k0..k1-1 (call-relative); it depends only on the
     distances, so it is memoised by (q0 - k0, q1 - q0, k1 - k0)."""
     key = (q0 - k0, q1 - q0, k1 - k0)
@@ -278,11 +282,14 @@ class _TiledRecurrentAttention(torch.autograd.Function):
     position separately, so finish(a, 0, T) is finish of every block at once)."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, tiling: _Tiling, q: Tensor, tk: Tensor, tv: Tensor, past_k: Tensor, past_v: Tensor, past_tk: Tensor, past_tv: Tensor, *finish_inputs: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, tiling: _Tiling, q: Tensor, tk: Tensor, tv: Tensor,
+        past_k: Tensor, past_v: Tensor, past_tk: Tensor, past_tv: Tensor, *finish_inputs: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         z, k, v, a, lse = _tiled_forward(tiling, q, tk, tv, past_k, past_v, past_tk, past_tv)
         device = q.device.type
         ctx.tiling = tiling  # type: ignore[attr-defined]
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))  # type: ignore[attr-defined]
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))  # type: ignore[attr-defined]
         ctx.save_for_backward(q, tk, tv, past_k, past_v, past_tk, past_tv, a, lse, k, v, *finish_inputs)
         return z, k, v
 
@@ -291,73 +298,93 @@ class _TiledRecurrentAttention(torch.autograd.Function):
     def backward(ctx: Any, dz: Tensor, dk_out: Tensor, dv_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, tk, tv, past_k, past_v, past_tk, past_tv, a, lse, k, v, *inputs = ctx.saved_tensors
         tiling: _Tiling = ctx.tiling
-        device, enabled, amp_dtype = ctx.autocast
-        autocast = lambda: torch.autocast(device, dtype=amp_dtype, enabled=enabled)  # noqa: E731 (finish as in forward)
-        finish, scale, chunk = tiling.finish, tiling.scale, tiling.query_chunk
+        autocast = lambda: torch.autocast(*ctx.autocast)  # noqa: E731 (finish is recomputed as it ran in forward)
+        bwd = _Backward(tiling, q, lse, dk_out.to(a.dtype, copy=True), dv_out.to(a.dtype, copy=True))
+        bwd.recurrence(k, v, a, dz, autocast)
+        d_past = bwd.cache(past_k, past_v)
+        dtk, dtv = bwd.temporaries(tk, tv, past_tk, past_tv)
+        needs = ctx.needs_input_grad[8:]
+        with torch.enable_grad(), autocast():
+            outs = tiling.finish(a.detach(), 0, q.shape[2])
+        d_inputs = iter(_output_grad(outs, (dz, bwd.dk, bwd.dv), [x for x, need in zip(inputs, needs) if need]))
+        r0 = past_tk.shape[2]
+        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return (
+            None, cast(bwd.dq, q), cast(dtk[:, :, r0:], tk), cast(dtv[:, :, r0:], tv), cast(d_past[0], past_k), cast(d_past[1], past_v),
+            cast(dtk[:, :, :r0], past_tk), cast(dtv[:, :, :r0], past_tv), *(next(d_inputs) if need else None for need in needs),
+        )  # fmt: skip
+
+
+class _Backward:
+    """Gradient accumulators of one backward of ``_TiledRecurrentAttention`` (accumulator dtype):
+    dq, da, delta = sum_d da * a per query, and dk, dv of the call's persistent pairs (started
+    from the gradients of the k, v outputs)."""
+
+    def __init__(self, tiling: _Tiling, q: Tensor, lse: Tensor, dk: Tensor, dv: Tensor) -> None:
+        self.tiling, self.q, self.lse, self.dk, self.dv = tiling, q, lse, dk, dv
+        self.dq, self.da, self.delta = torch.zeros_like(dk), torch.zeros_like(dk), torch.zeros_like(lse)
+
+    def group(self, c0: int, c1: int, s: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Backward of query rows c0..c1-1 against one group of keys (scores s): adds to dq and
+        returns (dk, dv) of the group."""
+        rows = lambda x: x[:, :, c0:c1]  # noqa: E731
+        dq, dk, dv = softmax_backward(s, rows(self.lse), rows(self.delta), rows(self.da), rows(self.q), k, v, self.tiling.scale)
+        rows(self.dq).add_(dq)
+        return dk, dv
+
+    def recurrence(self, k: Tensor, v: Tensor, a: Tensor, dz: Tensor, autocast: Callable[[], Any]) -> None:
+        """Blocks in reverse: tile t's backward completes dk, dv of block t, then finish,
+        recomputed at a_t, gives da_t (the tiles of blocks < t need it)."""
+        tiling, q = self.tiling, self.q
         edges = block_edges(tiling.pos0, q.shape[2], tiling.block)
-        dq, da = torch.zeros_like(a), torch.zeros_like(a)
-        dk, dv = dk_out.to(a.dtype, copy=True), dv_out.to(a.dtype, copy=True)
-        delta = torch.zeros_like(lse)
         bias_cache: dict[tuple[int, int, int], Tensor] = {}
         n_blocks = len(edges) - 1
         for t in reversed(range(n_blocks)):
             P = (t + 1) & -(t + 1)
-            hi = min(t + P, n_blocks - 1)
-            ks0, ke = edges[t - P + 1], edges[t + 1]
-            for c0 in range(ke, edges[hi + 1], chunk):  # tile t: queries of blocks t+1..hi
-                c1 = min(edges[hi + 1], c0 + chunk)
-                s = _scores(q[:, :, c0:c1], k[:, :, ks0:ke], scale, a.dtype)
+            k0, k1, qe = edges[t - P + 1], edges[t + 1], edges[min(t + P, n_blocks - 1) + 1]
+            for c0 in range(k1, qe, tiling.query_chunk):  # tile t: keys of blocks t-P+1..t, queries of t+1..t+P
+                c1 = min(qe, c0 + tiling.query_chunk)
+                s = _scores(q[:, :, c0:c1], k[:, :, k0:k1], tiling.scale, a.dtype)
                 if tiling.bias_fn is not None:
-                    s = s + _tile_bias(tiling, bias_cache, c0, c1, ks0, ke, q.device, s.dtype)
-                g = softmax_backward(s, lse[:, :, c0:c1], delta[:, :, c0:c1], da[:, :, c0:c1], q[:, :, c0:c1], k[:, :, ks0:ke], v[:, :, ks0:ke], scale)
-                dq[:, :, c0:c1] += g[0]
-                dk[:, :, ks0:ke] += g[1]
-                dv[:, :, ks0:ke] += g[2]
-            s0, e0 = edges[t], edges[t + 1]  # dk, dv of block t are complete
+                    s = s + _tile_bias(tiling, bias_cache, c0, c1, k0, k1, q.device, s.dtype)
+                dk, dv = self.group(c0, c1, s, k[:, :, k0:k1], v[:, :, k0:k1])
+                self.dk[:, :, k0:k1] += dk
+                self.dv[:, :, k0:k1] += dv
+            s0, e0 = edges[t], edges[t + 1]
             at = a[:, :, s0:e0].detach().requires_grad_()
             with torch.enable_grad(), autocast():
-                outs = finish(at, s0, e0)
-            (g_a,) = _output_grad(outs, (dz[:, s0:e0], dk[:, :, s0:e0], dv[:, :, s0:e0]), (at,))
-            if g_a is not None:
-                da[:, :, s0:e0] = g_a
-                delta[:, :, s0:e0] = (g_a * at.detach()).sum(-1)
-        dpast_k = dpast_v = None
-        if past_k.shape[2]:
-            dpast_k, dpast_v = torch.zeros_like(past_k, dtype=a.dtype), torch.zeros_like(past_v, dtype=a.dtype)
-            for c0 in range(0, q.shape[2], chunk):
-                c1 = min(q.shape[2], c0 + chunk)
-                s = _cache_scores(q[:, :, c0:c1], past_k, c0, tiling)
-                g = softmax_backward(s, lse[:, :, c0:c1], delta[:, :, c0:c1], da[:, :, c0:c1], q[:, :, c0:c1], past_k, past_v, scale)
-                dq[:, :, c0:c1] += g[0]
-                dpast_k += g[1]
-                dpast_v += g[2]
-        dtq, dtk, dtv = _temporary_backward(q, tk, tv, past_tk, past_tv, lse, delta, da, tiling)
-        dq += dtq
-        want = [x for x, need in zip(inputs, ctx.needs_input_grad[8:]) if need]
-        with torch.enable_grad(), autocast():
-            outs = finish(a.detach(), 0, q.shape[2])
-        it = iter(_output_grad(outs, (dz, dk, dv), want))
-        d_inputs = [next(it) if need else None for need in ctx.needs_input_grad[8:]]
-        r0 = past_tk.shape[2]
-        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-        return (
-            None, cast(dq, q), cast(dtk[:, :, r0:], tk), cast(dtv[:, :, r0:], tv), cast(dpast_k, past_k), cast(dpast_v, past_v),
-            cast(dtk[:, :, :r0], past_tk), cast(dtv[:, :, :r0], past_tv), *d_inputs,
-        )  # fmt: skip
+                outs = tiling.finish(at, s0, e0)
+            (da,) = _output_grad(outs, (dz[:, s0:e0], self.dk[:, :, s0:e0], self.dv[:, :, s0:e0]), (at,))
+            if da is not None:
+                self.da[:, :, s0:e0] = da
+                self.delta[:, :, s0:e0] = (da * at.detach()).sum(-1)
 
+    def cache(self, past_k: Tensor, past_v: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """The cache's part of dq, and the gradients of the cache (None if empty)."""
+        if not past_k.shape[2]:
+            return None, None
+        dk, dv = torch.zeros_like(past_k, dtype=self.dq.dtype), torch.zeros_like(past_v, dtype=self.dq.dtype)
+        T, chunk = self.q.shape[2], self.tiling.query_chunk
+        for c0 in range(0, T, chunk):
+            c1 = min(T, c0 + chunk)
+            g = self.group(c0, c1, _cache_scores(self.q[:, :, c0:c1], past_k, c0, self.tiling), past_k, past_v)
+            dk += g[0]
+            dv += g[1]
+        return dk, dv
 
-def _temporary_backward(q: Tensor, tk: Tensor, tv: Tensor, past_tk: Tensor, past_tv: Tensor, lse: Tensor, delta: Tensor, da: Tensor, tiling: _Tiling) -> tuple[Tensor, Tensor, Tensor]:
-    """The temporaries' part of the gradient, all blocks at once (the blocked layout of
-    ``temporary_stats``; padded query rows get lse = +inf, hence P = 0). Returns dq [B, H, T, d]
-    and the gradients of the r0 + T temporary keys and values (earlier call's first)."""
-    r0, T, b = past_tk.shape[2], q.shape[2], tiling.block
-    nb = -(-(r0 + T) // b)
-    qq = _blocks(q, r0, nb, b)
-    kk, vv = (_blocks(torch.cat(pair, 2), 0, nb, b) for pair in ((past_tk, tk), (past_tv, tv)))
-    s = _temporary_scores(qq, kk, tiling.scale, tiling.bias_fn)
-    stat = lambda t, value=0.0: _blocks(t, r0, nb, b, value)  # noqa: E731
-    dq, dk, dv = softmax_backward(s, stat(lse, float("inf")), stat(delta), stat(da), qq, kk, vv, tiling.scale)
-    return _unblock(dq, r0, r0 + T), _unblock(dk, 0, r0 + T), _unblock(dv, 0, r0 + T)
+    def temporaries(self, tk: Tensor, tv: Tensor, past_tk: Tensor, past_tv: Tensor) -> tuple[Tensor, Tensor]:
+        """The temporaries' part of dq, all blocks at once (the blocked layout of
+        ``temporary_stats``; padded query rows get lse = +inf, hence P = 0), and the gradients of
+        the r0 + T temporary keys and values (the earlier call's r0 first)."""
+        r0, T, b = past_tk.shape[2], self.q.shape[2], self.tiling.block
+        nb = -(-(r0 + T) // b)
+        qq = _blocks(self.q, r0, nb, b)
+        kk, vv = (_blocks(torch.cat(pair, 2), 0, nb, b) for pair in ((past_tk, tk), (past_tv, tv)))
+        s = _temporary_scores(qq, kk, self.tiling.scale, self.tiling.bias_fn)
+        rows = lambda t, value=0.0: _blocks(t, r0, nb, b, value)  # noqa: E731
+        dq, dk, dv = softmax_backward(s, rows(self.lse, float("inf")), rows(self.delta), rows(self.da), qq, kk, vv, self.tiling.scale)
+        self.dq += _unblock(dq, r0, r0 + T)
+        return _unblock(dk, 0, r0 + T), _unblock(dv, 0, r0 + T)
 
 
 def _bias_needs_grad(bias_fn: BiasFn | None, device: torch.device) -> bool:
