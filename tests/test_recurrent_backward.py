@@ -1,8 +1,8 @@
 """The custom backward of the tiled recurrent attention (seed 003 §"The backward pass"): its
 gradients (layer input, state of an earlier call, every parameter) equal plain autograd through
 the naive reference in float64, it is the model's training path, it saves O(N d) bytes where
-autograd through the tiled forward saves O(N^2), a learned bias falls back to autograd, and under
-bf16 autocast it stays as close to fp32 as the naive path."""
+autograd through the tiled forward saves O(N^2), a learned bias falls back to autograd, and in
+bf16 (autocast or weights) it stays as close to fp32 as the naive path."""
 
 from __future__ import annotations
 
@@ -180,22 +180,24 @@ def test_model_layer_saved_bytes_linear() -> None:
         assert saved[1] / saved[0] < 4.4, (extra, saved)
 
 
-def test_bf16_autocast_gradients_close_to_fp32() -> None:
-    """Under bf16 autocast (finish recomputed under the same autocast in backward, fp32
-    accumulators) the custom backward's parameter gradients are as close to the fp32 ones as
-    the naive path's autograd gradients are."""
+@pytest.mark.parametrize("mode", ["autocast", "weights"])
+def test_bf16_gradients_close_to_fp32(mode) -> None:
+    """In bf16 (autocast: finish recomputed under the same autocast in backward; or bf16
+    weights), with fp32 accumulators, the custom backward's parameter gradients are as close to
+    the fp32 ones as the naive path's autograd gradients are."""
     torch.manual_seed(0)
-    tiled = build_model("recurrent_transformer", dict(BASE, n_layers=2, block_size=2))
-    naive = build_model("recurrent_transformer", dict(BASE, n_layers=2, block_size=2, impl="naive"))
+    cfg = dict(BASE, n_layers=2, block_size=2)
+    tiled = build_model("recurrent_transformer", cfg)
+    naive = build_model("recurrent_transformer", dict(cfg, impl="naive"))
     naive.load_state_dict(tiled.state_dict())
     tokens = torch.randint(0, BASE["vocab_size"], (2, 30))
 
     def grads(model, bf16: bool) -> dict[str, torch.Tensor]:
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        model.to(torch.bfloat16 if bf16 and mode == "weights" else torch.float32).zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 and mode == "autocast"):
             loss = model(tokens, targets=tokens).loss
         loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
+        return {n: p.grad.float() for n, p in model.named_parameters()}
 
     ref = grads(naive, False)
     low_tiled, low_naive = grads(tiled, True), grads(naive, True)

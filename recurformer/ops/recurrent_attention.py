@@ -388,6 +388,7 @@ class _Backward:
 
 
 def _bias_needs_grad(bias_fn: BiasFn | None, device: torch.device) -> bool:
+    """Whether the bias has a gradient of its own (e.g. learned slopes): probed on one distance."""
     if bias_fn is None:
         return False
     with torch.enable_grad():
@@ -422,7 +423,8 @@ def recurrent_attention_tiled(
     With it, the custom backward of ``_TiledRecurrentAttention`` runs: O(N d) saved tensors, scores
     recomputed. Plain autograd through the forward (O(N^2) saved scores and probabilities) is the
     fallback when ``finish_inputs`` is None (finish's closure unknown) or when ``bias_fn``'s output
-    requires grad (a learned bias)."""
+    requires grad (a learned bias). The custom backward is once differentiable (no double
+    backward) and recomputes finish, so finish must be deterministic."""
     past_k, past_v, past_tk, past_tv, start, scale = _defaults(q, past_k, past_v, past_tk, past_tv, start, scale)
     tiling = _Tiling(finish, block, pos0, start, scale, bias_fn, query_chunk)
     tensors = (q, tk, tv, past_k, past_v, past_tk, past_tv)
