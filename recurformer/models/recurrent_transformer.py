@@ -23,8 +23,8 @@ The recurrent depth over N positions is N/b.
 ``impl`` picks the evaluation: "tiled" (exact tiled forward, default) or "naive" (one block at a
 time over the growing prefix); see ``recurformer/ops/recurrent_attention.py``. Gradients: "tiled"
 has a custom backward (FlashAttention-style: O(N d) saved tensors per layer, tile scores and
-finish recomputed, blocks in reverse); "naive" runs plain autograd (O(N^2) saved attention
-probabilities, like dense attention).
+finish recomputed, blocks in reverse); "naive" runs plain autograd (O(N^2 d) saved: every
+step keeps its concatenated prefix of persistent pairs and its attention probabilities).
 
 Streaming: the state holds per layer the persistent pairs of every past position of the current
 document (the KV cache; decoding costs one extra K/V projection per token and layer vs a
