@@ -21,8 +21,10 @@ own block up to itself, so persistent pairs are revealed b at a time (b = 1: the
 The recurrent depth over N positions is N/b.
 
 ``impl`` picks the evaluation: "tiled" (exact tiled forward, default) or "naive" (one block at a
-time over the growing prefix); see ``recurformer/ops/recurrent_attention.py``. Gradients: plain
-autograd through either (O(N^2) saved attention probabilities in total, like dense attention).
+time over the growing prefix); see ``recurformer/ops/recurrent_attention.py``. Gradients: "tiled"
+has a custom backward (FlashAttention-style: O(N d) saved tensors per layer, tile scores and
+finish recomputed, blocks in reverse); "naive" runs plain autograd (O(N^2 d) saved: every
+step keeps its concatenated prefix of persistent pairs and its attention probabilities).
 
 Streaming: the state holds per layer the persistent pairs of every past position of the current
 document (the KV cache; decoding costs one extra K/V projection per token and layer vs a
@@ -152,11 +154,14 @@ class RecurrentLayer(Layer):
             k, v = self.kv(z, None if rope is None else (rope[0][s:e], rope[1][s:e]))
             return z, k, v
 
-        op = recurrent_attention_tiled if (impl or self.cfg.impl) == "tiled" else recurrent_attention_naive
-        z, k, v = op(
-            q, tk, tv, finish, block=b, pos0=pos0, past_k=past["k"], past_v=past["v"],
-            past_tk=past["tk"], past_tv=past["tv"], start=start, bias_fn=bias_fn,
+        kw = dict(
+            block=b, pos0=pos0, past_k=past["k"], past_v=past["v"], past_tk=past["tk"], past_tv=past["tv"],
+            start=start, bias_fn=bias_fn,
         )  # fmt: skip
+        if (impl or self.cfg.impl) == "tiled":  # finish reads x and the parameters: the custom backward
+            z, k, v = recurrent_attention_tiled(q, tk, tv, finish, finish_inputs=(x, *self.parameters()), **kw)
+        else:
+            z, k, v = recurrent_attention_naive(q, tk, tv, finish, **kw)
         r = (pos0 + x.shape[1]) % b  # positions of the unfinished block after this call
         tk_all, tv_all = torch.cat((past["tk"], tk), 2), torch.cat((past["tv"], tv), 2)
         R = tk_all.shape[2]

@@ -1,6 +1,6 @@
 """Recurrent attention of the Recurrent Transformer layer (seed 003, §"The Recurrent Transformer
-layer", §"Exact Tiling for Training and Prefill", appendix algorithms "Exact tiled forward pass"
-and UpdateTile), generalised to blocks of b positions.
+layer", §"Exact Tiling for Training and Prefill", §"The backward pass", appendix algorithms "Exact
+tiled forward pass" and UpdateTile), generalised to blocks of b positions.
 
 One layer, per head, positions grouped into blocks of b (b = 1 is the paper's layer):
 
@@ -24,16 +24,21 @@ Two exact evaluations:
 
 Both take the state of earlier calls (persistent cache and the temporaries of an unfinished
 block), so a sequence split across calls gives the same result as one call. Autograd runs
-through both; the running max is detached (o / l does not depend on it), which keeps the
-gradient exact.
+through the naive one (the running max is detached: o / l does not depend on it, so the gradient
+is exact). The tiled one has its own backward (``_TiledRecurrentAttention``) that saves only
+O(N d) tensors and recomputes the tile scores, like FlashAttention, run over the blocks in
+reverse because finish() sits inside the recurrence.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
 
 # finish(a [B, H, n, d] (accumulator dtype), s, e) -> (z [B, n, D], k [B, H, n, d], v [B, H, n, d])
 # for the call's positions s..e-1
@@ -41,6 +46,19 @@ Finish = Callable[[Tensor, int, int], tuple[Tensor, Tensor, Tensor]]
 # bias(dist) -> additive logit bias [H or 1, *dist.shape] for integer distances dist = i - j >= 0
 BiasFn = Callable[[Tensor], Tensor]
 Stats = tuple[Tensor, Tensor, Tensor]  # m [B, H, n], l [B, H, n], o [B, H, n, d]
+
+
+@dataclass(frozen=True)
+class _Tiling:
+    """The non-tensor arguments of one tiled call (see ``recurrent_attention_tiled``)."""
+
+    finish: Finish
+    block: int
+    pos0: int
+    start: Tensor
+    scale: float
+    bias_fn: BiasFn | None
+    query_chunk: int
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -92,6 +110,26 @@ def merge(stats: Stats, s: Tensor, v: Tensor) -> Stats:
     return m_new, l * c + p.sum(-1), o * c.unsqueeze(-1) + torch.matmul(p.to(v.dtype), v).to(o.dtype)
 
 
+def softmax_backward(
+    s: Tensor, lse: Tensor, delta: Tensor, da: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The part of the attention gradient carried by one group of keys (FlashAttention backward).
+    s [..., nq, nk]: recomputed scores (scaled, biased, -inf = invisible); lse [..., nq] = m + log l,
+    the queries' final log-normaliser over *all* their keys; da [..., nq, d] = dL/da;
+    delta [..., nq] = sum_d da * a. With P = exp(s - lse) (the final softmax restricted to the group):
+
+        dS = P * (da v^T - delta),   dq = scale dS k,   dk = scale dS^T q,   dv = P^T da
+
+    Returns (dq, dk, dv) in the accumulator dtype (that of s)."""
+    acc = s.dtype
+    p = torch.exp(s - lse.unsqueeze(-1))
+    ds = p * (torch.matmul(da.to(v.dtype), v.transpose(-1, -2)).to(acc) - delta.unsqueeze(-1))
+    dq = torch.matmul(ds.to(k.dtype), k).to(acc) * scale
+    dk = torch.matmul(ds.transpose(-1, -2).to(q.dtype), q).to(acc) * scale
+    dv = torch.matmul(p.transpose(-1, -2).to(v.dtype), da.to(v.dtype)).to(acc)
+    return dq, dk, dv
+
+
 def _visible(qpos: Tensor, kpos: Tensor, block: int, start: Tensor, temporary: bool) -> Tensor:
     """[B, nq, nk] bool: persistent key j is visible at i iff block(j) < block(i) and j >= start
     of the row's document; temporary key j iff block(j) == block(i) and j <= i."""
@@ -104,49 +142,257 @@ def _scores(q: Tensor, k: Tensor, scale: float, acc: torch.dtype) -> Tensor:
     return torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale
 
 
+def _blocks(t: Tensor, front: int, n_blocks: int, block: int, value: float = 0.0) -> Tensor:
+    """[B, H, n, *rest] -> [B, H, n_blocks, block, *rest], padded with ``value``: ``front`` rows
+    before, the rest after."""
+    back = n_blocks * block - front - t.shape[2]
+    pad = [0, 0] * (t.dim() - 3) + [front, back]
+    return torch.nn.functional.pad(t, pad, value=value).view(*t.shape[:2], n_blocks, block, *t.shape[3:])
+
+
+def _unblock(t: Tensor, lo: int, hi: int) -> Tensor:
+    """Inverse of ``_blocks``: rows lo..hi-1 of the flattened [B, H, n_blocks * block, *rest]."""
+    return t.reshape(*t.shape[:2], t.shape[2] * t.shape[3], *t.shape[4:])[:, :, lo:hi]
+
+
+def _temporary_scores(qq: Tensor, kk: Tensor, scale: float, bias_fn: BiasFn | None) -> Tensor:
+    """[B, H, nb, b, b] scores of blocked queries against their own block's temporary keys."""
+    s = _scores(qq, kk, scale, acc_dtype(qq.dtype))
+    i = torch.arange(qq.shape[3], device=qq.device)
+    dist = i[:, None] - i[None, :]
+    if bias_fn is not None:
+        s = s + bias_fn(dist).to(s.dtype).unsqueeze(1)
+    return s.masked_fill(dist < 0, float("-inf"))
+
+
 def temporary_stats(
     q: Tensor, tk: Tensor, tv: Tensor, past_tk: Tensor, past_tv: Tensor, block: int, scale: float, bias_fn: BiasFn | None
 ) -> Stats:
     """Accumulators of the T queries after their own block's temporary pairs (causal within the
     block, including the r0 temporaries of an unfinished block from an earlier call). The call
     starts r0 positions after a block boundary, so blocks are aligned after prepending them."""
-    B, H, T, d = q.shape
-    r0 = past_tk.shape[2]
-    acc = acc_dtype(q.dtype)
-    k, v = torch.cat((past_tk, tk), 2), torch.cat((past_tv, tv), 2)
-    R = r0 + T
-    nb = -(-R // block)
-    pad = nb * block - R
-    qq = torch.nn.functional.pad(q, (0, 0, r0, pad)).view(B, H, nb, block, d)
-    kk = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(B, H, nb, block, d)
-    vv = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(B, H, nb, block, d)
-    s = _scores(qq, kk, scale, acc)  # [B, H, nb, b, b]
-    i = torch.arange(block, device=q.device)
-    dist = i[:, None] - i[None, :]
-    if bias_fn is not None:
-        s = s + bias_fn(dist).to(acc).unsqueeze(1)
-    s = s.masked_fill(dist < 0, float("-inf"))
+    r0, T = past_tk.shape[2], q.shape[2]
+    nb = -(-(r0 + T) // block)
+    kk, vv = (_blocks(torch.cat(pair, 2), 0, nb, block) for pair in ((past_tk, tk), (past_tv, tv)))
+    s = _temporary_scores(_blocks(q, r0, nb, block), kk, scale, bias_fn)
     m = s.amax(-1).detach()
     p = torch.exp(s - m.unsqueeze(-1))
-    o = torch.matmul(p.to(vv.dtype), vv).to(acc)
-    cut = lambda t: t.reshape(B, H, nb * block, *t.shape[4:])[:, :, r0 : r0 + T]  # noqa: E731
-    return cut(m), cut(p.sum(-1)), cut(o)
+    o = torch.matmul(p.to(vv.dtype), vv).to(s.dtype)
+    return _unblock(m, r0, r0 + T), _unblock(p.sum(-1), r0, r0 + T), _unblock(o, r0, r0 + T)
 
 
-def cache_stats(
-    stats: Stats, q: Tensor, past_k: Tensor, past_v: Tensor, pos0: int, block: int, start: Tensor, scale: float, bias_fn: BiasFn | None
-) -> Stats:
-    """Fold the persistent pairs of earlier calls (positions pos0-S..pos0-1) into the accumulators."""
-    S, T = past_k.shape[2], q.shape[2]
-    if S == 0:
-        return stats
-    qpos = torch.arange(pos0, pos0 + T, device=q.device)
-    kpos = torch.arange(pos0 - S, pos0, device=q.device)
-    s = _scores(q, past_k, scale, stats[0].dtype)
-    if bias_fn is not None:
-        s = s + bias_fn(qpos[:, None] - kpos[None, :]).to(s.dtype)
-    s = s.masked_fill(~_visible(qpos, kpos, block, start, temporary=False)[:, None], float("-inf"))
-    return merge(stats, s, past_v)
+def _cache_scores(q: Tensor, past_k: Tensor, q0: int, tiling: _Tiling) -> Tensor:
+    """Scores of the call's queries q0.. (absolute position pos0 + q0..) against the cache."""
+    S, n = past_k.shape[2], q.shape[2]
+    p0 = tiling.pos0
+    qpos = torch.arange(p0 + q0, p0 + q0 + n, device=q.device)
+    kpos = torch.arange(p0 - S, p0, device=q.device)
+    s = _scores(q, past_k, tiling.scale, acc_dtype(q.dtype))
+    if tiling.bias_fn is not None:
+        s = s + tiling.bias_fn(qpos[:, None] - kpos[None, :]).to(s.dtype)
+    return s.masked_fill(~_visible(qpos, kpos, tiling.block, tiling.start, temporary=False)[:, None], float("-inf"))
+
+
+def _tile_bias(
+    tiling: _Tiling, cache: dict[tuple[int, int, int], Tensor], q0: int, q1: int, k0: int, k1: int, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """Bias of query rows q0..q1-1 against keys k0..k1-1 (call-relative); it depends only on the
+    distances, so it is memoised by (q0 - k0, q1 - q0, k1 - k0)."""
+    key = (q0 - k0, q1 - q0, k1 - k0)
+    if key not in cache:
+        assert tiling.bias_fn is not None
+        i, j = torch.arange(q0, q1, device=device), torch.arange(k0, k1, device=device)
+        cache[key] = tiling.bias_fn(i[:, None] - j[None, :]).to(dtype)
+    return cache[key]
+
+
+def _tiled_forward(
+    tiling: _Tiling, q: Tensor, tk: Tensor, tv: Tensor, past_k: Tensor, past_v: Tensor, past_tk: Tensor, past_tv: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The tiled schedule. Returns z, k, v and, for the backward, a [B, H, T, d] (finish's inputs)
+    and lse = m + log l [B, H, T] (each query's final softmax statistics)."""
+    finish, chunk, scale = tiling.finish, tiling.query_chunk, tiling.scale
+    stats = temporary_stats(q, tk, tv, past_tk, past_tv, tiling.block, scale, tiling.bias_fn)
+    if past_k.shape[2]:
+        stats = merge(stats, _cache_scores(q, past_k, 0, tiling), past_v)
+    edges = block_edges(tiling.pos0, q.shape[2], tiling.block)
+    sizes = [b - a for a, b in zip(edges, edges[1:])]
+    ms, ls, os_ = (list(t.split(sizes, 2)) for t in stats)
+    zs: list[Tensor] = []
+    ks: list[Tensor] = []
+    vs: list[Tensor] = []
+    As: list[Tensor] = []
+    lses: list[Tensor] = []
+    bias_cache: dict[tuple[int, int, int], Tensor] = {}
+    n_blocks = len(sizes)
+    for t in range(n_blocks):
+        s0, e0 = edges[t], edges[t + 1]
+        As.append(os_[t] / ls[t].unsqueeze(-1))  # block t is complete
+        lses.append(ms[t] + torch.log(ls[t]))
+        z, k, v = finish(As[t], s0, e0)
+        zs.append(z)
+        ks.append(k)
+        vs.append(v)
+        P = (t + 1) & -(t + 1)
+        lo, hi = t + 1, min(t + P, n_blocks - 1)
+        if lo > hi:
+            continue
+        K = ks[t] if P == 1 else torch.cat(ks[t - P + 1 :], 2)
+        V = vs[t] if P == 1 else torch.cat(vs[t - P + 1 :], 2)
+        qs, qe, ks0 = edges[lo], edges[hi + 1], edges[t - P + 1]
+        st = (ms[lo], ls[lo], os_[lo]) if lo == hi else tuple(torch.cat(x[lo : hi + 1], 2) for x in (ms, ls, os_))
+        parts = []
+        for c0 in range(qs, qe, chunk):  # rows are independent: bound the [B, H, rows, P] scores
+            c1 = min(qe, c0 + chunk)
+            s = _scores(q[:, :, c0:c1], K, scale, st[0].dtype)
+            if tiling.bias_fn is not None:
+                s = s + _tile_bias(tiling, bias_cache, c0, c1, ks0, e0, q.device, s.dtype)
+            parts.append(merge(tuple(x[:, :, c0 - qs : c1 - qs] for x in st), s, V))  # type: ignore[arg-type]
+        m, l, o = parts[0] if len(parts) == 1 else (torch.cat(x, 2) for x in zip(*parts))
+        if lo == hi:
+            ms[lo], ls[lo], os_[lo] = m, l, o
+        else:
+            part = sizes[lo : hi + 1]
+            ms[lo : hi + 1], ls[lo : hi + 1], os_[lo : hi + 1] = m.split(part, 2), l.split(part, 2), o.split(part, 2)
+    return torch.cat(zs, 1), torch.cat(ks, 2), torch.cat(vs, 2), torch.cat(As, 2), torch.cat(lses, 2)
+
+
+def _output_grad(outs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
+    """torch.autograd.grad of the outputs that depend on something (None where nothing does)."""
+    pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, grads) if o.requires_grad]
+    if not pairs or not inputs:
+        return (None,) * len(inputs)
+    return torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+
+
+class _TiledRecurrentAttention(torch.autograd.Function):
+    """The tiled forward with a backward that saves O(N d): q, k~, v~, the state of earlier calls,
+    the finish inputs a, lse and the persistent pairs k, v, plus ``finish_inputs`` (the tensors
+    finish reads, e.g. the layer input and parameters).
+
+    Backward, blocks t = nB..1 (reverse): the gradient reaching a_t is that of finish at a_t
+    applied to (dz_t, dk_t, dv_t), where dk_t, dv_t collect the output gradient and the
+    contribution of every later query that attended to (k_t, v_t). Those queries belong to the
+    tiles whose key range holds t, i.e. tiles t' >= t, so running tile t's backward (dq of its
+    queries, dk/dv of its keys, from the already known da of blocks > t) completes dk_t, dv_t;
+    then finish is recomputed for block t under grad to give da_t. Everything that does not feed
+    the recurrence is done after the loop in a batched way (seed §"The backward pass"): the
+    temporaries' and the cache's part of dq and their own gradients, and one recomputation of
+    finish over all positions for the gradients of ``finish_inputs`` (finish acts on each
+    position separately, so finish(a, 0, T) is finish of every block at once)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, tiling: _Tiling, q: Tensor, tk: Tensor, tv: Tensor,
+        past_k: Tensor, past_v: Tensor, past_tk: Tensor, past_tv: Tensor, *finish_inputs: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        z, k, v, a, lse = _tiled_forward(tiling, q, tk, tv, past_k, past_v, past_tk, past_tv)
+        device = q.device.type
+        ctx.tiling = tiling  # type: ignore[attr-defined]
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))  # type: ignore[attr-defined]
+        ctx.save_for_backward(q, tk, tv, past_k, past_v, past_tk, past_tv, a, lse, k, v, *finish_inputs)
+        return z, k, v
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dz: Tensor, dk_out: Tensor, dv_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, tk, tv, past_k, past_v, past_tk, past_tv, a, lse, k, v, *inputs = ctx.saved_tensors
+        tiling: _Tiling = ctx.tiling
+        autocast = lambda: torch.autocast(*ctx.autocast)  # noqa: E731 (finish is recomputed as it ran in forward)
+        bwd = _Backward(tiling, q, lse, dk_out.to(a.dtype, copy=True), dv_out.to(a.dtype, copy=True))
+        bwd.recurrence(k, v, a, dz, autocast)
+        d_past = bwd.cache(past_k, past_v)
+        dtk, dtv = bwd.temporaries(tk, tv, past_tk, past_tv)
+        needs = ctx.needs_input_grad[8:]
+        with torch.enable_grad(), autocast():
+            outs = tiling.finish(a.detach(), 0, q.shape[2])
+        d_inputs = iter(_output_grad(outs, (dz, bwd.dk, bwd.dv), [x for x, need in zip(inputs, needs) if need]))
+        r0 = past_tk.shape[2]
+        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return (
+            None, cast(bwd.dq, q), cast(dtk[:, :, r0:], tk), cast(dtv[:, :, r0:], tv), cast(d_past[0], past_k), cast(d_past[1], past_v),
+            cast(dtk[:, :, :r0], past_tk), cast(dtv[:, :, :r0], past_tv), *(next(d_inputs) if need else None for need in needs),
+        )  # fmt: skip
+
+
+class _Backward:
+    """Gradient accumulators of one backward of ``_TiledRecurrentAttention`` (accumulator dtype):
+    dq, da, delta = sum_d da * a per query, and dk, dv of the call's persistent pairs (started
+    from the gradients of the k, v outputs)."""
+
+    def __init__(self, tiling: _Tiling, q: Tensor, lse: Tensor, dk: Tensor, dv: Tensor) -> None:
+        self.tiling, self.q, self.lse, self.dk, self.dv = tiling, q, lse, dk, dv
+        self.dq, self.da, self.delta = torch.zeros_like(dk), torch.zeros_like(dk), torch.zeros_like(lse)
+
+    def group(self, c0: int, c1: int, s: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Backward of query rows c0..c1-1 against one group of keys (scores s): adds to dq and
+        returns (dk, dv) of the group."""
+        rows = lambda x: x[:, :, c0:c1]  # noqa: E731
+        dq, dk, dv = softmax_backward(s, rows(self.lse), rows(self.delta), rows(self.da), rows(self.q), k, v, self.tiling.scale)
+        rows(self.dq).add_(dq)
+        return dk, dv
+
+    def recurrence(self, k: Tensor, v: Tensor, a: Tensor, dz: Tensor, autocast: Callable[[], Any]) -> None:
+        """Blocks in reverse: tile t's backward completes dk, dv of block t, then finish,
+        recomputed at a_t, gives da_t (the tiles of blocks < t need it)."""
+        tiling, q = self.tiling, self.q
+        edges = block_edges(tiling.pos0, q.shape[2], tiling.block)
+        bias_cache: dict[tuple[int, int, int], Tensor] = {}
+        n_blocks = len(edges) - 1
+        for t in reversed(range(n_blocks)):
+            P = (t + 1) & -(t + 1)
+            k0, k1, qe = edges[t - P + 1], edges[t + 1], edges[min(t + P, n_blocks - 1) + 1]
+            for c0 in range(k1, qe, tiling.query_chunk):  # tile t: keys of blocks t-P+1..t, queries of t+1..t+P
+                c1 = min(qe, c0 + tiling.query_chunk)
+                s = _scores(q[:, :, c0:c1], k[:, :, k0:k1], tiling.scale, a.dtype)
+                if tiling.bias_fn is not None:
+                    s = s + _tile_bias(tiling, bias_cache, c0, c1, k0, k1, q.device, s.dtype)
+                dk, dv = self.group(c0, c1, s, k[:, :, k0:k1], v[:, :, k0:k1])
+                self.dk[:, :, k0:k1] += dk
+                self.dv[:, :, k0:k1] += dv
+            s0, e0 = edges[t], edges[t + 1]
+            at = a[:, :, s0:e0].detach().requires_grad_()
+            with torch.enable_grad(), autocast():
+                outs = tiling.finish(at, s0, e0)
+            (da,) = _output_grad(outs, (dz[:, s0:e0], self.dk[:, :, s0:e0], self.dv[:, :, s0:e0]), (at,))
+            if da is not None:
+                self.da[:, :, s0:e0] = da
+                self.delta[:, :, s0:e0] = (da * at.detach()).sum(-1)
+
+    def cache(self, past_k: Tensor, past_v: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """The cache's part of dq, and the gradients of the cache (None if empty)."""
+        if not past_k.shape[2]:
+            return None, None
+        dk, dv = torch.zeros_like(past_k, dtype=self.dq.dtype), torch.zeros_like(past_v, dtype=self.dq.dtype)
+        T, chunk = self.q.shape[2], self.tiling.query_chunk
+        for c0 in range(0, T, chunk):
+            c1 = min(T, c0 + chunk)
+            g = self.group(c0, c1, _cache_scores(self.q[:, :, c0:c1], past_k, c0, self.tiling), past_k, past_v)
+            dk += g[0]
+            dv += g[1]
+        return dk, dv
+
+    def temporaries(self, tk: Tensor, tv: Tensor, past_tk: Tensor, past_tv: Tensor) -> tuple[Tensor, Tensor]:
+        """The temporaries' part of dq, all blocks at once (the blocked layout of
+        ``temporary_stats``; padded query rows get lse = +inf, hence P = 0), and the gradients of
+        the r0 + T temporary keys and values (the earlier call's r0 first)."""
+        r0, T, b = past_tk.shape[2], self.q.shape[2], self.tiling.block
+        nb = -(-(r0 + T) // b)
+        qq = _blocks(self.q, r0, nb, b)
+        kk, vv = (_blocks(torch.cat(pair, 2), 0, nb, b) for pair in ((past_tk, tk), (past_tv, tv)))
+        s = _temporary_scores(qq, kk, self.tiling.scale, self.tiling.bias_fn)
+        rows = lambda t, value=0.0: _blocks(t, r0, nb, b, value)  # noqa: E731
+        dq, dk, dv = softmax_backward(s, rows(self.lse, float("inf")), rows(self.delta), rows(self.da), qq, kk, vv, self.tiling.scale)
+        self.dq += _unblock(dq, r0, r0 + T)
+        return _unblock(dk, 0, r0 + T), _unblock(dv, 0, r0 + T)
+
+
+def _bias_needs_grad(bias_fn: BiasFn | None, device: torch.device) -> bool:
+    """Whether the bias has a gradient of its own (e.g. learned slopes): probed on one distance."""
+    if bias_fn is None:
+        return False
+    with torch.enable_grad():
+        return bias_fn(torch.zeros(1, dtype=torch.long, device=device)).requires_grad
 
 
 def recurrent_attention_tiled(
@@ -165,56 +411,27 @@ def recurrent_attention_tiled(
     scale: float | None = None,
     bias_fn: BiasFn | None = None,
     query_chunk: int = 512,
+    finish_inputs: Sequence[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The exact tiled forward (appendix Algorithm "Exact tiled forward pass", on blocks).
     q, tk, tv: [B, H, T, d] queries and temporary pairs of positions pos0..pos0+T-1.
     Returns z [B, T, D] and the new persistent pairs k, v [B, H, T, d]. A tile's queries are
-    processed ``query_chunk`` rows at a time (memory bound, same result)."""
-    B, H, T, d = q.shape
+    processed ``query_chunk`` rows at a time (memory bound, same result).
+
+    Gradients. ``finish_inputs`` lists every tensor that finish reads and that may need a
+    gradient (the layer input, the parameters); finish must act on each position separately.
+    With it, the custom backward of ``_TiledRecurrentAttention`` runs: O(N d) saved tensors, scores
+    recomputed. Plain autograd through the forward (O(N^2) saved scores and probabilities) is the
+    fallback when ``finish_inputs`` is None (finish's closure unknown) or when ``bias_fn``'s output
+    requires grad (a learned bias). The custom backward is once differentiable (no double
+    backward) and recomputes finish, so finish must be deterministic."""
     past_k, past_v, past_tk, past_tv, start, scale = _defaults(q, past_k, past_v, past_tk, past_tv, start, scale)
-    stats = temporary_stats(q, tk, tv, past_tk, past_tv, block, scale, bias_fn)
-    stats = cache_stats(stats, q, past_k, past_v, pos0, block, start, scale, bias_fn)
-    edges = block_edges(pos0, T, block)
-    sizes = [b - a for a, b in zip(edges, edges[1:])]
-    ms, ls, os_ = (list(t.split(sizes, 2)) for t in stats)
-    zs: list[Tensor] = []
-    ks: list[Tensor] = []
-    vs: list[Tensor] = []
-    bias_cache: dict[tuple[int, int, int], Tensor] = {}
-    n_blocks = len(sizes)
-    for t in range(n_blocks):
-        s0, e0 = edges[t], edges[t + 1]
-        z, k, v = finish(os_[t] / ls[t].unsqueeze(-1), s0, e0)  # block t is complete
-        zs.append(z)
-        ks.append(k)
-        vs.append(v)
-        P = (t + 1) & -(t + 1)
-        lo, hi = t + 1, min(t + P, n_blocks - 1)
-        if lo > hi:
-            continue
-        K = ks[t] if P == 1 else torch.cat(ks[t - P + 1 :], 2)
-        V = vs[t] if P == 1 else torch.cat(vs[t - P + 1 :], 2)
-        qs, qe, ks0 = edges[lo], edges[hi + 1], edges[t - P + 1]
-        st = (ms[lo], ls[lo], os_[lo]) if lo == hi else tuple(torch.cat(x[lo : hi + 1], 2) for x in (ms, ls, os_))
-        parts = []
-        for c0 in range(qs, qe, query_chunk):  # rows are independent: bound the [B, H, rows, P] scores
-            c1 = min(qe, c0 + query_chunk)
-            s = _scores(q[:, :, c0:c1], K, scale, st[0].dtype)
-            if bias_fn is not None:
-                key = (c0 - ks0, c1 - c0, e0 - ks0)
-                if key not in bias_cache:
-                    i = torch.arange(c0, c1, device=q.device)
-                    j = torch.arange(ks0, e0, device=q.device)
-                    bias_cache[key] = bias_fn(i[:, None] - j[None, :]).to(s.dtype)
-                s = s + bias_cache[key]
-            parts.append(merge(tuple(x[:, :, c0 - qs : c1 - qs] for x in st), s, V))  # type: ignore[arg-type]
-        m, l, o = parts[0] if len(parts) == 1 else (torch.cat(x, 2) for x in zip(*parts))
-        if lo == hi:
-            ms[lo], ls[lo], os_[lo] = m, l, o
-        else:
-            part = sizes[lo : hi + 1]
-            ms[lo : hi + 1], ls[lo : hi + 1], os_[lo : hi + 1] = m.split(part, 2), l.split(part, 2), o.split(part, 2)
-    return torch.cat(zs, 1), torch.cat(ks, 2), torch.cat(vs, 2)
+    tiling = _Tiling(finish, block, pos0, start, scale, bias_fn, query_chunk)
+    tensors = (q, tk, tv, past_k, past_v, past_tk, past_tv)
+    custom = finish_inputs is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *finish_inputs))
+    if custom and not _bias_needs_grad(bias_fn, q.device):
+        return _TiledRecurrentAttention.apply(tiling, *tensors, *finish_inputs)  # type: ignore[no-any-return]
+    return _tiled_forward(tiling, *tensors)[:3]
 
 
 def recurrent_attention_naive(
