@@ -28,18 +28,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from recurformer import build_model
+from recurformer.device import pick_device, synchronize
 from recurformer.nn import Call
 from recurformer.ops.recurrent_attention import kv_reads
 
 
+DEVICE = torch.device("cpu")  # --device
+
+
 def timeit(fn, reps: int, warmup: bool = True) -> float:
-    """Median wall time (ms) of ``reps`` calls, after one warm-up call unless told otherwise."""
+    """Median wall time (ms) of ``reps`` calls, after one warm-up call unless told otherwise;
+    queued CUDA work is waited for before each clock read."""
     if warmup:
         fn()
     ts = []
     for _ in range(reps):
+        synchronize(DEVICE)
         t0 = time.perf_counter()
         fn()
+        synchronize(DEVICE)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts) * 1e3
 
@@ -50,7 +57,7 @@ def layer_fn(model, x, impl):
     B, T, D = x.shape
     empty = x.new_zeros(B, layer.n_heads, 0, D // layer.n_heads)
     past = {k: empty for k in ("k", "v", "tk", "tv")}
-    start = torch.zeros(B, dtype=torch.long)
+    start = torch.zeros(B, dtype=torch.long, device=x.device)
     rope, bias = layer.position_signal(0, T, x.device, x.dtype)
     return lambda: layer.run(x, past, pos0=0, start=start, rope=rope, bias_fn=bias, impl=impl)
 
@@ -59,7 +66,7 @@ def dense_fn(model, x):
     """The Transformer (Llama) layer on x from position 0: () -> (y, state)."""
     layer = model.layers[0]
     state = layer.init_state(x.shape[0], x.device, x.dtype)
-    return lambda: layer(x, state, Call(0, torch.zeros(x.shape[0], dtype=torch.long)))
+    return lambda: layer(x, state, Call(0, torch.zeros(x.shape[0], dtype=torch.long, device=x.device)))
 
 
 def train_fn(fwd):
@@ -83,11 +90,11 @@ def saved_bytes(fn) -> int:
 def forward_table(args, models, dense) -> list[dict]:
     rows = []
     N = args.min_n
-    print(f"forward: one layer, dim {args.dim}, {args.heads} heads, batch {args.batch}, fp32, torch threads {torch.get_num_threads()}")
+    print(f"forward: one layer, dim {args.dim}, {args.heads} heads, batch {args.batch}, fp32, {DEVICE}, torch threads {torch.get_num_threads()}")
     hdr = f"{'N':>6} {'naive ms':>10} {'tiled ms':>10} " + " ".join(f"{'b=' + str(b) + ' ms':>10}" for b in args.blocks)
     print(hdr + f" {'transf ms':>10} {'naive/tiled':>11} {'KV MB naive':>12} {'KV MB tiled':>12}")
     while N <= args.max_n:
-        x = torch.randn(args.batch, N, args.dim)
+        x = torch.randn(args.batch, N, args.dim, device=DEVICE)
         r = {"N": N}
         with torch.no_grad():
             if N <= args.naive_max_n:
@@ -117,7 +124,7 @@ def train_table(args, models, dense) -> list[dict]:
     print(f"training: one layer, dim {args.dim}, {args.heads} heads, batch {args.train_batch}, fp32, forward + backward of sum(z)")
     print(f"{'N':>6} " + " ".join(f"{name + ' ' + unit:>16}" for name in ("naive", "tiled", "transf") for unit in ("saved MB", "fwd+bwd ms")))
     for N in args.train_ns:
-        x = torch.randn(args.train_batch, N, args.dim, requires_grad=True)
+        x = torch.randn(args.train_batch, N, args.dim, device=DEVICE, requires_grad=True)
         fwds = {"tiled": layer_fn(models["recurrent"], x, "tiled"), "transformer": dense_fn(dense, x)}
         if N <= args.naive_train_max_n:
             fwds["naive"] = layer_fn(models["recurrent"], x, "naive")
@@ -151,7 +158,7 @@ def plot(args, rows: list[dict], train: list[dict], path: Path) -> None:
             pts = [(r["N"], r[key]) for r in rows if key in r]
             fwd.plot(*zip(*pts), marker="o", label=label)
         fwd.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="forward latency (ms)",
-                title=f"one layer, D={args.dim}, batch {args.batch}, CPU")  # fmt: skip
+                title=f"one layer, D={args.dim}, batch {args.batch}, {DEVICE.type.upper()}")  # fmt: skip
         fwd.legend()
         ns = [r["N"] for r in rows]
         kv.plot(ns, [r["kv_bytes_naive"] / 1e6 for r in rows], marker="o", label="naive  Θ(N²)")
@@ -167,7 +174,7 @@ def plot(args, rows: list[dict], train: list[dict], path: Path) -> None:
                 mem.plot(ns, mb, marker="o", label=label)
                 lat.plot(ns, ms, marker="o", label=label)
         mem.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="saved for backward (MB)", title=f"training, batch {args.train_batch}")
-        lat.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="forward + backward (ms)", title=f"training, D={args.dim}, CPU")
+        lat.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="forward + backward (ms)", title=f"training, D={args.dim}, {DEVICE.type.upper()}")
         mem.legend()
         lat.legend()
     fig.tight_layout()
@@ -190,20 +197,26 @@ def main() -> None:
     ap.add_argument("--naive-train-max-n", type=int, default=1024, help="naive saves O(N^2 d): ~1.1 GB at N=1024, dim 256")
     ap.add_argument("--parts", nargs="+", choices=["forward", "train"], default=["forward", "train"])
     ap.add_argument("--out", default="docs/recurrent_tiling")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (auto: CUDA when present)")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = pick_device(args.device)
     torch.manual_seed(0)
     cfg = dict(vocab_size=64, dim=args.dim, n_layers=1, n_heads=args.heads)
     models = {"recurrent": build_model("recurrent_transformer", cfg)}
     for b in args.blocks:
         models[f"block{b}"] = build_model("recurrent_transformer", dict(cfg, block_size=b))
         models[f"block{b}"].load_state_dict(models["recurrent"].state_dict())
-    dense = build_model("llama", cfg)
+    dense = build_model("llama", cfg).to(DEVICE)
+    for m in models.values():
+        m.to(DEVICE)
     rows = forward_table(args, models, dense) if "forward" in args.parts else []
     train = train_table(args, models, dense) if "train" in args.parts else []
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows, "training": train}, indent=1))
+    meta = {"device": str(DEVICE), "device_name": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu", "torch": torch.__version__}
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "meta": meta, "rows": rows, "training": train}, indent=1))
     plot(args, rows, train, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
