@@ -116,6 +116,12 @@ class Room(typing.Protocol):
     def fits(self, state: Any) -> bool: ...
 
 
+def writable(t: Tensor) -> bool:
+    """Whether a room's buffer ``t`` may be written in place now: one made under
+    ``torch.inference_mode`` only inside it (PyTorch refuses the write elsewhere)."""
+    return not t.is_inference() or torch.is_inference_mode_enabled()
+
+
 @dataclass
 class State:
     """The model's state after ``pos`` tokens: one ``LayerState`` per layer, ``start[b]`` where

@@ -91,3 +91,15 @@ def test_xl_room_follows_the_weights_and_the_state() -> None:
         got = model(tokens[:, 30:], state=state).logits
     want = model(tokens[:, 30:], state=state).logits.detach()  # with autograd: projected anew
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name,cfg", CASES[:1] + CASES[2:3], ids=["llama", "transformer_xl"])
+def test_a_room_made_in_inference_mode_is_not_written_outside_it(name, cfg) -> None:
+    """PyTorch refuses in-place writes into inference tensors outside ``inference_mode``: a state
+    decoded there continues under ``no_grad`` in a new room."""
+    model = model_of(name, cfg)
+    tokens = torch.randint(0, cfg["vocab_size"], (2, 40))
+    with torch.inference_mode():
+        _, state = decode(model, tokens[:, :25], 20)
+    got, _ = decode(model, tokens[:, 25:], 1, state)
+    torch.testing.assert_close(got, model(tokens).logits.detach()[:, 25:], rtol=1e-10, atol=1e-10)

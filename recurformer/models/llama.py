@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..config import RecurformerError
 from ..layers import Block, apply_rope, attend, merge_heads, rope_cos_sin, split_heads
-from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM
+from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM, writable
 
 
 @dataclass
@@ -54,9 +54,15 @@ class KVRoom:
             for t, buf in ((state.k, self.k), (state.v, self.v))
         )
 
+    def takes(self, state: "KVState", k: Tensor) -> bool:
+        """Whether keys ``k`` [B, H, T, head_dim] (and their values) can be written in place
+        after ``state``'s cache: it is the filled prefix, T positions are free, the dtype is the
+        same and the buffers are writable here."""
+        return self.fits(state) and self.used + k.shape[2] <= self.k.shape[2] and self.k.dtype == k.dtype and writable(self.k)
+
     def append(self, k: Tensor, v: Tensor) -> "KVState":
         """The cache extended by ``k``/``v`` [B, H, T, head_dim], written in place (the caller
-        made sure that they fit)."""
+        made sure that the room ``takes`` them)."""
         S, T = self.used, k.shape[2]
         self.k[:, :, S : S + T], self.v[:, :, S : S + T] = k, v
         self.used = S + T
@@ -145,7 +151,7 @@ class Attention(Layer):
         """The full cache extended by ``k``/``v`` in its room (without autograd): in place while
         the room fits the state and has space, else in a new room of twice the needed size."""
         room = state.room
-        if room is None or not room.fits(state) or room.used + k.shape[2] > room.k.shape[2] or room.k.dtype != k.dtype:
+        if room is None or not room.takes(state, k):
             room = KVRoom.around(state, 2 * (state.k.shape[2] + k.shape[2]), k.dtype)
         return room.append(k, v)
 

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from ..config import RecurformerError
 from ..layers import Block, merge_heads, pieces, split_heads
-from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM, reset_rows
+from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM, reset_rows, writable
 from ..ops.relative import relative_scores, sinusoid_table
 
 
@@ -179,8 +179,9 @@ class RelAttention(Layer):
         """``st``'s room if it is up to date with ``st`` and the weights, else a new one: the
         memory and the segment so far projected once."""
         weights = tuple((w.data_ptr(), w._version) for w in (self.wk.weight, self.wv.weight, self.wr.weight))
-        if st.room is not None and st.room.fits(st) and st.room.weights == weights and st.room.k.dtype == x.dtype:
-            return st.room
+        room = st.room
+        if room is not None and room.fits(st) and room.weights == weights and room.k.dtype == x.dtype and writable(room.k):
+            return room
         c, H = self.cfg, self.n_heads
         ctx = torch.cat((st.mem, st.seg), dim=1)
         empty = lambda: x.new_empty(x.shape[0], H, c.memory_len + c.segment_len, c.head_dim)  # noqa: E731
