@@ -103,3 +103,26 @@ def test_a_room_made_in_inference_mode_is_not_written_outside_it(name, cfg) -> N
         _, state = decode(model, tokens[:, :25], 20)
     got, _ = decode(model, tokens[:, 25:], 1, state)
     torch.testing.assert_close(got, model(tokens).logits.detach()[:, 25:], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name,cfg", CASES[:1] + CASES[2:3], ids=["llama", "transformer_xl"])
+def test_training_from_a_decoded_state_gets_its_gradient(name, cfg) -> None:
+    """A call with autograd from a state that has a room (and a no-autograd continuation of the
+    same state, writing into that room before the backward pass) gives the gradient of the same
+    call from a copy of the state without one."""
+    model = model_of(name, cfg)
+    tokens = torch.randint(0, cfg["vocab_size"], (2, 50))
+    _, state = decode(model, tokens[:, :30], 20)
+
+    def grads(s, between=lambda: None) -> list[torch.Tensor]:
+        model.zero_grad()
+        loss = model(tokens[:, 30:40], state=s).logits.pow(2).sum()
+        between()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want = grads(state.map(torch.clone))
+    got = grads(state, lambda: decode(model, tokens[:, 30:], 1, state))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
