@@ -97,7 +97,7 @@ def decode_speed(args: argparse.Namespace) -> None:
     head = f"{'model':<16}{'context':>9}{'tok/s':>10}"
     print(head + (f"{'against':>10}{'ratio':>8}" if args.against else ""))
     for name in args.models.split(","):
-        cfg = dict(SMALL, **EXTRA.get(name, {}))
+        cfg = {**SMALL, **EXTRA.get(name, {}), **args.config}
         rows = []
         for context in (int(c) for c in args.contexts.split(",")):
             argv = [name, str(context), str(args.decode), json.dumps(cfg)]
@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64, help="tokens timed at each context")
     ap.add_argument("--against", default=None, help="another checkout's directory, to compare with")
     ap.add_argument("--repeat", type=int, default=1, help="alternating runs per context (the best is kept)")
+    ap.add_argument("--config", type=json.loads, default={}, help='config values for every model, e.g. \'{"dim": 512}\'')
     ap.add_argument("--out", default=None, help="default: docs/generation.json (docs/decode.json with --contexts)")
     args = ap.parse_args()
     if args.contexts:
@@ -140,7 +141,7 @@ def main() -> None:
     results = {}
     print(f"{'model':<22}" + "".join(f"{'@' + t:>22}" for t in args.tokens.split(",")) + f"{'mem ratio':>11}")
     for name in args.models.split(","):
-        cfg = dict(SMALL, **EXTRA.get(name, {}))
+        cfg = {**SMALL, **EXTRA.get(name, {}), **args.config}
         try:
             rows = child(CHILD, [name, args.tokens, json.dumps(cfg)])
         except RuntimeError as e:
