@@ -4,6 +4,16 @@ the streaming contract, batch 1). Recurrent models should stay flat in memory an
 Llama baseline's KV cache (and per-token attention cost) grows with the length.
 
     python benchmarks/generation.py [--tokens 1024,8192,65536] [--out docs/generation.json]
+
+With ``--contexts``: decoding speed at a given context instead, the tokens/s of ``--decode``
+greedy tokens after reading that many random tokens (in calls of 1024, without autograd), one
+process per model and context. ``--against DIR`` runs the same measurement with the recurformer
+of another checkout (e.g. ``git worktree add /tmp/base <commit>``), alternating with this one
+``--repeat`` times (the best of each is kept, against the noise of a shared machine), and
+reports the ratio of the two:
+
+    python benchmarks/generation.py --models llama,transformer_xl --contexts 1024,8192,65536 \
+        --decode 64 --against /tmp/base --out docs/decode.json
 """
 
 from __future__ import annotations
@@ -48,23 +58,95 @@ for n, _ in enumerate(it, 1):
 print(json.dumps(out))
 """
 
+DECODE_CHILD = """
+import json, sys, time, torch
+from recurformer import build_model
+from recurformer.generate import new_session, read, stream
+name, context, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+cfg = json.loads(sys.argv[4])
+torch.manual_seed(0)
+model = build_model(name, cfg).eval()
+s = new_session(model, 1, seed=0)
+tokens = torch.randint(0, cfg["vocab_size"], (1, context))
+for a in range(0, context, 1024):
+    read(model, s, tokens[:, a : a + 1024])
+for _ in stream(model, None, 2, temperature=0.0, session=s):  # warm-up
+    pass
+t0 = time.perf_counter()
+for _ in stream(model, None, n, temperature=0.0, session=s):
+    pass
+print(json.dumps(dict(tok_per_s=round(n / (time.perf_counter() - t0), 1))))
+"""
+
+
+def child(script: str, args: list[str], code: str | None = None) -> dict | list:
+    """Run ``script`` in a fresh process, in and with the recurformer of checkout ``code``
+    (default: this one; ``python -c`` imports from its working directory first)."""
+    code = code or str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env["PYTHONPATH"] = os.pathsep.join([code] + env.get("PYTHONPATH", "").split(os.pathsep)).rstrip(os.pathsep)
+    res = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, cwd=code)
+    if res.returncode != 0:
+        raise RuntimeError(f"exit {res.returncode}: {(res.stderr.strip().splitlines() or [''])[-1]}")
+    return json.loads(res.stdout)
+
+
+def decode_speed(args: argparse.Namespace) -> None:
+    """The ``--contexts`` table: tokens/s per model and context (and against another checkout)."""
+    results: dict = {}
+    head = f"{'model':<16}{'context':>9}{'tok/s':>10}"
+    print(head + (f"{'against':>10}{'ratio':>8}" if args.against else ""))
+    for name in args.models.split(","):
+        cfg = {**SMALL, **EXTRA.get(name, {}), **args.config}
+        rows = []
+        for context in (int(c) for c in args.contexts.split(",")):
+            argv = [name, str(context), str(args.decode), json.dumps(cfg)]
+            codes = [None, args.against] if args.against else [None]
+            best = {code: 0.0 for code in codes}
+            try:
+                for _ in range(args.repeat):
+                    for code in codes:
+                        best[code] = max(best[code], child(DECODE_CHILD, argv, code)["tok_per_s"])  # type: ignore[index]
+            except RuntimeError as e:
+                print(f"{name:<16}{context:>9} failed ({e})")
+                continue
+            row = dict(context=context, tok_per_s=best[None])
+            line = f"{name:<16}{context:>9,}{best[None]:>10,.1f}"
+            if args.against:
+                row.update(against=best[args.against], ratio=round(best[None] / best[args.against], 2))
+                line += f"{best[args.against]:>10,.1f}{row['ratio']:>7.2f}x"
+            rows.append(row)
+            print(line, flush=True)
+        results[name] = {"config": cfg, "decode_tokens": args.decode, "against": args.against, "contexts": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(model_names()))
     ap.add_argument("--tokens", default="1024,8192,65536")
-    ap.add_argument("--out", default="docs/generation.json")
+    ap.add_argument("--contexts", default=None, help="decoding speed at these contexts, e.g. 1024,8192,65536")
+    ap.add_argument("--decode", type=int, default=64, help="tokens timed at each context")
+    ap.add_argument("--against", default=None, help="another checkout's directory, to compare with")
+    ap.add_argument("--repeat", type=int, default=1, help="alternating runs per context (the best is kept)")
+    ap.add_argument("--config", type=json.loads, default={}, help='config values for every model, e.g. \'{"dim": 512}\'')
+    ap.add_argument("--out", default=None, help="default: docs/generation.json (docs/decode.json with --contexts)")
     args = ap.parse_args()
+    if args.contexts:
+        args.out = args.out or "docs/decode.json"
+        return decode_speed(args)
+    args.out = args.out or "docs/generation.json"
     results = {}
     print(f"{'model':<22}" + "".join(f"{'@' + t:>22}" for t in args.tokens.split(",")) + f"{'mem ratio':>11}")
     for name in args.models.split(","):
-        cfg = dict(SMALL, **EXTRA.get(name, {}))
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        res = subprocess.run([sys.executable, "-c", CHILD, name, args.tokens, json.dumps(cfg)], capture_output=True, text=True, env=env)
-        if res.returncode != 0:
-            print(f"{name:<22} failed (exit {res.returncode}): {(res.stderr.strip().splitlines() or [''])[-1]}")
+        cfg = {**SMALL, **EXTRA.get(name, {}), **args.config}
+        try:
+            rows = child(CHILD, [name, args.tokens, json.dumps(cfg)])
+        except RuntimeError as e:
+            print(f"{name:<22} failed ({e})")
             continue
-        rows = json.loads(res.stdout)
         results[name] = {"config": cfg, "marks": rows}
         cells = "".join(f"{r['tok_per_s']:>9,.0f} tok/s {r['rss_mb']:>5,.0f}MB" for r in rows)
         print(f"{name:<22}{cells}{rows[-1]['rss_mb'] / rows[0]['rss_mb']:>10.2f}x", flush=True)

@@ -1,7 +1,9 @@
 """Streaming generation through the streaming contract: the prompt is read in one call, then one
 token per call, carrying the model state (a KV cache for Llama, a bounded cache for the sliding
 window, memory + partial-chunk cache for Memory Attention, ...). Recurrent models therefore
-generate with constant memory at any length.
+generate with constant memory at any length. Reading runs without autograd, so layers may keep
+decoding buffers next to their state (Llama's cache grows in place, Transformer-XL keeps its
+memory's keys/values: ``KVRoom``, ``XLRoom``).
 
 A ``Session`` (model state + next-token logits + sampler RNG) can be saved to a safetensors file
 and continued later with exactly the result of one uninterrupted run."""

@@ -63,8 +63,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def split_heads(x: Tensor, n_heads: int) -> Tensor:
     """[B, T, H*d] -> [B, H, T, d]"""
-    B, T, _ = x.shape
-    return x.view(B, T, n_heads, -1).transpose(1, 2)
+    B, T, D = x.shape
+    return x.view(B, T, n_heads, D // n_heads).transpose(1, 2)
 
 
 def merge_heads(x: Tensor) -> Tensor:

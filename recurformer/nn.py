@@ -85,20 +85,41 @@ class LayerState:
     has no such part). ``cache`` names the fields whose dimension ``dim`` holds past positions of
     any length (a KV cache); ``partial`` the fields whose dimension holds the tokens read so far
     of the current chunk, ``pos % period`` more than in a fresh state. The state check is exact
-    on every other dimension."""
+    on every other dimension. ``runtime`` names the fields that hold no part of the state's value
+    but a ``Room`` (buffers that make decoding cheaper): they are never saved, checked or compared,
+    and ``map`` keeps one only while it still fits the mapped tensors (``detach`` keeps it)."""
 
     cache: ClassVar[dict[str, int]] = {}
     partial: ClassVar[dict[str, int]] = {}
+    runtime: ClassVar[tuple[str, ...]] = ()
 
     def map(self: S, fn: Callable[[Tensor], Tensor]) -> S:
-        return dataclasses.replace(self, **{k: fn(v) for k, v in self.tensors().items()})
+        out = dataclasses.replace(self, **{k: fn(v) for k, v in self.tensors().items()})
+        rooms: dict[str, Room | None] = {k: getattr(out, k) for k in self.runtime}
+        stale = {k: None for k, room in rooms.items() if room is not None and not room.fits(out)}
+        return dataclasses.replace(out, **stale) if stale else out
 
     def tensors(self) -> dict[str, Tensor]:
         return {f.name: v for f in dataclasses.fields(self) if isinstance(v := getattr(self, f.name), Tensor)}
 
     @classmethod
     def from_flat(cls: type[S], flat: dict[str, Tensor], prefix: str) -> S:
-        return cls(**{f.name: flat.get(prefix + f.name) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: flat.get(prefix + f.name) for f in dataclasses.fields(cls) if f.name not in cls.runtime})
+
+
+class Room(typing.Protocol):
+    """Decoding buffers kept next to a layer state (a ``runtime`` field) and updated in place by
+    the layer without autograd. Several states can share one room (the state a call returns and
+    the one it read), so a layer writes into it only after ``fits`` confirms that the state it
+    reads is the one the room was last brought up to date with; otherwise it makes a new room."""
+
+    def fits(self, state: Any) -> bool: ...
+
+
+def writable(t: Tensor) -> bool:
+    """Whether a room's buffer ``t`` may be written in place now: one made under
+    ``torch.inference_mode`` only inside it (PyTorch refuses the write elsewhere)."""
+    return not t.is_inference() or torch.is_inference_mode_enabled()
 
 
 @dataclass
@@ -212,6 +233,8 @@ class Layer(nn.Module):
         if type(state) is not self.state_cls:
             return f"holds a {type(state).__name__}, expected a {self.state_cls.__name__}"
         for name, shape in self.state_shapes().items():
+            if name in state.runtime:
+                continue
             a = getattr(state, name)
             if (a is None) != (shape is None):
                 return f"'{name}' is {'missing' if a is None else 'unexpected'}"

@@ -10,7 +10,7 @@ keys (bounded memory at any length: the sliding-window baseline).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..config import RecurformerError
 from ..layers import Block, apply_rope, attend, merge_heads, rope_cos_sin, split_heads
-from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM
+from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM, writable
 
 
 @dataclass
@@ -26,14 +26,60 @@ class LlamaConfig(ModelConfig):
     context_field = "window"
 
 
+@dataclass(eq=False)
+class KVRoom:
+    """Preallocated keys/values [B, H, capacity, head_dim] behind a full-attention KV cache while
+    decoding: a call writes its keys/values after the ``used`` positions in place and attends over
+    the filled prefix, so a decoded token reads the cache but does not copy it (``torch.cat`` would
+    copy all S positions per token, O(S^2) per sequence). When full, the capacity doubles
+    (amortised O(1) copying per token)."""
+
+    k: Tensor
+    v: Tensor
+    used: int
+
+    @classmethod
+    def around(cls, state: "KVState", capacity: int, dtype: torch.dtype) -> "KVRoom":
+        """A new room holding ``state``'s cache, with space for ``capacity`` positions."""
+        B, H, S, d = state.k.shape
+        room = cls(k=state.k.new_empty(B, H, capacity, d, dtype=dtype), v=state.v.new_empty(B, H, capacity, d, dtype=dtype), used=S)
+        room.k[:, :, :S], room.v[:, :, :S] = state.k, state.v
+        return room
+
+    def fits(self, state: "KVState") -> bool:
+        """Whether ``state``'s cache is the filled prefix of this room (then positions from
+        ``used`` on belong to no state and may be written)."""
+        return all(
+            t.data_ptr() == buf.data_ptr() and t.device == buf.device and t.shape == buf[:, :, : self.used].shape and t.stride() == buf.stride()
+            for t, buf in ((state.k, self.k), (state.v, self.v))
+        )
+
+    def takes(self, state: "KVState", k: Tensor) -> bool:
+        """Whether keys ``k`` [B, H, T, head_dim] (and their values) can be written in place
+        after ``state``'s cache: it is the filled prefix, T positions are free, the dtype is the
+        same and the buffers are writable here."""
+        return self.fits(state) and self.used + k.shape[2] <= self.k.shape[2] and self.k.dtype == k.dtype and writable(self.k)
+
+    def append(self, k: Tensor, v: Tensor) -> "KVState":
+        """The cache extended by ``k``/``v`` [B, H, T, head_dim], written in place (the caller
+        made sure that the room ``takes`` them)."""
+        S, T = self.used, k.shape[2]
+        self.k[:, :, S : S + T], self.v[:, :, S : S + T] = k, v
+        self.used = S + T
+        return KVState(k=self.k[:, :, : S + T], v=self.v[:, :, : S + T], room=self)
+
+
 @dataclass
 class KVState(LayerState):
     """KV cache ``k``/``v`` [B, H, S, head_dim], keys already rotated at their absolute positions
-    ``pos - S .. pos - 1`` (keys before a row's document start are masked out)."""
+    ``pos - S .. pos - 1`` (keys before a row's document start are masked out). While decoding,
+    ``k``/``v`` are the filled prefix of a ``KVRoom``."""
 
     cache: ClassVar[dict[str, int]] = {"k": 2, "v": 2}
+    runtime: ClassVar[tuple[str, ...]] = ("room",)
     k: Tensor
     v: Tensor
+    room: KVRoom | None = field(default=None, repr=False, compare=False)
 
 
 class Attention(Layer):
@@ -76,8 +122,8 @@ class Attention(Layer):
         k_pos = torch.arange(pos0 - S, pos0 + T, device=x.device)
         cos, sin = rope_cos_sin(q_pos, self.head_dim, self.theta, x.dtype)
         hides_cache = S > 0 and bool((start > pos0 - S).any())
-        if S == 0 and not hides_cache and (W is None or W >= T):
-            return cos, sin, None  # plain causal: SDPA's fast path
+        if not hides_cache and (W is None or W >= S + T) and (S == 0 or T == 1):
+            return cos, sin, None  # plain causal (S = 0), or one query that sees every key: no mask
         vis = k_pos[None, :] <= q_pos[:, None]  # [T, S+T]
         if W is not None:
             vis = vis & (k_pos[None, :] > q_pos[:, None] - W)
@@ -88,13 +134,26 @@ class Attention(Layer):
         T, S = x.shape[1], state.k.shape[2]
         cos, sin, mask = call.shared(("rope+mask", S, self.window, x.dtype), lambda: self.tables(call, T, S, x))
         q = apply_rope(split_heads(self.wq(x), self.n_heads), cos, sin)
-        k = torch.cat((state.k, apply_rope(split_heads(self.wk(x), self.n_heads), cos, sin)), dim=2)
-        v = torch.cat((state.v, split_heads(self.wv(x), self.n_heads)), dim=2)
-        o = attend(q, k, v, mask, causal=mask is None)
+        k_new = apply_rope(split_heads(self.wk(x), self.n_heads), cos, sin)
+        v_new = split_heads(self.wv(x), self.n_heads)
+        if self.window is None and S > 0 and not torch.is_grad_enabled():
+            new = self.extend(state, k_new, v_new)
+        else:  # with autograd an in-place write could change a tensor that backward still needs
+            new = KVState(k=torch.cat((state.k, k_new), dim=2), v=torch.cat((state.v, v_new), dim=2))
+        o = attend(q, new.k, new.v, mask, causal=mask is None and S == 0)
         if self.window is not None:
-            keep = min(self.window - 1, k.shape[2])
-            k, v = k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :]
-        return self.wo(merge_heads(o)), KVState(k=k, v=v)
+            keep = min(self.window - 1, new.k.shape[2])
+            new = KVState(k=new.k[:, :, new.k.shape[2] - keep :], v=new.v[:, :, new.v.shape[2] - keep :])
+        return self.wo(merge_heads(o)), new
+
+    @staticmethod
+    def extend(state: KVState, k: Tensor, v: Tensor) -> KVState:
+        """The full cache extended by ``k``/``v`` in its room (without autograd): in place while
+        the room fits the state and has space, else in a new room of twice the needed size."""
+        room = state.room
+        if room is None or not room.takes(state, k):
+            room = KVRoom.around(state, 2 * (state.k.shape[2] + k.shape[2]), k.dtype)
+        return room.append(k, v)
 
 
 class Llama(StreamingLM):

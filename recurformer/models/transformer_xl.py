@@ -27,7 +27,7 @@ row can be reset only at a segment boundary (segments are aligned across the bat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from ..config import RecurformerError
 from ..layers import Block, merge_heads, pieces, split_heads
-from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM, reset_rows
+from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM, reset_rows, writable
 from ..ops.relative import relative_scores, sinusoid_table
 
 
@@ -63,15 +63,55 @@ class TransformerXLConfig(ModelConfig):
         return self.segment_len if self.mem_len is None else self.mem_len
 
 
+def identity(t: Tensor) -> tuple:
+    """What tells a live tensor from every other one: its memory, layout and type."""
+    return t.data_ptr(), t.device, t.dtype, t.shape, t.stride()
+
+
+@dataclass(eq=False)
+class XLRoom:
+    """While decoding without autograd: the keys/values [B, H, M+L, d] of the memory (positions
+    0..M-1) and of the current segment's tokens read so far (from M on), and the position terms
+    ``rel`` = W_{k,R} R_δ [H, M+L, d]. A call then projects only its own tokens, O(D^2) per token
+    instead of O((M+L) D^2) for the whole memory, segment and distance table again.
+
+    ``held`` identifies the state the room is up to date with, ``weights`` the projections it was
+    computed with (data pointer and version counter: an in-place change through ``.data`` escapes
+    it, as it escapes autograd)."""
+
+    k: Tensor
+    v: Tensor
+    rel: Tensor
+    weights: tuple
+    held: tuple = ()
+
+    def fits(self, state: "XLState") -> bool:
+        return self.held == (identity(state.mem), identity(state.seg))
+
+    def write(self, at: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Put the keys/values [B, H, n, d] of n new tokens at position ``at``; the keys/values
+        of positions 0..at+n-1."""
+        n = k.shape[2]
+        self.k[:, :, at : at + n], self.v[:, :, at : at + n] = k, v
+        return self.k[:, :, : at + n], self.v[:, :, : at + n]
+
+    def next_segment(self, L: int, M: int) -> None:
+        """The segment is complete: the last M of its memory + segment positions become the memory."""
+        self.k[:, :, :M], self.v[:, :, :M] = self.k[:, :, L : L + M].clone(), self.v[:, :, L : L + M].clone()
+
+
 @dataclass
 class XLState(LayerState):
     """``mem`` [B, M, D]: the layer's normed inputs at the M positions before the current segment
     (detached; zeros before the document start, where they are masked); ``seg`` [B, r, D]: its
-    normed inputs for the r tokens of the current segment read so far."""
+    normed inputs for the r tokens of the current segment read so far; ``room``: their projections
+    while decoding (``XLRoom``)."""
 
     partial: ClassVar[dict[str, int]] = {"seg": 1}
+    runtime: ClassVar[tuple[str, ...]] = ("room",)
     mem: Tensor
     seg: Tensor
+    room: XLRoom | None = field(default=None, repr=False, compare=False)
 
 
 class RelAttention(Layer):
@@ -129,34 +169,63 @@ class RelAttention(Layer):
             dist = dist.clamp(max=c.clamp_len)
         return sinusoid_table(dist, c.dim, c.rope_theta, x.dtype)
 
-    def attention(self, x: Tensor, ctx: Tensor, rel: Tensor, mask: Tensor) -> Tensor:
-        """x [B, n, D] (normed queries' inputs), ctx [B, K, D] (normed [memory; segment so far; x]),
-        rel [H, K, d] (W_{k,R} R_δ, δ = 0..K-1), mask [B, 1, n, K] bool -> [B, n, D]."""
-        q = split_heads(self.wq(x), self.n_heads)  # [B, H, n, d]
-        k = split_heads(self.wk(ctx), self.n_heads)  # [B, H, K, d]
-        v = split_heads(self.wv(ctx), self.n_heads)
+    def rel(self, x: Tensor, call: Call) -> Tensor:
+        """W_{k,R} R_δ [H, M+L, d] for δ = 0..M+L-1."""
+        c = self.cfg
+        pos_emb = call.shared(("xl-R", c.segment_len, c.memory_len, x.dtype), lambda: self.positions(x))
+        return self.wr(pos_emb).view(c.memory_len + c.segment_len, self.n_heads, c.head_dim).transpose(0, 1)
+
+    def room(self, st: XLState, x: Tensor, call: Call) -> XLRoom:
+        """``st``'s room if it is up to date with ``st`` and the weights, else a new one: the
+        memory and the segment so far projected once."""
+        weights = tuple((w.data_ptr(), w._version) for w in (self.wk.weight, self.wv.weight, self.wr.weight))
+        room = st.room
+        if room is not None and room.fits(st) and room.weights == weights and room.k.dtype == x.dtype and writable(room.k):
+            return room
+        c, H = self.cfg, self.n_heads
+        ctx = torch.cat((st.mem, st.seg), dim=1)
+        empty = lambda: x.new_empty(x.shape[0], H, c.memory_len + c.segment_len, c.head_dim)  # noqa: E731
+        room = XLRoom(k=empty(), v=empty(), rel=self.rel(x, call), weights=weights)
+        room.write(0, split_heads(self.wk(ctx), H), split_heads(self.wv(ctx), H))
+        return room
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, rel: Tensor, mask: Tensor) -> Tensor:
+        """q [B, H, n, d] (the queries), k, v [B, H, K, d] (of [memory; segment so far; queries'
+        tokens]), rel [H, K, d] (W_{k,R} R_δ, δ = 0..K-1), mask [B, 1, n, K] bool -> [B, n, D]."""
         s = relative_scores(q, k, rel, self.u, self.v) * self.scale  # [B, H, n, K]
         p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
         return self.wo(merge_heads(p @ v))
 
     def forward(self, x: Tensor, st: XLState, call: Call) -> tuple[Tensor, XLState]:
-        """x [B, T, D] (normed) -> attention output [B, T, D], segment by segment."""
+        """x [B, T, D] (normed) -> attention output [B, T, D], segment by segment. Without
+        autograd the projections of earlier positions come from the room (with autograd they are
+        recomputed, so that W_k and W_v get their gradient through the memory)."""
         c = self.cfg
         L, M, T, H = c.segment_len, c.memory_len, x.shape[1], self.n_heads
-        pos_emb = call.shared(("xl-R", L, M, x.dtype), lambda: self.positions(x))
-        rel = self.wr(pos_emb).view(M + L, H, c.head_dim).transpose(0, 1)  # [H, M+L, d]
+        room = None if torch.is_grad_enabled() else self.room(st, x, call)
+        rel = self.rel(x, call) if room is None else room.rel
         mem, seg, a, outs = st.mem, st.seg, 0, []
         for n in pieces(call.pos % L, T, L):
             r = seg.shape[1]
             seg_start = call.pos + a - r
             mask = call.shared(("xl-mask", L, M, a), lambda: self.mask(r, n, (seg_start - call.start).clamp(0, M)))
             xa = x[:, a : a + n]
-            outs.append(self.attention(xa, torch.cat((mem, seg, xa), dim=1), rel[:, : M + r + n], mask))
+            if room is None:
+                ctx = torch.cat((mem, seg, xa), dim=1)
+                k, v = split_heads(self.wk(ctx), H), split_heads(self.wv(ctx), H)
+            else:
+                k, v = room.write(M + r, split_heads(self.wk(xa), H), split_heads(self.wv(xa), H))
+            outs.append(self.attention(split_heads(self.wq(xa), H), k, v, rel[:, : M + r + n], mask))
             seg = torch.cat((seg, xa), dim=1)
             if r + n == L:  # segment complete: its inputs become the memory (stop-gradient)
                 mem, seg = torch.cat((mem, seg), dim=1)[:, L:].detach(), seg[:, :0]
+                if room is not None:
+                    room.next_segment(L, M)
             a += n
-        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], XLState(mem=mem, seg=seg)
+        new = XLState(mem=mem, seg=seg, room=room)
+        if room is not None:
+            room.held = (identity(mem), identity(seg))
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], new
 
 
 class TransformerXL(StreamingLM):
