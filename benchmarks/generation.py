@@ -25,6 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from recurformer.device import pick_device
 from recurformer.models import model_names
 
 SMALL = dict(vocab_size=4096, dim=128, n_layers=4, n_heads=4)
@@ -36,24 +39,36 @@ EXTRA = {
     "recurrent_transformer": dict(),
 }
 
+# the children import nothing of recurformer beyond the model and generate, so --against runs older checkouts
+DEVICE_CODE = """
+dev = torch.device(sys.argv[-1])
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+def mem_mb():  # CUDA: tensors allocated at the peak; CPU: resident set now
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev) / 2**20
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+"""
+
 CHILD = """
 import json, sys, time, torch
 from recurformer import build_model
 from recurformer.generate import new_session, stream
 name, marks = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
 cfg = json.loads(sys.argv[3])
+""" + DEVICE_CODE + """
 torch.manual_seed(0)
-model = build_model(name, cfg).eval()
-def rss_mb():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
+model = build_model(name, cfg).eval().to(dev)
 s = new_session(model, 1, seed=0)
 out, t0, last_t, last_n = [], time.perf_counter(), time.perf_counter(), 0
 it = stream(model, [1, 2, 3], max(marks), temperature=0.0, session=s)
 for n, _ in enumerate(it, 1):
     if n in marks:
+        sync()
         now = time.perf_counter()
-        out.append(dict(tokens=n, rss_mb=round(rss_mb(), 1), tok_per_s=round((n - last_n) / (now - last_t), 1)))
+        out.append(dict(tokens=n, mem_mb=round(mem_mb(), 1), tok_per_s=round((n - last_n) / (now - last_t), 1)))
         last_t, last_n = now, n
 print(json.dumps(out))
 """
@@ -64,17 +79,20 @@ from recurformer import build_model
 from recurformer.generate import new_session, read, stream
 name, context, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cfg = json.loads(sys.argv[4])
+""" + DEVICE_CODE + """
 torch.manual_seed(0)
-model = build_model(name, cfg).eval()
+model = build_model(name, cfg).eval().to(dev)
 s = new_session(model, 1, seed=0)
 tokens = torch.randint(0, cfg["vocab_size"], (1, context))
 for a in range(0, context, 1024):
     read(model, s, tokens[:, a : a + 1024])
 for _ in stream(model, None, 2, temperature=0.0, session=s):  # warm-up
     pass
+sync()
 t0 = time.perf_counter()
 for _ in stream(model, None, n, temperature=0.0, session=s):
     pass
+sync()
 print(json.dumps(dict(tok_per_s=round(n / (time.perf_counter() - t0), 1))))
 """
 
@@ -100,7 +118,7 @@ def decode_speed(args: argparse.Namespace) -> None:
         cfg = {**SMALL, **EXTRA.get(name, {}), **args.config}
         rows = []
         for context in (int(c) for c in args.contexts.split(",")):
-            argv = [name, str(context), str(args.decode), json.dumps(cfg)]
+            argv = [name, str(context), str(args.decode), json.dumps(cfg), args.device]
             codes = [None, args.against] if args.against else [None]
             best = {code: 0.0 for code in codes}
             try:
@@ -133,7 +151,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="alternating runs per context (the best is kept)")
     ap.add_argument("--config", type=json.loads, default={}, help='config values for every model, e.g. \'{"dim": 512}\'')
     ap.add_argument("--out", default=None, help="default: docs/generation.json (docs/decode.json with --contexts)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N; memory is the RSS on the CPU, allocated tensors on CUDA")
     args = ap.parse_args()
+    args.device = str(pick_device(args.device))
     if args.contexts:
         args.out = args.out or "docs/decode.json"
         return decode_speed(args)
@@ -143,15 +163,15 @@ def main() -> None:
     for name in args.models.split(","):
         cfg = {**SMALL, **EXTRA.get(name, {}), **args.config}
         try:
-            rows = child(CHILD, [name, args.tokens, json.dumps(cfg)])
+            rows = child(CHILD, [name, args.tokens, json.dumps(cfg), args.device])
         except RuntimeError as e:
             print(f"{name:<22} failed ({e})")
             continue
         results[name] = {"config": cfg, "marks": rows}
-        cells = "".join(f"{r['tok_per_s']:>9,.0f} tok/s {r['rss_mb']:>5,.0f}MB" for r in rows)
-        print(f"{name:<22}{cells}{rows[-1]['rss_mb'] / rows[0]['rss_mb']:>10.2f}x", flush=True)
+        cells = "".join(f"{r['tok_per_s']:>9,.0f} tok/s {r['mem_mb']:>5,.0f}MB" for r in rows)
+        print(f"{name:<22}{cells}{rows[-1]['mem_mb'] / rows[0]['mem_mb']:>10.2f}x", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    Path(args.out).write_text(json.dumps(dict(meta=dict(device=args.device), results=results), indent=2))
     plot(results, Path(args.out).with_suffix(".png"))
     print(f"wrote {args.out}")
 
@@ -167,9 +187,9 @@ def figure(results: dict):  # type: ignore[no-untyped-def]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4.2))
     for name, r in results.items():
         xs = [m["tokens"] for m in r["marks"]]
-        a.plot(xs, [m["rss_mb"] for m in r["marks"]], marker="o", label=name)
+        a.plot(xs, [m["mem_mb"] for m in r["marks"]], marker="o", label=name)
         b.plot(xs, [m["tok_per_s"] for m in r["marks"]], marker="o", label=name)
-    for ax, y, key in ((a, "resident memory (MB)", "rss_mb"), (b, "tokens/s (since the previous mark)", "tok_per_s")):
+    for ax, y, key in ((a, "memory (MB): RSS on CPU, allocated on CUDA", "mem_mb"), (b, "tokens/s (since the previous mark)", "tok_per_s")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens generated")
         ax.set_ylabel(y)
