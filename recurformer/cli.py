@@ -253,6 +253,16 @@ def cmd_probe(args: argparse.Namespace) -> None:
     from .checkpoint import atomic_write, check_writable, load_model, resolve
     from .device import pick_device
 
+    out = Path(args.json)
+    if args.merge:
+        check_writable(out, "--json file")
+        check_writable(out.with_suffix(".png"), "plot")
+        results, meta = probe.merge([Path(f) for f in args.merge])
+        print(probe.markdown_tables(results))
+        atomic_write(out, lambda p: p.write_text(json.dumps(probe.to_json(results, meta), indent=2) + "\n"))
+        atomic_write(out.with_suffix(".png"), lambda p: probe.plot(results, p, f"{meta['task']} probe"))
+        print(f"wrote {out} and {out.with_suffix('.png')}")
+        return
     if args.task not in probe.TASKS:
         raise RecurformerError(f"unknown probe task '{args.task}'; valid tasks: {', '.join(probe.TASKS)}")
     _check_at_least(args, 1, "docs", "batch_size", "chunk")
@@ -384,7 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the full result as JSON here")
 
     p = sub.add_parser("probe", help="how far back the state carries information: copy and swap probes with bootstrap intervals")
-    p.add_argument("--checkpoint", nargs="+", required=True, help="run or checkpoint directories (one line each in the plot)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--checkpoint", nargs="+", help="run or checkpoint directories (one line each in the plot)")
+    what.add_argument("--merge", nargs="+", metavar="JSON", help="instead: one table, JSON and plot from earlier probe "
+                      "results run with the same documents and settings")
     p.add_argument("--task", default="repeat", help="repeat (copy: s1, marker, s2 = s1) or swap (replace the history older than d)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--dataset", help="a bundled dataset's val split (default: tinystories-repeat for repeat, the checkpoint's own for swap)")

@@ -455,6 +455,38 @@ def to_json(results: Sequence[ProbeResult], meta: dict[str, Any]) -> dict[str, A
     return {"meta": meta, "results": [asdict(r) for r in results]}
 
 
+# the settings two probe runs must share for their rows to be compared in one table
+SAME_SETTINGS = ("task", "dataset_used", "text", "docs", "passage", "distances", "span", "warm_min", "warm_max", "chunk", "seed", "precision")
+
+
+def merge(files: Sequence[Path]) -> tuple[list[ProbeResult], dict[str, Any]]:
+    """The rows of several probe JSON files (``to_json``) as one result, when every file was run
+    with the same documents and settings (``SAME_SETTINGS``): a run per checkpoint, at different
+    times or on different machines, reads as one table and plot."""
+    results: list[ProbeResult] = []
+    first: tuple[Path, dict[str, Any]] | None = None
+    for f in files:
+        try:
+            data = json.loads(Path(f).read_text())
+            meta, rows = data["meta"], data["results"]
+        except FileNotFoundError:
+            raise RecurformerError(f"probe result not found: {f}") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise RecurformerError(f"{f} is not a probe result file ({type(e).__name__}: {e})") from None
+        if first is None:
+            first = (Path(f), meta)
+        for key in SAME_SETTINGS:
+            if meta.get(key) != first[1].get(key):
+                raise RecurformerError(
+                    f"cannot merge {first[0]} and {f}: they were run with different {key} ({first[1].get(key)!r} vs {meta.get(key)!r})"
+                )
+        for r in rows:
+            stats = {m: [BinStat(**b) for b in bs] for m, bs in r.pop("metrics").items()}
+            results.append(ProbeResult(**r, metrics=stats))
+    assert first is not None
+    return results, {k: first[1].get(k) for k in SAME_SETTINGS} | {"merged_from": [str(f) for f in files]}
+
+
 def plot(results: Sequence[ProbeResult], path: Path, title: str) -> None:
     """One panel per metric: value vs distance (log), one line per checkpoint with its interval
     shaded and each bounded model's receptive field R marked."""

@@ -269,3 +269,36 @@ def test_cli_checkpoint_without_tokenizer_and_non_utf8_text(trained, tmp_path, c
     assert cli_main(["probe", "--checkpoint", str(run), "--text", str(bad), "--json", str(tmp_path / "p.json")]) == 2
     assert "is not UTF-8 text" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_cli_merge_equals_one_run_and_refuses_other_settings(trained, tmp_path, capsys) -> None:
+    """Probing checkpoints one at a time and merging the files gives the table of one run over
+    them all (the documents depend only on the text and the seed); files run with other settings
+    are refused in one line, nothing written."""
+    import shutil
+
+    run, corpus = trained
+    other = tmp_path / "run2"
+    shutil.copytree(run, other)
+    common = ["--text", str(corpus), "--docs", "8", "--passage", "20", "--warm-min", "5", "--warm-max", "30"]
+    assert cli_main(["probe", "--checkpoint", str(run), str(other), *common, "--json", str(tmp_path / "both.json")]) == 0
+    assert cli_main(["probe", "--checkpoint", str(run), *common, "--json", str(tmp_path / "a.json")]) == 0
+    assert cli_main(["probe", "--checkpoint", str(other), *common, "--json", str(tmp_path / "b.json")]) == 0
+    capsys.readouterr()
+    merged = tmp_path / "m" / "merged.json"
+    assert cli_main(["probe", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json", str(merged)]) == 0
+    assert "**swap_delta**" in capsys.readouterr().out and merged.with_suffix(".png").is_file()
+    both = json.loads((tmp_path / "both.json").read_text())["results"]
+    got = json.loads(merged.read_text())["results"]
+    assert [r["metrics"] for r in got] == [r["metrics"] for r in both]
+    assert [r["checkpoint"] for r in got] == [r["checkpoint"] for r in both]
+
+    assert cli_main(["probe", "--checkpoint", str(run), *common[:-4], "--warm-min", "0", "--warm-max", "9",
+                     "--json", str(tmp_path / "c.json")]) == 0
+    capsys.readouterr()
+    bad = tmp_path / "bad.json"
+    assert cli_main(["probe", "--merge", str(tmp_path / "a.json"), str(tmp_path / "c.json"), "--json", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "different warm_min" in err and err.count("\n") == 1 and not bad.exists()
+    assert cli_main(["probe", "--merge", str(tmp_path / "nope.json"), "--json", str(bad)]) == 2
+    assert "probe result not found" in capsys.readouterr().err
