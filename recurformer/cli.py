@@ -251,7 +251,7 @@ def cmd_probe(args: argparse.Namespace) -> None:
 
     from . import probe
     from .checkpoint import atomic_write, check_writable, load_model, resolve
-    from .device import pick_device
+    from .device import pick_device, slow_bf16_warning
 
     out = Path(args.json)
     if args.merge:
@@ -276,6 +276,8 @@ def cmd_probe(args: argparse.Namespace) -> None:
     check_writable(out, "--json file")  # before the work, not after it
     check_writable(out.with_suffix(".png"), "plot")
     device = pick_device(args.device)
+    if warning := slow_bf16_warning(args.precision, device):
+        print(warning, file=sys.stderr)
     dataset = args.dataset if (args.dataset or args.text) else ("tinystories-repeat" if args.task == "repeat" else None)
     results = []
     for path, label in zip(args.checkpoint, eval_labels(args.checkpoint)):

@@ -103,7 +103,8 @@ def make_sinks(names: list[str], run_dir: Path, config: dict[str, Any]) -> tuple
 def run_header(trainer: Any, notes: list[str]) -> list[str]:
     """What a run is about to do, in a few lines: device, precision, threads, parameters, tokens
     per step, data, where checkpoints and logs go."""
-    from .device import resolve_precision
+    from .device import resolve_precision, slow_bf16_warning
+    from .flops import matmul_peak
 
     t = trainer.cfg.train
     precision = t.precision
@@ -116,7 +117,7 @@ def run_header(trainer: Any, notes: list[str]) -> list[str]:
     per_step = t.grad_accum * t.batch_size * t.seq_len * trainer.world
     data = trainer.cfg.data
     source = data.dataset or ", ".join(data.text_files)
-    return [
+    lines = [
         f"model: {trainer.cfg.model['name']}, {n:,} parameters ({n / 1e6:.2f}M)",
         f"device: {device} x {trainer.world} rank(s), precision {precision}, {torch.get_num_threads()} threads per rank",
         f"tokens per step: {per_step:,} ({t.grad_accum} x {t.batch_size} streams x {t.seq_len} tokens x {trainer.world} ranks), "
@@ -129,3 +130,8 @@ def run_header(trainer: Any, notes: list[str]) -> list[str]:
         f"mfu = tokens/s x FLOP per token / peak",
         *notes,
     ]
+    warning = slow_bf16_warning(t.precision, trainer.device)
+    if warning:
+        fp32 = matmul_peak(torch.float32, str(trainer.device), seconds=0.2)
+        lines.append(f"{warning} (matmul peak measured now: bf16 {trainer.peak_flops / 1e9:,.1f}, fp32 {fp32 / 1e9:,.1f} GFLOP/s)")
+    return lines

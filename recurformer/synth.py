@@ -46,7 +46,7 @@ from .models import build_model, lookup
 from .layers import RMSNorm
 from .nn import IGNORE_INDEX, StreamingLM
 from .optim import lr_at, make_optimizer
-from .device import autocast_context, pick_device
+from .device import autocast_context, pick_device, slow_bf16_warning
 
 MODEL_DEFAULTS: dict[str, Any] = {"dim": 128, "n_layers": 1, "n_heads": 16, "ffn_hidden": 512}
 ONE_LAYER_FIELDS: dict[str, Any] = {"recurrent_layers": (-1,)}  # block_recurrent's default (-3,) needs 3 layers
@@ -272,6 +272,8 @@ def run_synth(
     ``progress``: a tqdm bar (on stderr) for each learning rate's training."""
     cfg = cfg or SynthConfig()
     dev = pick_device(device)
+    if warning := slow_bf16_warning(cfg.precision, dev):
+        log(warning)
     t = get_task(task)
     params = t.params(task_over)
     if cfg.n_train is not None and cfg.n_train < cfg.batch_size:

@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -592,6 +593,10 @@ class Trainer:
                 raise TrainingInterrupted(stop, self.step, None, self.out_dir)
             if self.show_progress:
                 print("\n".join(self.header), flush=True)
+            else:  # without the header, still say why a run will be slow
+                for line in self.header:
+                    if line.startswith("warning:"):
+                        print(line, file=sys.stderr, flush=True)
             if self.resumed_from is not None:
                 self._say(f"resuming from {self.resumed_from} at step {self.step} of {t.steps}, writing to {self.out_dir}")
             self.model.train()

@@ -252,6 +252,26 @@ def test_run_header(corpus, tmp_path, capsys) -> None:
     assert f"metrics: {tmp_path / 'run' / 'metrics.jsonl'}" in head
 
 
+@pytest.mark.parametrize("has_bf16", [False, True])
+def test_run_header_warns_of_emulated_bf16(corpus, tmp_path, capsys, monkeypatch, has_bf16) -> None:
+    """bf16 asked for by name on a CPU without bf16 matmuls (emulated, ~30x slower than fp32 on an
+    AVX2 core) is said in the header, with both peaks; where the CPU has it, or with auto, nothing."""
+    import recurformer.device
+
+    monkeypatch.setattr(recurformer.device, "cpu_has_bf16", lambda: has_bf16)
+    cfg = tiny_config(corpus, tmp_path)
+    cfg["train"].update(precision="bf16", steps=1)
+    recurformer.train(cfg, progress=False)  # no header printed, the warning still is
+    warned = [line for line in capsys.readouterr().err.splitlines() if "bf16 asked for" in line]
+    if has_bf16:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and "this CPU has no avx512_bf16/AMX" in warned[0] and "precision auto picks fp32" in warned[0]
+        assert re.search(r"matmul peak measured now: bf16 [\d.,]+, fp32 [\d.,]+ GFLOP/s\)$", warned[0])
+    assert recurformer.device.slow_bf16_warning("auto", torch.device("cpu")) is None
+    assert recurformer.device.slow_bf16_warning("fp32", torch.device("cpu")) is None
+
+
 def test_tensorboard_scalars_match_metrics(corpus, tmp_path) -> None:
     pytest.importorskip("tensorboard")  # in the test extras
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
