@@ -12,7 +12,7 @@ import torch
 from recurformer import build_model
 from recurformer.ops.recurrent_attention import recurrent_attention_naive, recurrent_attention_tiled
 
-from helpers import randomize_params
+from helpers import DEVICES, randomize_params
 
 BASE = dict(vocab_size=53, dim=16, n_layers=1, n_heads=2)
 CUSTOM = "_TiledRecurrentAttentionBackward"
@@ -54,22 +54,25 @@ LAYER_CASES = [
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T,extra,pos0,start1", LAYER_CASES, ids=[f"T={c[0]}-b={c[1].get('block_size', 1)}-{c[1].get('position', 'alibi')}" for c in LAYER_CASES])
-def test_layer_gradients_equal_naive(T, extra, pos0, start1) -> None:
+def test_layer_gradients_equal_naive(T, extra, pos0, start1, device) -> None:
     """One layer on fresh random inputs x and state (persistent cache of pos0 positions, the
     temporaries of the unfinished block), a loss on z and the new state: gradients of x, of the
     state and of every parameter agree with autograd through the naive op to 1e-10."""
     torch.manual_seed(T)
     model = build_model("recurrent_transformer", dict(BASE, **extra)).double()
     randomize_params(model, 0.3)
+    model.to(device)
     layer = model.layers[0]
     B, H, D = 2, layer.n_heads, layer.cfg.dim
     d, r0 = D // H, pos0 % layer.period
-    x = torch.randn(B, T, D, dtype=torch.float64, requires_grad=True)
-    past = {n: torch.randn(B, H, S, d, dtype=torch.float64, requires_grad=True) for n, S in (("k", pos0), ("v", pos0), ("tk", r0), ("tv", r0))}
-    start = torch.tensor([0, start1])
+    f64 = dict(dtype=torch.float64, device=device)
+    x = torch.randn(B, T, D, **f64, requires_grad=True)
+    past = {n: torch.randn(B, H, S, d, **f64, requires_grad=True) for n, S in (("k", pos0), ("v", pos0), ("tk", r0), ("tv", r0))}
+    start = torch.tensor([0, start1], device=device)
     rope, bias_fn = layer.position_signal(pos0, T, x.device, x.dtype)
-    weights = {n: torch.randn(B, *shape, dtype=torch.float64) for n, shape in (("z", (T, D)), ("k", (H, pos0 + T, d)), ("v", (H, pos0 + T, d)))}
+    weights = {n: torch.randn(B, *shape, **f64) for n, shape in (("z", (T, D)), ("k", (H, pos0 + T, d)), ("v", (H, pos0 + T, d)))}
     grads = {}
     for impl in ("tiled", "naive"):
         model.zero_grad()

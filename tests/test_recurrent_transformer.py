@@ -20,7 +20,7 @@ from recurformer.ops.recurrent_attention import (
     tile_schedule,
 )
 
-from helpers import randomize_params
+from helpers import DEVICES, randomize_params
 
 OPS = {"tiled": recurrent_attention_tiled, "naive": recurrent_attention_naive}
 BASE = dict(vocab_size=53, dim=16, n_layers=2, n_heads=2)
@@ -34,27 +34,28 @@ CASES = [
 ]
 
 
-def _pair(extra: dict, dtype: torch.dtype, std: float):
+def _pair(extra: dict, dtype: torch.dtype, std: float, device: str = "cpu"):
     tiled = build_model("recurrent_transformer", dict(BASE, **extra, impl="tiled")).to(dtype)
     naive = build_model("recurrent_transformer", dict(BASE, **extra, impl="naive")).to(dtype)
     randomize_params(tiled, std)
     naive.load_state_dict(tiled.state_dict())
-    return tiled, naive
+    return tiled.to(device), naive.to(device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,std,tol", [(torch.float64, 0.3, 1e-10), (torch.float32, 0.1, 1e-5)], ids=["f64", "f32"])
 @pytest.mark.parametrize("N,extra,p0", CASES, ids=[f"N={c[0]}" for c in CASES])
-def test_tiled_equals_naive_logits_and_gradients(N, extra, p0, dtype, std, tol) -> None:
-    tiled, naive = _pair(extra, dtype, std)
+def test_tiled_equals_naive_logits_and_gradients(N, extra, p0, dtype, std, tol, device) -> None:
+    tiled, naive = _pair(extra, dtype, std, device)
     B, V = 2, BASE["vocab_size"]
-    pre = torch.randint(0, V, (B, p0))
-    tokens = torch.randint(0, V, (B, N))
-    targets = torch.randint(0, V, (B, N))
+    pre = torch.randint(0, V, (B, p0)).to(device)
+    tokens = torch.randint(0, V, (B, N)).to(device)
+    targets = torch.randint(0, V, (B, N)).to(device)
     outs = {}
     for name, model in (("tiled", tiled), ("naive", naive)):
         state = model(pre).state if p0 else None  # an earlier call: cache (+ an unfinished block)
         out = model(tokens, state=state, targets=targets)
-        w = torch.randn(out.logits.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        w = torch.randn(out.logits.shape, generator=torch.Generator().manual_seed(1), dtype=dtype).to(device)
         (out.loss + (out.logits * w).mean()).backward()
         outs[name] = (out.logits.detach(), {n: p.grad for n, p in model.named_parameters()})
     (lt, gt), (ln, gn) = outs["tiled"], outs["naive"]
