@@ -306,7 +306,7 @@ def cmd_probe(args: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
     print()
     print(probe.markdown_tables(results))
-    meta = {k: v for k, v in vars(args).items() if k != "func"} | {"dataset_used": dataset}
+    meta = {k: v for k, v in vars(args).items() if k != "func"} | {"dataset_used": dataset, "text_sha256": probe.text_sha256(args.text)}
     atomic_write(out, lambda p: p.write_text(json.dumps(probe.to_json(results, meta), indent=2) + "\n"))
     png = out.with_suffix(".png")
     atomic_write(png, lambda p: probe.plot(results, p, f"{args.task} probe"))

@@ -27,6 +27,7 @@ documents (not tokens)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -465,6 +466,7 @@ def merge(files: Sequence[Path]) -> tuple[list[ProbeResult], dict[str, Any]]:
     times or on different machines, reads as one table and plot."""
     results: list[ProbeResult] = []
     first: tuple[Path, dict[str, Any]] | None = None
+    digest: str | None = None
     for f in files:
         try:
             data = json.loads(Path(f).read_text())
@@ -480,11 +482,27 @@ def merge(files: Sequence[Path]) -> tuple[list[ProbeResult], dict[str, Any]]:
                 raise RecurformerError(
                     f"cannot merge {first[0]} and {f}: they were run with different {key} ({first[1].get(key)!r} vs {meta.get(key)!r})"
                 )
+        if meta.get("text_sha256"):  # files of older runs lack it
+            if digest not in (None, meta["text_sha256"]):
+                raise RecurformerError(f"cannot merge {first[0]} and {f}: their --text files have the same names but other contents")
+            digest = meta["text_sha256"]
         for r in rows:
             stats = {m: [BinStat(**b) for b in bs] for m, bs in r.pop("metrics").items()}
             results.append(ProbeResult(**r, metrics=stats))
     assert first is not None
-    return results, {k: first[1].get(k) for k in SAME_SETTINGS} | {"merged_from": [str(f) for f in files]}
+    return results, {k: first[1].get(k) for k in SAME_SETTINGS} | {"text_sha256": digest, "merged_from": [str(f) for f in files]}
+
+
+def text_sha256(files: Sequence[str] | None) -> str | None:
+    """One hash of the probed text files' contents, in order (None for a bundled dataset): two
+    probe files are merged only when they read the same documents, not just files of one name."""
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(Path(f).read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 def plot(results: Sequence[ProbeResult], path: Path, title: str) -> None:

@@ -302,3 +302,12 @@ def test_cli_merge_equals_one_run_and_refuses_other_settings(trained, tmp_path, 
     assert "different warm_min" in err and err.count("\n") == 1 and not bad.exists()
     assert cli_main(["probe", "--merge", str(tmp_path / "nope.json"), "--json", str(bad)]) == 2
     assert "probe result not found" in capsys.readouterr().err
+
+    # same file name and settings, other documents: refused by the content hash
+    meta_b = json.loads((tmp_path / "b.json").read_text())
+    assert meta_b["meta"]["text_sha256"] == json.loads(merged.read_text())["meta"]["text_sha256"]
+    meta_b["meta"]["text_sha256"] = "0" * 64
+    (tmp_path / "d.json").write_text(json.dumps(meta_b))
+    assert cli_main(["probe", "--merge", str(tmp_path / "a.json"), str(tmp_path / "d.json"), "--json", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "same names but other contents" in err and err.count("\n") == 1 and not bad.exists()
