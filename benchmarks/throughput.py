@@ -49,7 +49,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from recurformer import build_model
-from recurformer.device import pick_device, synchronize
+from recurformer.device import pick_device, slow_bf16_warning, synchronize
 from recurformer.flops import forward_flops_per_token, matmul_peak, train_flops_per_token
 from recurformer.models import model_names
 from recurformer.models.memory_attention import algorithm_1
@@ -241,6 +241,9 @@ def main() -> None:
     unknown = [n for n in names if n not in model_names() and n not in BASELINES]
     if unknown:
         sys.exit(f"throughput.py: error: unknown model {unknown[0]}; choose from {', '.join(model_names() + list(BASELINES))}")
+    for p in {p.split("+")[0] for p in args.precisions.split(",")}:
+        if warning := slow_bf16_warning(p, device):
+            print(f"throughput.py: {warning}", file=sys.stderr)
     peak0 = peaks(device)
     ma_flops = train_flops_per_token(build_model("memory_attention", model_config("memory_attention", args.config)), args.seq)
     rows: list[Row] = []
