@@ -9,8 +9,15 @@ the same budget. Table 2 rows: the four training strategies of Memory Attention.
     python benchmarks/extrapolation.py train --dataset tinystories-sample --jobs 2
     python benchmarks/extrapolation.py eval  --dataset tinystories-sample [--eval-data warpeace]
 
-Runs go to runs/repro/<dataset>/<run>; evaluation JSON/markdown/PNG to docs/repro/.
-Training runs are skipped when their final checkpoint exists.
+``--scale seed`` trains the seed's model size instead (dim 288, 6 layers, 6 heads; 32 x 256
+tokens per step), for a GPU; ``--steps`` sets the budget of either scale:
+
+    python benchmarks/extrapolation.py train --scale seed --dataset tinystories-repeat --steps 20000 --jobs 2 --device cuda
+    python benchmarks/extrapolation.py eval  --scale seed --dataset tinystories-repeat --windows 128 --device cuda
+
+Runs go to runs/repro/<dataset>/<run> (runs/repro-seed/... at seed scale); evaluation
+JSON/markdown/PNG to docs/repro/ (docs/repro-seed/). Training runs are skipped when their final
+checkpoint exists.
 """
 
 from __future__ import annotations
@@ -57,8 +64,15 @@ TABLE2 = [
 ]
 
 
-def run_dir(dataset: str, run: str) -> Path:
-    return ROOT / "runs" / "repro" / dataset / run
+# every run of a scale gets these on top of configs/repro/base.yaml (CPU scale: dim 128, 4 layers, 8 x 256)
+SCALES: dict[str, list[str]] = {
+    "cpu": [],
+    "seed": ["model.dim=288", "model.n_layers=6", "model.n_heads=6", "train.batch_size=32", "train.eval_every=1000", "train.save_every=1000", "train.keep_last=2"],
+}
+
+
+def run_dir(dataset: str, run: str, scale: str = "cpu") -> Path:
+    return ROOT / "runs" / ("repro" if scale == "cpu" else f"repro-{scale}") / dataset / run
 
 
 def trained_length(run: Path) -> int:
@@ -68,16 +82,16 @@ def trained_length(run: Path) -> int:
     return json.loads((resolve(run) / "config.json").read_text())["train"]["seq_len"]
 
 
-def train_one(dataset: str, run: str, threads: int, device: str) -> str:
-    out = run_dir(dataset, run)
+def train_one(args: argparse.Namespace, run: str) -> str:
+    out = run_dir(args.dataset, run, args.scale)
     if (out / "latest").is_file():
         return f"{run}: exists, skipped"
-    cmd = [sys.executable, "-m", "recurformer.cli", "train", "--config", str(BASE), "--set", f"data.dataset={dataset}",
-           "--set", f"train.out_dir={out}", "--device", device]
-    for o in RUNS[run]:
+    cmd = [sys.executable, "-m", "recurformer.cli", "train", "--config", str(BASE), "--set", f"data.dataset={args.dataset}",
+           "--set", f"train.out_dir={out}", "--device", args.device]
+    for o in SCALES[args.scale] + RUNS[run] + ([f"train.steps={args.steps}"] if args.steps else []):
         cmd += ["--set", o]
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     t0 = time.time()
     with open(out / "train.log", "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -90,25 +104,25 @@ def cmd_train(args: argparse.Namespace) -> None:
     subprocess.check_call([sys.executable, "-m", "recurformer.cli", "prepare", "--dataset", args.dataset], cwd=ROOT,
                           stdout=subprocess.DEVNULL) if not (ROOT / "prepared" / f"{args.dataset}-bpe4096" / "meta.json").is_file() else None
     with ThreadPoolExecutor(args.jobs) as ex:
-        for msg in ex.map(lambda r: train_one(args.dataset, r, args.threads, args.device), runs):
+        for msg in ex.map(lambda r: train_one(args, r), runs):
             print(msg, flush=True)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from recurformer.evaluate import LengthResult, markdown_table, plot
 
-    out_dir = ROOT / "docs" / "repro"
+    out_dir = ROOT / "docs" / ("repro" if args.scale == "cpu" else f"repro-{args.scale}")
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = args.dataset + (f"-on-{args.eval_data}" if args.eval_data else "")
     done: dict[tuple, list[LengthResult]] = {}
     for label, run, extra in [*TABLE1, *((label, run, []) for label, run in TABLE2)]:
         key = (run, tuple(extra))
-        if key in done or not (run_dir(args.dataset, run) / "latest").is_file():
+        if key in done or not (run_dir(args.dataset, run, args.scale) / "latest").is_file():
             continue
         js = out_dir / "raw" / f"{tag}-{run}{''.join(extra).replace('--', '-')}.json"
         js.parent.mkdir(parents=True, exist_ok=True)
         lengths = args.lengths if run != "llama" or extra else args.dense_lengths
-        cmd = [sys.executable, "-m", "recurformer.cli", "eval", "--checkpoint", str(run_dir(args.dataset, run)),
+        cmd = [sys.executable, "-m", "recurformer.cli", "eval", "--checkpoint", str(run_dir(args.dataset, run, args.scale)),
                "--lengths", lengths, "--last", "256", "--windows", str(args.windows), "--json", str(js), *extra,
                "--context", str(max(int(x) for x in args.lengths.split(",")) + WARM),  # every job scores the same tokens
                "--device", args.device]
@@ -126,7 +140,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     for name, res in tables.items():
         md = markdown_table(res)
         (out_dir / f"{tag}-{name}.md").write_text(md + "\n")
-        trained = {label: trained_length(run_dir(args.dataset, labels[label])) for label in res}
+        trained = {label: trained_length(run_dir(args.dataset, labels[label], args.scale)) for label in res}
         title = f"{name.replace('table', 'Table ')}: trained on {args.dataset}" + (f", evaluated on {args.eval_data}" if args.eval_data else "")
         plot(res, out_dir / f"{tag}-{name}.png", title, 256, trained)
         print(f"\n{name} ({tag}):\n{md}")
@@ -137,12 +151,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train")
+    p.add_argument("--scale", choices=list(SCALES), default="cpu", help="model size: cpu (dim 128, 4 layers) or seed (dim 288, 6 layers)")
     p.add_argument("--dataset", default="tinystories-sample")
     p.add_argument("--runs", help=f"comma-separated subset of {','.join(RUNS)}")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--steps", type=int, help="optimizer steps per run (default: base.yaml's 1000)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p = sub.add_parser("eval")
+    p.add_argument("--scale", choices=list(SCALES), default="cpu", help="which runs: cpu or seed scale")
     p.add_argument("--dataset", default="tinystories-sample", help="the training dataset of the runs")
     p.add_argument("--eval-data", help="evaluate on another prepared dataset (e.g. warpeace)")
     p.add_argument("--lengths", default="256,512,1024,2048,4096,8192,16384")
