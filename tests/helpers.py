@@ -40,12 +40,12 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, segment_len=3, mem_len=0),
         dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, segment_len=4, mem_len=5, window=3, layers=["window", "xl", "full"]),
     ],
-    "block_recurrent": [  # all six gate x cell combinations
-        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="fixed", cell="skip"),
-        dict(vocab_size=61, dim=32, n_layers=2, n_heads=2, block_size=5, gate="fixed", cell="single", num_states=3, position="rope", recurrent_layers=(0,)),
+    "block_recurrent": [  # all six gate x cell combinations; query tiles smaller than a block in four
+        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="fixed", cell="skip", query_tile=3),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=2, block_size=5, gate="fixed", cell="single", num_states=3, position="rope", recurrent_layers=(0,), query_tile=2),
         dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, block_size=3, gate="fixed", cell="dual", recurrent_layers=(0, 2), mlp="relu"),
-        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="lstm", cell="skip", num_states=6, position="rope"),
-        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, block_size=6, gate="lstm", cell="single", recurrent_layers=(-1,), mlp="relu"),
+        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="lstm", cell="skip", num_states=6, position="rope", query_tile=1),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, block_size=6, gate="lstm", cell="single", recurrent_layers=(-1,), mlp="relu", query_tile=4),
         dict(vocab_size=61, dim=24, n_layers=1, n_heads=2, block_size=4, gate="lstm", cell="dual", recurrent_layers=(0,), t5_buckets=4, t5_max_distance=3),
         dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="fixed", cell="skip", recurrent_layers=(1,), window=3, layers=["window", "block_recurrent", "full"]),
     ],

@@ -62,11 +62,14 @@ class BlockRecurrentConfig(ModelConfig):
     t5_max_distance: int = 128
     mlp: Literal["swiglu", "relu"] = "swiglu"  # relu: meliad's 2-matrix MLP (used for the paper's param count)
     qk_norm: bool = True  # meliad's normalize_keys: L2-normalised q, k times a learned per-head scale
+    query_tile: int = 128  # queries per attention tile (speed only: exact at any value)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_size < 1:
             raise RecurformerError(f"config key 'block_size' must be >= 1, got {self.block_size}")
+        if self.query_tile < 1:
+            raise RecurformerError(f"config key 'query_tile' must be >= 1, got {self.query_tile}")
         if self.num_states is not None and self.num_states < 1:
             raise RecurformerError(f"config key 'num_states' must be >= 1, got {self.num_states}")
         if self.t5_buckets < 2 or self.t5_max_distance < self.t5_buckets // 2 + 1:
@@ -280,19 +283,42 @@ class BlockAttention(Layer):
         cell = None if st.cell is None else reset_rows(fresh, st.cell, self.initial_state)
         return BlockRecurrentState(k=reset_rows(fresh, st.k, zero), v=reset_rows(fresh, st.v, zero), cell=cell)
 
-    def window_bias(self, r: int, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """[H, n, W + r + n] additive attention bias for queries at block offsets i = r..r+n-1
-        over [previous block ; current block so far]: key j is visible iff 1 <= (W + i) - j <= W
-        (the W previous tokens, not the token itself); T5 bias (or 0 with RoPE) where visible,
-        -inf elsewhere."""
+    def tile_bias(self, m: int, dtype: torch.dtype, device: torch.device, call: Call) -> Tensor:
+        """[H, m, W + m - 1] additive attention bias of a tile of m consecutive queries over the
+        keys they can see: query t (0 <= t < m) at window index i sees window indices
+        i .. i + W - 1 of [previous block ; current block], i.e. key j of the tile's slice when
+        1 <= W + t - j <= W (the W previous tokens, not the token itself). T5 bias (or 0 with RoPE)
+        where visible, -inf elsewhere; the same for every tile, so each layer builds it once per call."""
         W = self.cfg.block_size
-        dist = (W + torch.arange(r, r + n, device=device))[:, None] - torch.arange(W + r + n, device=device)[None, :]
-        vis = (dist >= 1) & (dist <= W)
-        if self.cfg.position == "t5":
-            b = self.rel_bias(t5_buckets(dist, self.cfg.t5_buckets, self.cfg.t5_max_distance)).permute(2, 0, 1).to(dtype)
-        else:
-            b = torch.zeros(1, *dist.shape, dtype=dtype, device=device)
-        return b.masked_fill(~vis, float("-inf"))
+
+        def buckets() -> tuple[Tensor, Tensor]:
+            dist = W + torch.arange(m, device=device)[:, None] - torch.arange(W + m - 1, device=device)[None, :]
+            return t5_buckets(dist, self.cfg.t5_buckets, self.cfg.t5_max_distance), (dist >= 1) & (dist <= W)
+
+        def bias() -> Tensor:
+            bucket, vis = call.shared(("brt-tile", W, m, device), buckets)  # shared by all layers
+            if self.cfg.position == "t5":
+                b = self.rel_bias(bucket).permute(2, 0, 1).to(dtype)
+            else:
+                b = torch.zeros(1, *bucket.shape, dtype=dtype, device=device)
+            return self.qk.bias(b.masked_fill(~vis, float("-inf")))
+
+        return call.shared(("brt-bias", self, m, dtype), bias)
+
+    def window_attend(self, q: Tensor, k: Tensor, v: Tensor, r: int, call: Call, dtype: torch.dtype) -> Tensor:
+        """Token self-attention of n queries at block offsets r..r+n-1 over the window keys
+        k, v [B, H, W + r + n, d], the bias in ``dtype`` (the residual stream's). Queries go in
+        tiles of ``query_tile``; a tile reads only the W + m - 1 keys its queries can see, which
+        gives the softmax of the whole masked window (the keys left out weigh exp(-inf) = 0)."""
+        n, m = q.shape[2], min(self.cfg.query_tile, q.shape[2])
+        W = self.cfg.block_size
+        outs = []
+        for a in range(0, n, m):
+            mt = min(m, n - a)
+            bias = self.tile_bias(mt, dtype, q.device, call)
+            lo, hi = r + a, r + a + W + mt - 1
+            outs.append(attend(q[:, :, a : a + mt], k[:, :, lo:hi], v[:, :, lo:hi], bias))
+        return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
     def forward(self, x: Tensor, st: BlockRecurrentState, call: Call) -> tuple[Tensor, BlockRecurrentState]:
         """x [B, T, D] (normed) -> (Wo [self ; cross] [B, T, D], new state), block by block."""
@@ -320,7 +346,7 @@ class BlockAttention(Layer):
                 kr = apply_rope(kx, cos[: W + r + n], sin[: W + r + n])
             else:
                 kr = kx
-            o = merge_heads(attend(qa, kr, vx, self.qk.bias(self.window_bias(r, n, x.dtype, x.device))))
+            o = merge_heads(self.window_attend(qa, kr, vx, r, call, x.dtype))
             if self.cell is not None:
                 o = torch.cat((o, merge_heads(attend(q2[:, :, a : a + n], kc, vc))), dim=-1)
             outs.append(o)
