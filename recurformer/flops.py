@@ -5,7 +5,9 @@ ratios mean anything).
 FLOPs are counted, not derived by hand: one no-grad forward of the real model over ``T`` tokens
 runs under ``torch.utils.flop_counter.FlopCounterMode`` (every matmul, attention included, 2 FLOPs
 per multiply-add). Attention through SDPA counts only the (query, key) pairs its mask lets through
-(a causal mask: about half), on CPU and CUDA alike. A training step is counted as 3 forwards
+(a causal mask: about half), whatever kernel the device would pick (on CPU an additive mask runs
+as dense bmm, which would count every masked pair); attention written as plain matmuls is counted
+as those matmuls. A training step is counted as 3 forwards
 (backward = 2 x forward, the usual convention, e.g. PaLM's MFU): for Memory Attention in the
 seeds' configuration this gives ~73 MFLOP/token against 6N = 67 M.
 """
@@ -17,71 +19,63 @@ import time
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from .device import synchronize
 
-aten = torch.ops.aten
-
-
-def _sdpa_flops(q: Any, k: Any, v: Any, mask: Any, is_causal: bool) -> int:
+def _sdpa_flops(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> int:
     """2 FLOPs x (q.k over d, p.v over d_v) x the (query, key) pairs the mask shows, per batch and head."""
     B, H, Lq, d = q.shape
     Lk, dv = k.shape[-2], v.shape[-1]
-    if mask is not None:  # boolean, or additive (SDPA turns a boolean mask into one: -inf = hidden)
+    if mask is not None:  # boolean, or additive (-inf = hidden)
         visible = mask if mask.dtype == torch.bool else mask != float("-inf")
         pairs = int(torch.broadcast_to(visible, (B, H, Lq, Lk)).sum())
-    elif is_causal:  # query i sees keys 0..i + (Lk - Lq), as SDPA aligns them
-        pairs = B * H * sum(max(0, min(Lk, Lk - Lq + i + 1)) for i in range(Lq))
+    elif is_causal:  # SDPA's causal mask is aligned top-left: query i sees keys 0..i
+        pairs = B * H * sum(min(Lk, i + 1) for i in range(Lq))
     else:
         pairs = B * H * Lq * Lk
     return 2 * pairs * (d + dv)
 
 
-def _raw(f: Any) -> Any:
-    f._get_raw = True  # the counter passes these tensors, not their shapes: the mask is read
-    return f
+class _CountAttention(TorchFunctionMode):
+    """Counts every ``F.scaled_dot_product_attention`` call by the pairs its mask shows and returns
+    zeros of its output's shape instead of running it, so the FLOP counter never sees a kernel: on
+    CPU an additive mask goes to the math path, whose dense bmm would count every masked pair. The
+    FLOPs of a forward depend on shapes only, so the zeros change no count downstream."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
 
-# each SDPA kernel's arguments, as its aten schema orders them
-@_raw
-def _flash_cpu(q: Any, k: Any, v: Any, dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Any = None, **kw: Any) -> int:
-    return _sdpa_flops(q, k, v, attn_mask, is_causal)
-
-
-@_raw
-def _flash_cuda(q: Any, k: Any, v: Any, dropout_p: float = 0.0, is_causal: bool = False, *args: Any, **kw: Any) -> int:
-    return _sdpa_flops(q, k, v, None, is_causal)
-
-
-@_raw
-def _with_bias(q: Any, k: Any, v: Any, attn_bias: Any, compute_log_sumexp: bool, dropout_p: float = 0.0, is_causal: bool = False, *args: Any, **kw: Any) -> int:
-    return _sdpa_flops(q, k, v, attn_bias, is_causal)
-
-
-SDPA_FLOPS = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu,
-    aten._scaled_dot_product_flash_attention: _flash_cuda,
-    aten._scaled_dot_product_efficient_attention: _with_bias,
-    aten._scaled_dot_product_cudnn_attention: _with_bias,
-}
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+        self.flops += _sdpa_flops(q, k, v, mask, causal)
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
 
 
 def forward_flops_per_token(model: torch.nn.Module, T: int, device: torch.device | str = "cpu") -> float:
     """FLOPs of one forward over ``T`` tokens (batch 1, a fresh state), divided by T.
 
-    SDPA kernels are counted by the pairs their mask lets through (``_sdpa_flops``), so the number
-    does not depend on which kernel the device picks."""
+    SDPA calls are counted by the pairs their mask lets through (``_CountAttention``), so the number
+    does not depend on which kernel the device would pick."""
     x = torch.zeros(1, T, dtype=torch.long, device=device)
-    counter = FlopCounterMode(display=False, custom_mapping=SDPA_FLOPS)
+    counter, attention = FlopCounterMode(display=False), _CountAttention()
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), counter:
+        with torch.no_grad(), counter, attention:
             model(x)
     finally:
         model.train(was_training)
-    return counter.get_total_flops() / T
+    return (counter.get_total_flops() + attention.flops) / T
 
 
 def train_flops_per_token(model: torch.nn.Module, T: int, device: torch.device | str = "cpu") -> float:

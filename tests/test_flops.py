@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from recurformer import build_model
 from recurformer.flops import forward_flops_per_token, matmul_peak, train_flops_per_token
@@ -51,20 +52,33 @@ def test_matmul_peak_is_positive_and_leaves_the_rng_alone() -> None:
     assert 1e6 < peak < 1e15
 
 
-def test_every_sdpa_kernel_counts_the_visible_pairs() -> None:
-    """The CUDA kernels' counters (their aten argument order) give what the CPU kernel gives, on CPU
-    tensors: a causal mask as a flag, as an additive bias, or as booleans."""
-    from recurformer.flops import SDPA_FLOPS
+class Attend(torch.nn.Module):
+    """One SDPA call over fixed q, k, v with a mask given as booleans, as an additive bias, or as
+    the causal flag."""
 
-    aten = torch.ops.aten
-    q, k, v = torch.zeros(2, 3, 5, 8), torch.zeros(2, 3, 7, 8), torch.zeros(2, 3, 7, 4)
-    visible = torch.ones(5, 7, dtype=torch.bool).tril(2)  # SDPA's causal alignment when Lk > Lq
-    bias = torch.zeros(5, 7).masked_fill(~visible, float("-inf"))
-    want = 2 * 2 * 3 * int(visible.sum()) * (8 + 4)
-    assert SDPA_FLOPS[aten._scaled_dot_product_flash_attention_for_cpu](q, k, v, 0.0, True) == want
-    assert SDPA_FLOPS[aten._scaled_dot_product_flash_attention_for_cpu](q, k, v, attn_mask=visible) == want
-    assert SDPA_FLOPS[aten._scaled_dot_product_flash_attention](q, k, v, 0.0, True, False) == want
-    for op in (aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention):
-        assert SDPA_FLOPS[op](q, k, v, bias, True, 0.0, False) == want
-        assert SDPA_FLOPS[op](q, k, v, None, True, 0.0, True) == want
-        assert SDPA_FLOPS[op](q, k, v, None, True, 0.0, False) == 2 * 2 * 3 * 5 * 7 * 12
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = torch.zeros(2, 3, 5, 8), torch.zeros(2, 3, 7, 8), torch.zeros(2, 3, 7, 4)
+        visible = torch.ones(5, 7, dtype=torch.bool).tril()  # SDPA's causal mask: query i sees keys 0..i
+        if self.how == "causal":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask = visible if self.how == "bool" else torch.zeros(5, 7).masked_fill(~visible, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("how", ["bool", "additive", "causal"])
+def test_sdpa_counted_by_visible_pairs_whatever_the_mask(how) -> None:
+    """On CPU an additive mask runs SDPA's math path (dense bmm): still only the visible pairs count."""
+    visible = sum(i + 1 for i in range(5))
+    assert forward_flops_per_token(Attend(how), 1) == 2 * 2 * 3 * visible * (8 + 4)
+
+
+def test_block_recurrent_count_does_not_depend_on_query_tiles() -> None:
+    """Query tiles read W + m - 1 keys of which W are visible: the count is the visible pairs, the
+    same at any tile size (a dense count of the tiles' keys would not be)."""
+    cfg = dict(CFG, block_size=8)
+    counts = {m: forward_flops_per_token(build_model("block_recurrent", dict(cfg, query_tile=m)), 20) for m in (1, 3, 8)}
+    assert counts[1] == counts[3] == counts[8]
