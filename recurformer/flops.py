@@ -26,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .device import synchronize
 
+
 def _sdpa_flops(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> int:
     """2 FLOPs x (q.k over d, p.v over d_v) x the (query, key) pairs the mask shows, per batch and head."""
     B, H, Lq, d = q.shape
