@@ -416,6 +416,21 @@ def test_synthetic_grid_has_one_legend_titled_panels_and_visible_markers() -> No
     plt.close(fig)
 
 
+def test_step_profile_reads_matmul_dims_from_recorded_shapes() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.step_profile import MATMULS, matmul_dims
+
+    lin = torch.nn.Linear(5, 7)
+    a, b = torch.randn(3, 4, 6), torch.randn(3, 6, 2)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        lin(torch.randn(11, 5))  # addmm: bias, x, W^T
+        lin.weight.t() @ torch.randn(7, 9)  # mm
+        torch.bmm(a, b)
+    dims = {ev.key: matmul_dims(ev.key, ev.input_shapes) for ev in prof.key_averages(group_by_input_shape=True) if ev.key in MATMULS}
+    assert dims == {"aten::addmm": (1, 11, 5, 7), "aten::mm": (1, 5, 7, 9), "aten::bmm": (3, 4, 6, 2)}
+
+
 # -- info, lower-case prompts, README ------------------------------------------------------------
 
 
