@@ -1,10 +1,14 @@
 """Where one CPU training step's time goes, and what that allows for the fraction of peak.
 
 ``throughput.py`` reports a training step as a fraction of this machine's n x n matmul peak. This
-script splits that fraction into its two factors with ``torch.profiler`` (one step after two
-warm-up steps, fp32, the seeds' config and batch as in ``throughput.py``):
+script splits that fraction into its two factors with ``torch.profiler`` (one step after five,
+the median of the last three timed, fp32, the seeds' config and batch as in ``throughput.py``):
 
     fraction of peak  ~  (share of the step spent in matmuls) x (the matmuls' own FLOP/s / peak)
+                         + the attention's part
+
+"of peak" is the step's counted FLOPs (``recurformer.flops``, as ``throughput.py``) over its
+unprofiled time and the peak.
 
 - *matmul share*: self time of aten::mm / addmm / bmm / baddbmm over the step's self time;
   attention (SDPA) and everything else (norms, activations, RoPE, softmax, loss, optimizer) are
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -33,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from recurformer import build_model
-from recurformer.flops import matmul_peak
+from recurformer.flops import matmul_peak, train_flops_per_token
 from recurformer.models import model_names
 
 CONFIG = dict(vocab_size=4096, dim=288, n_layers=6, n_heads=6)  # the seeds' config, as throughput.py's "seed"
@@ -66,6 +71,7 @@ def profile_model(name: str, batch: int, seq: int) -> dict:
     torch.manual_seed(0)
     model = build_model(name, dict(CONFIG, **EXTRA.get(name, {})))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    flops = train_flops_per_token(model, seq) * batch * seq  # counted, as throughput.py
     x = torch.randint(0, CONFIG["vocab_size"], (batch, seq))
     state = None
 
@@ -79,9 +85,12 @@ def profile_model(name: str, batch: int, seq: int) -> dict:
 
     for _ in range(2):
         step()
-    t0 = time.perf_counter()
-    step()
-    step_s = time.perf_counter() - t0
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
     total = mm_time = attn_time = 0.0
@@ -102,7 +111,7 @@ def profile_model(name: str, batch: int, seq: int) -> dict:
     alone_s = sum(2 * d[0] * d[1] * d[2] * d[3] * calls / alone_flops_per_s(d) for d, (calls, _) in by_dims.items())
     top = sorted(other.items(), key=lambda kv: -kv[1])[:4]
     return dict(
-        model=name, step_s=round(step_s, 3), profiled_step_s=round(total, 3),
+        model=name, step_s=round(step_s, 3), profiled_step_s=round(total, 3), step_gflop_per_s=round(flops / step_s / 1e9, 2),
         matmul_share=round(mm_time / total, 4), attention_share=round(attn_time / total, 4),
         other_share=round(1 - (mm_time + attn_time) / total, 4),
         matmul_gflop=round(mm_flops / 1e9, 2), matmul_calls=int(sum(c for c, _ in by_dims.values())),
@@ -125,13 +134,14 @@ def main() -> None:
     rows = [profile_model(n, args.batch, args.seq) for n in names]
     peak = max(peak, matmul_peak.__wrapped__(torch.float32, "cpu"))  # best of start and end, as throughput.py
     for r in rows:
+        r["step_of_peak"] = round(r["step_gflop_per_s"] * 1e9 / peak, 4)
         r["matmul_of_peak_in_step"] = round(r["matmul_gflop_per_s_in_step"] * 1e9 / peak, 4)
         r["matmul_of_peak_alone"] = round(r["matmul_gflop_per_s_alone"] * 1e9 / peak, 4)
     print(f"fp32 1024x1024 matmul peak: {peak / 1e9:.1f} GFLOP/s on {torch.get_num_threads()} threads; one step of {args.batch} x {args.seq} tokens")
-    print(f"{'model':<24}{'step s':>8}{'matmul':>8}{'SDPA':>7}{'other':>7}{'mm/peak in step':>17}{'mm/peak alone':>15}  costliest other ops")
+    print(f"{'model':<24}{'step s':>8}{'of peak':>9}{'matmul':>8}{'SDPA':>7}{'other':>7}{'mm/peak in step':>17}{'mm/peak alone':>15}  costliest other ops")
     for r in rows:
         tops = ", ".join(f"{k.removeprefix('aten::')} {v:.1%}" for k, v in r["top_other"].items())
-        print(f"{r['model']:<24}{r['step_s']:>8.2f}{r['matmul_share']:>8.1%}{r['attention_share']:>7.1%}{r['other_share']:>7.1%}"
+        print(f"{r['model']:<24}{r['step_s']:>8.2f}{r['step_of_peak']:>9.1%}{r['matmul_share']:>8.1%}{r['attention_share']:>7.1%}{r['other_share']:>7.1%}"
               f"{r['matmul_of_peak_in_step']:>17.1%}{r['matmul_of_peak_alone']:>15.1%}  {tops}")
     if args.out:
         meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), peak_flops=peak, config=CONFIG, batch=args.batch,
