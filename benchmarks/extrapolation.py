@@ -71,8 +71,13 @@ SCALES: dict[str, list[str]] = {
 }
 
 
+def repro_name(scale: str) -> str:
+    """The folder name of a scale's runs and results: repro (cpu), repro-seed, ..."""
+    return "repro" if scale == "cpu" else f"repro-{scale}"
+
+
 def run_dir(dataset: str, run: str, scale: str = "cpu") -> Path:
-    return ROOT / "runs" / ("repro" if scale == "cpu" else f"repro-{scale}") / dataset / run
+    return ROOT / "runs" / repro_name(scale) / dataset / run
 
 
 def trained_length(run: Path) -> int:
@@ -111,7 +116,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from recurformer.evaluate import LengthResult, markdown_table, plot
 
-    out_dir = ROOT / "docs" / ("repro" if args.scale == "cpu" else f"repro-{args.scale}")
+    out_dir = ROOT / "docs" / repro_name(args.scale)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = args.dataset + (f"-on-{args.eval_data}" if args.eval_data else "")
     done: dict[tuple, list[LengthResult]] = {}
