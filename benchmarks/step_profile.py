@@ -2,7 +2,8 @@
 
 ``throughput.py`` reports a training step as a fraction of this machine's n x n matmul peak. This
 script splits that fraction into its two factors with ``torch.profiler`` (one step after five,
-the median of the last three timed, fp32, the seeds' config and batch as in ``throughput.py``):
+the median of the last three timed, fp32 or under bf16 autocast, the seeds' config and batch as in
+``throughput.py``):
 
     fraction of peak  ~  (share of the step spent in matmuls) x (the matmuls' own FLOP/s / peak)
                          + the attention's part
@@ -14,17 +15,19 @@ unprofiled time and the peak.
   attention (SDPA) and everything else (norms, activations, RoPE, softmax, loss, optimizer) are
   reported beside it, with the costliest of the rest by name.
 - *matmul efficiency*: the FLOPs of those calls (2·m·k·n from their recorded shapes) over their
-  time, in the step and again for the same shapes timed alone (best of several runs), each as a
-  fraction of the 1024 x 1024 peak measured in the same run.
+  time, in the step and again for the same shapes timed alone (best of several runs, in the
+  precision's dtype: under CPU autocast the matmuls run in bf16 and attention in fp32), each as a
+  fraction of the 1024 x 1024 peak of that dtype measured in the same run.
 
 So a model whose matmuls alone reach 80% of peak cannot train at 85% of it, however small the rest.
 
-    OMP_NUM_THREADS=2 python benchmarks/step_profile.py --models memory_attention,llama --out docs/step_profile.json
+    OMP_NUM_THREADS=2 python benchmarks/step_profile.py --models memory_attention,llama [--precision bf16] --out docs/step_profile.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -53,10 +56,10 @@ def matmul_dims(name: str, shapes: list[list[int]]) -> tuple[int, int, int, int]
     return (a[0] if len(a) == 3 else 1), a[-2], a[-1], b[-1]
 
 
-def alone_flops_per_s(dims: tuple[int, int, int, int], seconds: float = 0.3) -> float:
-    """Best FLOP/s of one matmul of these dims timed by itself."""
+def alone_flops_per_s(dims: tuple[int, int, int, int], dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
+    """Best FLOP/s of one matmul of these dims in ``dtype`` timed by itself."""
     bsz, m, k, n = dims
-    a, b = torch.randn(bsz, m, k), torch.randn(bsz, k, n)
+    a, b = torch.randn(bsz, m, k, dtype=dtype), torch.randn(bsz, k, n, dtype=dtype)
     mm = torch.bmm if bsz > 1 else lambda x, y: x[0] @ y[0]
     mm(a, b)
     best, t_end = float("inf"), time.perf_counter() + seconds
@@ -67,17 +70,19 @@ def alone_flops_per_s(dims: tuple[int, int, int, int], seconds: float = 0.3) -> 
     return 2 * bsz * m * k * n / best
 
 
-def profile_model(name: str, batch: int, seq: int) -> dict:
+def profile_model(name: str, batch: int, seq: int, precision: str = "fp32") -> dict:
     torch.manual_seed(0)
     model = build_model(name, dict(CONFIG, **EXTRA.get(name, {})))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     flops = train_flops_per_token(model, seq) * batch * seq  # counted, as throughput.py
     x = torch.randint(0, CONFIG["vocab_size"], (batch, seq))
     state = None
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     def step() -> None:
         nonlocal state
-        out = model(x, state=state, targets=x)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
+            out = model(x, state=state, targets=x)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -108,7 +113,7 @@ def profile_model(name: str, batch: int, seq: int) -> dict:
         else:
             other[ev.key] += sec
     mm_flops = sum(2 * d[0] * d[1] * d[2] * d[3] * calls for d, (calls, _) in by_dims.items())
-    alone_s = sum(2 * d[0] * d[1] * d[2] * d[3] * calls / alone_flops_per_s(d) for d, (calls, _) in by_dims.items())
+    alone_s = sum(2 * d[0] * d[1] * d[2] * d[3] * calls / alone_flops_per_s(d, dtype) for d, (calls, _) in by_dims.items())
     top = sorted(other.items(), key=lambda kv: -kv[1])[:4]
     return dict(
         model=name, step_s=round(step_s, 3), profiled_step_s=round(total, 3), step_gflop_per_s=round(flops / step_s / 1e9, 2),
@@ -125,26 +130,28 @@ def main() -> None:
     ap.add_argument("--models", default="memory_attention,llama")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: the step under CPU autocast, fractions of the bf16 peak")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     names = args.models.split(",")
     if unknown := [n for n in names if n not in model_names()]:
         sys.exit(f"step_profile.py: error: unknown model {unknown[0]}; choose from {', '.join(model_names())}")
-    peak = matmul_peak.__wrapped__(torch.float32, "cpu")
-    rows = [profile_model(n, args.batch, args.seq) for n in names]
-    peak = max(peak, matmul_peak.__wrapped__(torch.float32, "cpu"))  # best of start and end, as throughput.py
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    peak = matmul_peak.__wrapped__(dtype, "cpu")
+    rows = [profile_model(n, args.batch, args.seq, args.precision) for n in names]
+    peak = max(peak, matmul_peak.__wrapped__(dtype, "cpu"))  # best of start and end, as throughput.py
     for r in rows:
         r["step_of_peak"] = round(r["step_gflop_per_s"] * 1e9 / peak, 4)
         r["matmul_of_peak_in_step"] = round(r["matmul_gflop_per_s_in_step"] * 1e9 / peak, 4)
         r["matmul_of_peak_alone"] = round(r["matmul_gflop_per_s_alone"] * 1e9 / peak, 4)
-    print(f"fp32 1024x1024 matmul peak: {peak / 1e9:.1f} GFLOP/s on {torch.get_num_threads()} threads; one step of {args.batch} x {args.seq} tokens")
+    print(f"{args.precision} 1024x1024 matmul peak: {peak / 1e9:.1f} GFLOP/s on {torch.get_num_threads()} threads; one step of {args.batch} x {args.seq} tokens")
     print(f"{'model':<24}{'step s':>8}{'of peak':>9}{'matmul':>8}{'SDPA':>7}{'other':>7}{'mm/peak in step':>17}{'mm/peak alone':>15}  costliest other ops")
     for r in rows:
         tops = ", ".join(f"{k.removeprefix('aten::')} {v:.1%}" for k, v in r["top_other"].items())
         print(f"{r['model']:<24}{r['step_s']:>8.2f}{r['step_of_peak']:>9.1%}{r['matmul_share']:>8.1%}{r['attention_share']:>7.1%}{r['other_share']:>7.1%}"
               f"{r['matmul_of_peak_in_step']:>17.1%}{r['matmul_of_peak_alone']:>15.1%}  {tops}")
     if args.out:
-        meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), peak_flops=peak, config=CONFIG, batch=args.batch,
+        meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), precision=args.precision, peak_flops=peak, config=CONFIG, batch=args.batch,
                     seq=args.seq, command=" ".join(sys.argv))
         Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
         print(f"wrote {args.out}")
