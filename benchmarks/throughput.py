@@ -17,7 +17,7 @@ FLOP/token is counted on the model (``recurformer.flops``: every matmul, attenti
 mask shows; training = 3 forwards), and "of peak" divides the achieved FLOP/s by the best n x n
 matmul of the row's precision measured at the start and the end of this run. Two baseline rows
 carry Memory Attention's FLOP count, so extra work they do shows as a lower fraction:
-``algorithm-1`` (``memory_attention.algorithm_1``: the seed's Algorithm 1 read literally, the
+``algorithm-1`` (``reference.algorithm_1``: the seed's Algorithm 1 read literally, the
 tests' reference) and, with ``--peer PATH``, the authors' code (siyuanseever/llama2Rnn, a checkout
 outside this repository: its ``model.py`` and imports, run as they are, nothing copied).
 
@@ -52,7 +52,7 @@ from recurformer import build_model
 from recurformer.device import pick_device, slow_bf16_warning, synchronize
 from recurformer.flops import forward_flops_per_token, matmul_peak, train_flops_per_token
 from recurformer.models import model_names
-from recurformer.models.memory_attention import algorithm_1
+from recurformer.reference import algorithm_1
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {

@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -32,31 +32,13 @@ from safetensors.torch import load_file, save_file
 
 from .compat import FORMAT, upgrade_weights
 from .config import RecurformerError
+from .files import atomic_dir, atomic_write_text
+from .files import atomic_write as atomic_write  # re-exported: its home is files.py
+from .files import check_writable as check_writable  # re-exported
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"step_(\d+)")
 STALE_PREFIXES = (".tmp_step_", ".old_step_", ".del_step_")
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """``write(tmp)`` to a temporary sibling, then rename it onto ``path``: a reader never sees a
-    half-written file, and a failure leaves no temporary file and raises one line."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise RecurformerError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def step_of(path: Path) -> int | None:
@@ -88,22 +70,7 @@ def remove_stale(run_dir: Path) -> None:
         for d in run_dir.iterdir():
             if d.name.startswith(STALE_PREFIXES):
                 shutil.rmtree(d, ignore_errors=True)
-        (run_dir / f"{LATEST}.tmp").unlink(missing_ok=True)
-
-
-def check_writable(path: Path, what: str, is_dir: bool = False) -> None:
-    """Fail with one line, before any long work, when ``path`` (a directory, or a file to be
-    written) cannot be created or replaced: its nearest existing ancestor must be a writable directory."""
-    path = Path(path)
-    if path.exists() and path.is_dir() != is_dir:
-        raise RecurformerError(f"cannot write {what} {path}: it is {'not ' if is_dir else ''}a directory")
-    base = path if is_dir and path.exists() else path.parent
-    while not base.exists():
-        base = base.parent
-    if not base.is_dir():
-        raise RecurformerError(f"cannot write {what} {path}: {base} is not a directory")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise RecurformerError(f"cannot write {what} {path}: {base} is not writable")
+        (run_dir / f".{LATEST}.tmp").unlink(missing_ok=True)
 
 
 def _relative(path: str, base: Path) -> str:
@@ -162,33 +129,25 @@ def save_checkpoint(
     but the last ``keep_last`` checkpoints by step, never the one just written. A write that fails
     (disk full, no permission) raises a one-line RecurformerError and leaves no partial checkpoint."""
     final = run_dir / f"step_{step:06d}"
-    tmp = run_dir / f".tmp_step_{step:06d}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         remove_stale(run_dir)
-        tmp.mkdir()
-        meta = {"format": str(FORMAT)}
-        save_file({k: v.detach().contiguous().cpu() for k, v in model_tensors.items()}, tmp / "model.safetensors", metadata=meta)
-        (tmp / "config.json").write_text(json.dumps(portable_config(config, final), indent=2))
-        if tokenizer_json is not None:
-            (tmp / "tokenizer.json").write_text(tokenizer_json)
-        if train_tensors is not None:
-            save_file({k: v.detach().contiguous().cpu() for k, v in train_tensors.items()}, tmp / "train_state.safetensors")
-        if train_json is not None:
-            (tmp / "train_state.json").write_text(json.dumps(train_json))
-        if final.exists():  # the same step again (a resumed run re-reaching it): swap atomically
-            old = run_dir / f".old_step_{step:06d}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _atomic_write_text(run_dir / LATEST, final.name)
+        # the same step again (a resumed run re-reaching it) is swapped in atomically
+        with atomic_dir(final, run_dir / f".tmp_step_{step:06d}", run_dir / f".old_step_{step:06d}") as tmp:
+            meta = {"format": str(FORMAT)}
+            save_file({k: v.detach().contiguous().cpu() for k, v in model_tensors.items()}, tmp / "model.safetensors", metadata=meta)
+            (tmp / "config.json").write_text(json.dumps(portable_config(config, final), indent=2))
+            if tokenizer_json is not None:
+                (tmp / "tokenizer.json").write_text(tokenizer_json)
+            if train_tensors is not None:
+                save_file({k: v.detach().contiguous().cpu() for k, v in train_tensors.items()}, tmp / "train_state.safetensors")
+            if train_json is not None:
+                (tmp / "train_state.json").write_text(json.dumps(train_json))
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         kept = checkpoints(run_dir)
         last = f"; the last complete checkpoint is {kept[-1]}" if kept else ""
         raise RecurformerError(f"cannot write checkpoint {final}: {e.strerror or e}{last}") from None
+    atomic_write_text(run_dir / LATEST, final.name, "checkpoint pointer")
     if keep_last > 0:
         for old_ck in [c for c in checkpoints(run_dir)[:-keep_last] if c != final]:
             remove_dir(old_ck)
@@ -260,17 +219,81 @@ def load_model_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
     model.load_state_dict(tensors)
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu"):
-    """(model in eval mode, model name, tokenizer or None, run config dict) from a checkpoint."""
-    from .data import Tokenizer
-    from .models import build_model
+# ----------------------------------------------------------------------------------------------
+# the run directory: checkpoints plus what a run writes beside them
 
-    ck = load_checkpoint(path)
-    mcfg = dict(ck["config"].get("model", {}))
-    name = mcfg.pop("name", None)
-    if name is None:
-        raise RecurformerError(f"{ck['dir'] / 'config.json'} has no model.name")
-    model = build_model(name, mcfg)
-    load_model_weights(model, ck["model"], str(ck["dir"]))
-    tok = Tokenizer.load(ck["tokenizer_dir"]) if ck["tokenizer_dir"] is not None else None
-    return model.to(device).eval(), name, tok, ck["config"]
+RUN_FILES = ("metrics.jsonl", LATEST, "tensorboard")  # what a run writes besides step_* checkpoints
+
+
+def run_contents(out_dir: Path) -> list[str]:
+    """Names of the run files (checkpoints, metrics, ...) present in ``out_dir``."""
+    return [c.name for c in checkpoints(out_dir)] + [n for n in RUN_FILES if (out_dir / n).exists()]
+
+
+def clear_run(out_dir: Path, keep_until: int | None = None) -> None:
+    """Delete a run's files (everything after step ``keep_until`` when it is given)."""
+    for c in checkpoints(out_dir):
+        if keep_until is None or (step_of(c) or 0) > keep_until:
+            remove_dir(c)
+    if keep_until is None:
+        for name in RUN_FILES:
+            target = out_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink(missing_ok=True)
+
+
+def copy_metrics(source: Path, target: Path, until: int) -> None:
+    """Write the rows of ``source`` (a metrics.jsonl) up to step ``until`` to ``target``,
+    atomically; a torn last line (a killed write) is dropped."""
+    rows = []
+    if source.is_file():
+        for line in source.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and row.get("step", until + 1) <= until:
+                rows.append(line)
+    atomic_write_text(target, "".join(r + "\n" for r in rows), "metrics file")
+
+
+def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool) -> None:
+    """Refuse (one line) to write into a run directory that is not writable, or that holds
+    another run, or checkpoints beyond the resumed step (``resumed`` is what ``load_checkpoint``
+    returned with the train state); with ``overwrite``, delete those."""
+    check_writable(out, "run directory", is_dir=True)
+    if resumed is not None and out.resolve() == resumed["dir"].parent.resolve():  # the same run
+        step = resumed["train_json"]["step"]
+        later = [c.name for c in checkpoints(out) if (step_of(c) or 0) > step]
+        if later and not overwrite:
+            raise RecurformerError(
+                f"{out} has checkpoints after step {step} ({', '.join(later)}); continuing from step {step} would mix two "
+                f"histories: resume the newest with --resume {out}, write elsewhere with --set train.out_dir=DIR, "
+                f"or pass --overwrite to delete them"
+            )
+        if later:
+            clear_run(out, keep_until=step)
+        return
+    found = run_contents(out)
+    if found and not overwrite:
+        how = "continue it with --resume " + str(out) + ", " if resumed is None else ""
+        raise RecurformerError(
+            f"{out} already holds a run ({', '.join(found[-3:])}); {how}train into another directory "
+            f"(--set train.out_dir=DIR), or pass --overwrite to replace it"
+        )
+    if found:
+        clear_run(out)
+
+
+def open_run_dir(out: Path, resumed_run: Path | None, step: int) -> None:
+    """Create ``out`` and remove a killed save's leftovers; a resumed run gets the metrics history
+    of ``resumed_run`` up to ``step``, without the rows a killed run wrote later."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_stale(out)
+    except OSError as e:
+        raise RecurformerError(f"cannot write run directory {out}: {e.strerror or e}") from None
+    if resumed_run is not None:
+        copy_metrics(resumed_run / "metrics.jsonl", out / "metrics.jsonl", step)

@@ -119,9 +119,10 @@ def eval_labels(paths: list[str]) -> list[str]:
 def cmd_eval(args: argparse.Namespace) -> None:
     import math
 
-    from .checkpoint import check_writable, load_model
     from .device import memory_kind, pick_device
     from .evaluate import eval_tokens, evaluate_lengths, markdown_table, plot, save_json
+    from .files import check_writable
+    from .hub import load_model
 
     try:
         lengths = [int(x) for x in args.lengths.split(",") if x]
@@ -175,9 +176,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     import torch
 
-    from .checkpoint import check_writable, load_model
     from .device import memory_kind, peak_memory_mb, pick_device, reset_peak_memory, synchronize
+    from .files import check_writable
     from .generate import load_session, new_session, save_session, stream
+    from .hub import load_model
 
     if args.save_state:
         check_writable(Path(args.save_state), "--save-state file")  # before generating, not after
@@ -219,8 +221,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_synth(args: argparse.Namespace) -> None:
     import json
 
-    from .checkpoint import check_writable
-    from .synth import run_synth, result_dict, split_overrides, summary, synth_config
+    from .files import check_writable
+    from .synth import result_dict, run_synth, split_overrides, summary, synth_config
 
     if args.json:
         check_writable(Path(args.json), "--json file")  # before training, not after it
@@ -250,8 +252,10 @@ def cmd_probe(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from . import probe
-    from .checkpoint import atomic_write, check_writable, load_model, resolve
+    from .checkpoint import resolve
     from .device import pick_device, slow_bf16_warning
+    from .files import atomic_write, check_writable
+    from .hub import load_model
 
     out = Path(args.json)
     if args.merge:
@@ -320,9 +324,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .models import model_names
-
     from . import __version__
+    from .models import model_names
 
     ap = argparse.ArgumentParser(prog="recurformer", description=__doc__.splitlines()[0])
     ap.add_argument("--version", action="version", version=f"recurformer {__version__}")

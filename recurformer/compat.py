@@ -11,19 +11,16 @@ held the layer's raw inputs, holds them normed."""
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from .nn import StreamingLM
 
 FORMAT = 2
 _BRT_ATTN = re.compile(r"^layers\.(\d+)\.(wq|wk|wv|wq2|wo|rel_bias|qk|qk2|cell)\.")
 
 
-def upgrade_weights(model: "StreamingLM", tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+def upgrade_weights(model: Any, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """Format-1 weight names -> today's (an identity on format-2 weights)."""
     own = model.state_dict()
     out: dict[str, Tensor] = {}
@@ -38,7 +35,7 @@ def upgrade_weights(model: "StreamingLM", tensors: dict[str, Tensor]) -> dict[st
     return out
 
 
-def upgrade_state(model: "StreamingLM", flat: dict[str, Tensor]) -> dict[str, Tensor]:
+def upgrade_state(model: Any, flat: dict[str, Tensor]) -> dict[str, Tensor]:
     """A format-1 ``State.to_flat`` -> the format-2 one (``layers.n``, ``layers.<i>.<field>``)."""
     n = len(model.layers)
     out = {"fresh": flat["fresh"], "layers.n": torch.tensor(n)}
@@ -72,5 +69,5 @@ def upgrade_state(model: "StreamingLM", flat: dict[str, Tensor]) -> dict[str, Te
     return out
 
 
-def _has_field(model: "StreamingLM", i: int, name: str) -> bool:
+def _has_field(model: Any, i: int, name: str) -> bool:
     return getattr(model.layers[i].init_state(1, "meta", torch.float32), name, None) is not None

@@ -21,12 +21,12 @@ class RecurformerError(ValueError):
 T = TypeVar("T")
 
 
-def _suggest(key: str, valid: list[str]) -> str:
+def suggest(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(sorted(valid))})"
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
+def coerce(value: Any, tp: Any, where: str) -> Any:
     """Check (and gently coerce) ``value`` against the annotation ``tp``."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -38,7 +38,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             if a is type(None):
                 continue
             try:
-                return _coerce(value, a, where)
+                return coerce(value, a, where)
             except RecurformerError as e:
                 errors.append(str(e))
         raise RecurformerError(errors[0] if errors else f"{where}: bad value {value!r}")
@@ -54,7 +54,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise RecurformerError(f"{where} must be a list, got {value!r}")
         (inner, *_) = typing.get_args(tp) or (Any,)
-        out = [_coerce(v, inner, where) for v in value]
+        out = [coerce(v, inner, where) for v in value]
         return tuple(out) if origin is tuple else out
     if tp is Any:
         return value
@@ -103,12 +103,12 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     for key, value in data.items():
         name = f"{where}.{key}" if where else key
         if key not in fields:
-            raise RecurformerError(f"unknown config key '{name}'{_suggest(key, list(fields))}")
+            raise RecurformerError(f"unknown config key '{name}'{suggest(key, list(fields))}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value, name)  # type: ignore[arg-type]
         else:
-            kwargs[key] = _coerce(value, tp, f"config key '{name}'")
+            kwargs[key] = coerce(value, tp, f"config key '{name}'")
     try:
         obj = cls(**kwargs)
     except TypeError as e:  # a required field is missing

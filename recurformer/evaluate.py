@@ -16,9 +16,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import atomic_write
 from .config import RecurformerError
 from .device import peak_memory_mb, reset_peak_memory, synchronize
+from .files import atomic_write
 from .nn import StreamingLM
 
 

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from .config import RecurformerError
-from .nn import State, StreamingLM
+from .files import atomic_write
+from .state import State, StreamingModel
 
 
 @dataclass
@@ -33,7 +34,7 @@ class Session:
     generator: torch.Generator = field(default_factory=torch.Generator)
 
 
-def new_session(model: StreamingLM, batch_size: int = 1, seed: int | None = None) -> Session:
+def new_session(model: StreamingModel, batch_size: int = 1, seed: int | None = None) -> Session:
     device = model.tok_emb.weight.device
     g = torch.Generator(device=device)
     g.manual_seed(0 if seed is None else seed)
@@ -69,7 +70,7 @@ def sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float |
 
 
 @torch.no_grad()
-def read(model: StreamingLM, session: Session, tokens: Tensor) -> Session:
+def read(model: StreamingModel, session: Session, tokens: Tensor) -> Session:
     """Feed ``tokens`` [B, T] (a prompt, or forced tokens) and update the session."""
     out = model(tokens.to(session.state.fresh.device), state=session.state)
     logits = out.logits[:, -1].float()
@@ -82,7 +83,7 @@ def read(model: StreamingLM, session: Session, tokens: Tensor) -> Session:
 
 @torch.no_grad()
 def stream(
-    model: StreamingLM,
+    model: StreamingModel,
     prompt: Tensor | Sequence[int] | None,
     max_new_tokens: int,
     temperature: float,
@@ -123,7 +124,7 @@ def stream(
 
 
 def generate(
-    model: StreamingLM,
+    model: StreamingModel,
     prompt: Tensor | Sequence[int] | None,
     max_new_tokens: int,
     temperature: float,
@@ -148,22 +149,15 @@ def save_session(session: Session, path: str | Path, model_name: str) -> None:
     if session.logits is not None:
         tensors["logits"] = session.logits.cpu()
     tensors["generator"] = session.generator.get_state()
-    tmp = p.with_name(p.name + ".tmp")
-    try:
-        save_file(tensors, tmp, metadata={"model": model_name, "state_class": type(session.state).__name__})
-        tmp.replace(p)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise RecurformerError(f"cannot write session {p}: {e.strerror or e}") from None
+    meta = {"model": model_name, "state_class": type(session.state).__name__}
+    atomic_write(p, lambda tmp: save_file(tensors, tmp, metadata=meta), "session")
 
 
-def load_session(path: str | Path, model: StreamingLM, model_name: str) -> Session:
+def load_session(path: str | Path, model: StreamingModel, model_name: str) -> Session:
     p = Path(path)
     if not p.is_file():
         raise RecurformerError(f"session file not found: {p}")
     try:
-        from safetensors import safe_open
-
         with safe_open(p, "pt") as f:
             meta = f.metadata() or {}
         tensors = load_file(p)
@@ -179,3 +173,16 @@ def load_session(path: str | Path, model: StreamingLM, model_name: str) -> Sessi
     g.set_state(tensors["generator"])
     logits = tensors.get("logits")
     return Session(state=state, logits=None if logits is None else logits.to(device), generator=g)
+
+
+class GenerationMixin:
+    """``generate`` and ``stream`` as methods of a model (``nn.StreamingLM`` inherits them)."""
+
+    def generate(self: StreamingModel, prompt: Any, max_new_tokens: int, temperature: float, **kwargs: Any) -> list[list[int]]:
+        """Sample ``max_new_tokens`` after ``prompt`` (see ``recurformer.generate.generate``).
+        ``temperature=0`` is greedy; there is no default on purpose."""
+        return generate(self, prompt, max_new_tokens, temperature, **kwargs)
+
+    def stream(self: StreamingModel, prompt: Any, max_new_tokens: int, temperature: float, **kwargs: Any) -> Iterator[Tensor]:
+        """Iterator form of ``generate``: yields the new tokens [B] one step at a time."""
+        return stream(self, prompt, max_new_tokens, temperature, **kwargs)

@@ -14,36 +14,43 @@ trained run becomes one with ``recurformer export --checkpoint runs/NAME --out D
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from huggingface_hub import HfApi, ModelCard, ModelCardData, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 from safetensors.torch import save_file
 
-from .checkpoint import load_model, resolve
+from .checkpoint import load_checkpoint, load_model_weights, resolve
+from .compat import FORMAT
 from .config import RecurformerError
 from .data import Tokenizer
-from .models import model_name
-from .nn import StreamingLM
+from .files import move_files
+from .registry import build_model, description, model_name
 
 CARD = "README.md"
 FILES = ["model.safetensors", "config.json", "tokenizer.json", CARD]
-ARCHITECTURES = {
-    "llama": "Llama-style dense decoder (full causal attention, KV cache state)",
-    "sliding_window": "Llama-style decoder with sliding-window attention (bounded KV cache state)",
-    "memory_attention": "Memory Attention: block-wise recurrent transformer carrying a per-layer memory across chunks",
-    "transformer_xl": "Transformer-XL: segment recurrence with a cached memory of hidden states",
-    "block_recurrent": "Block-Recurrent Transformer: recurrent cell states updated once per block",
-    "recurrent_transformer": "Recurrent Transformer: each layer attends to the previous layer's persistent keys/values",
-}
 
 
-def run_config_of(model: StreamingLM, config: dict[str, Any] | None = None) -> dict[str, Any]:
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Any, str, Tokenizer | None, dict[str, Any]]:
+    """(model in eval mode, model name, tokenizer or None, run config dict) from a checkpoint, a
+    run directory (its newest checkpoint) or a pretrained directory."""
+    ck = load_checkpoint(path)
+    mcfg = dict(ck["config"].get("model", {}))
+    name = mcfg.pop("name", None)
+    if name is None:
+        raise RecurformerError(f"{ck['dir'] / 'config.json'} has no model.name")
+    model = build_model(name, mcfg)
+    load_model_weights(model, ck["model"], str(ck["dir"]))
+    tok = Tokenizer.load(ck["tokenizer_dir"]) if ck["tokenizer_dir"] is not None else None
+    return model.to(device).eval(), name, tok, ck["config"]
+
+
+def run_config_of(model: Any, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """``config`` (a run config dict) with its model section replaced by the model's own config."""
     out = dict(config or {})
     out["model"] = {"name": model_name(model.config), **asdict(model.config)}
@@ -68,7 +75,7 @@ def results_row(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     return row
 
 
-def model_card(model: StreamingLM, config: dict[str, Any], results: dict[str, Any] | None = None) -> ModelCard:
+def model_card(model: Any, config: dict[str, Any], results: dict[str, Any] | None = None) -> ModelCard:
     """A Hub model card: metadata header, architecture, config, training data, results row."""
     name = config["model"]["name"]
     data = config.get("data") or {}
@@ -79,7 +86,7 @@ def model_card(model: StreamingLM, config: dict[str, Any], results: dict[str, An
     lines = [
         f"# recurformer {name}",
         "",
-        f"**Architecture:** {ARCHITECTURES.get(name, name)}. {n:,} parameters ({n / 1e6:.2f}M; the token embedding is "
+        f"**Architecture:** {description(name)}. {n:,} parameters ({n / 1e6:.2f}M; the token embedding is "
         "tied with the output head).",
         "",
         "```python",
@@ -114,7 +121,7 @@ def model_card(model: StreamingLM, config: dict[str, Any], results: dict[str, An
 
 
 def save_pretrained(
-    model: StreamingLM,
+    model: Any,
     directory: str | Path,
     tokenizer: Tokenizer | None = None,
     config: dict[str, Any] | None = None,
@@ -128,14 +135,13 @@ def save_pretrained(
     cfg = run_config_of(model, config)
     with tempfile.TemporaryDirectory(dir=out, prefix=".tmp_") as tmp:  # every file whole, or not at all
         t = Path(tmp)
-        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, t / "model.safetensors")
+        tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(tensors, t / "model.safetensors", metadata={"format": str(FORMAT)})
         (t / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(t)
         model_card(model, cfg, results).save(t / CARD)
-        written = [f.name for f in t.iterdir()]
-        for name in written:
-            os.replace(t / name, out / name)
+        written = move_files(t, out)
     for name in set(FILES) - set(written):  # e.g. the tokenizer of an earlier save: it would not fit
         (out / name).unlink(missing_ok=True)
     return out
@@ -143,7 +149,7 @@ def save_pretrained(
 
 def from_pretrained(
     dir_or_repo_id: str | Path, device: str = "cpu", revision: str | None = None
-) -> tuple[StreamingLM, Tokenizer | None, dict[str, Any]]:
+) -> tuple[Any, Tokenizer | None, dict[str, Any]]:
     """(model in eval mode, tokenizer or None, config) from a local directory (a pretrained
     directory, a checkpoint or a run) or else a Hub repo id (downloaded and cached)."""
     path = Path(dir_or_repo_id)
@@ -159,7 +165,7 @@ def from_pretrained(
 
 
 def push_to_hub(
-    model: StreamingLM,
+    model: Any,
     repo_id: str,
     tokenizer: Tokenizer | None = None,
     config: dict[str, Any] | None = None,
@@ -194,3 +200,24 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
         return save_pretrained(model, out, tok, config)
     step = json.loads((ck / "train_state.json").read_text()).get("step")
     return save_pretrained(model, out, tok, config, results_row(ck.parent, step))
+
+
+class HubMixin:
+    """``save_pretrained``, ``from_pretrained`` and ``push_to_hub`` as methods of a model
+    (``nn.StreamingLM`` inherits them)."""
+
+    def save_pretrained(self, directory: str | Path, **kwargs: Any) -> Path:
+        """Weights, config, model card (+ ``tokenizer=``) in Hub layout; see ``recurformer.hub``."""
+        return save_pretrained(self, directory, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, dir_or_repo_id: str | Path, **kwargs: Any) -> Any:
+        """The model saved in a local directory (pretrained, checkpoint or run) or a Hub repo."""
+        model = from_pretrained(dir_or_repo_id, **kwargs)[0]
+        if not isinstance(model, cls):
+            raise RecurformerError(f"{dir_or_repo_id} holds a {type(model).__name__}, not a {cls.__name__}")
+        return model
+
+    def push_to_hub(self, repo_id: str, **kwargs: Any) -> str:
+        """Upload to the Hub repo ``repo_id``; see ``recurformer.hub.push_to_hub``."""
+        return push_to_hub(self, repo_id, **kwargs)

@@ -1,26 +1,33 @@
-"""The streaming contract, written once for every model: the per-layer state (``LayerState``),
-the model state (``State``: fresh rows, position, document starts and the list of layer states),
-the layer protocol (``Layer``) and the model around a stack of layers (``StreamingLM``: embedding,
-input and state checks, the lazy per-row reset, the layer loop, the final norm and the tied LM
-head). The layers themselves live in ``layers.py`` and ``models/``."""
+"""The streaming contract, written once for every model: the model config (``ModelConfig``), the
+layer protocol (``Layer``), the pre-norm ``Block`` around a mixer, and the model around a stack of
+layers (``StreamingLM``: embedding, input and state checks, the lazy per-row reset, the layer loop,
+the final norm and the tied LM head). The state types live in ``state.py`` (re-exported here), the
+building blocks in ``modules.py``, the architectures in ``models/``; generation and the Hub methods
+come from the mixins of ``generate.py`` and ``hub.py``."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import typing
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, ClassVar, TypeVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .compat import upgrade_state
 from .config import RecurformerError
+from .generate import GenerationMixin
+from .hub import HubMixin
+from .modules import MLP, RMSNorm
+from .registry import build_layer
+from .state import IGNORE_INDEX, Call, LayerState, Output, Room, State, reset_rows, writable
 
-IGNORE_INDEX = -100
-S = TypeVar("S", bound="LayerState")
+__all__ = [
+    "IGNORE_INDEX", "Block", "Call", "Layer", "LayerState", "ModelConfig", "Output", "Room", "State", "StreamingLM",
+    "reset_rows", "writable",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,126 +80,6 @@ class ModelConfig:
     def layer_kinds(self, default: str) -> list[str]:
         """The kind of every layer: ``layers`` if given, else the model's own kind everywhere."""
         return list(self.layers) if self.layers is not None else [default] * self.n_layers
-
-
-# ----------------------------------------------------------------------------------------------
-# states
-
-
-@dataclass
-class LayerState:
-    """One layer's state: a dataclass of tensors, batch first (a field may be None where a layer
-    has no such part). ``cache`` names the fields whose dimension ``dim`` holds past positions of
-    any length (a KV cache); ``partial`` the fields whose dimension holds the tokens read so far
-    of the current chunk, ``pos % period`` more than in a fresh state. The state check is exact
-    on every other dimension. ``runtime`` names the fields that hold no part of the state's value
-    but a ``Room`` (buffers that make decoding cheaper): they are never saved, checked or compared,
-    and ``map`` keeps one only while it still fits the mapped tensors (``detach`` keeps it)."""
-
-    cache: ClassVar[dict[str, int]] = {}
-    partial: ClassVar[dict[str, int]] = {}
-    runtime: ClassVar[tuple[str, ...]] = ()
-
-    def map(self: S, fn: Callable[[Tensor], Tensor]) -> S:
-        out = dataclasses.replace(self, **{k: fn(v) for k, v in self.tensors().items()})
-        rooms: dict[str, Room | None] = {k: getattr(out, k) for k in self.runtime}
-        stale = {k: None for k, room in rooms.items() if room is not None and not room.fits(out)}
-        return dataclasses.replace(out, **stale) if stale else out
-
-    def tensors(self) -> dict[str, Tensor]:
-        return {f.name: v for f in dataclasses.fields(self) if isinstance(v := getattr(self, f.name), Tensor)}
-
-    @classmethod
-    def from_flat(cls: type[S], flat: dict[str, Tensor], prefix: str) -> S:
-        return cls(**{f.name: flat.get(prefix + f.name) for f in dataclasses.fields(cls) if f.name not in cls.runtime})
-
-
-class Room(typing.Protocol):
-    """Decoding buffers kept next to a layer state (a ``runtime`` field) and updated in place by
-    the layer without autograd. Several states can share one room (the state a call returns and
-    the one it read), so a layer writes into it only after ``fits`` confirms that the state it
-    reads is the one the room was last brought up to date with; otherwise it makes a new room."""
-
-    def fits(self, state: Any) -> bool: ...
-
-
-def writable(t: Tensor) -> bool:
-    """Whether a room's buffer ``t`` may be written in place now: one made under
-    ``torch.inference_mode`` only inside it (PyTorch refuses the write elsewhere)."""
-    return not t.is_inference() or torch.is_inference_mode_enabled()
-
-
-@dataclass
-class State:
-    """The model's state after ``pos`` tokens: one ``LayerState`` per layer, ``start[b]`` where
-    row b's current document began and ``fresh[b]`` for rows that start a new document at the next
-    call (the model replaces their layer states by the initial ones before reading them, so a
-    learned initial state still receives gradients after ``reset``).
-
-    States are values: ``detach()``, ``to()`` and ``reset()`` return new states."""
-
-    fresh: Tensor  # [B] bool
-    start: Tensor  # [B] int64
-    pos: int
-    layers: list[LayerState]
-
-    @property
-    def batch_size(self) -> int:
-        return self.fresh.shape[0]
-
-    def map(self, fn: Callable[[Tensor], Tensor]) -> "State":
-        return dataclasses.replace(self, fresh=fn(self.fresh), start=fn(self.start), layers=[s.map(fn) for s in self.layers])
-
-    def detach(self) -> "State":
-        """Cut the autograd graph (the TBPTT boundary)."""
-        return self.map(lambda t: t.detach())
-
-    def to(self, *args: Any, **kwargs: Any) -> "State":
-        """Move / cast like ``Tensor.to``; integer and boolean tensors keep their dtype."""
-
-        def move(t: Tensor) -> Tensor:
-            if t.is_floating_point():
-                return t.to(*args, **kwargs)
-            dev = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
-            return t.to(device=dev) if dev is not None else t
-
-        return self.map(move)
-
-    def reset(self, mask: Tensor) -> "State":
-        """Start a new document in the rows where ``mask`` ([B] bool) is true."""
-        mask = torch.as_tensor(mask, dtype=torch.bool, device=self.fresh.device)
-        if mask.shape != self.fresh.shape:
-            raise RecurformerError(f"reset mask has shape {tuple(mask.shape)}, expected ({self.batch_size},)")
-        return dataclasses.replace(self, fresh=self.fresh | mask)
-
-    def to_flat(self) -> dict[str, Tensor]:
-        """``{name: tensor}`` for safetensors: fresh, start, pos, layers.n, layers.<i>.<field>."""
-        out = {"fresh": self.fresh, "start": self.start, "pos": torch.tensor(self.pos), "layers.n": torch.tensor(len(self.layers))}
-        for i, s in enumerate(self.layers):
-            out.update({f"layers.{i}.{k}": t for k, t in s.tensors().items()})
-        return {k: t.detach().contiguous() for k, t in out.items()}
-
-
-@dataclass
-class Output:
-    logits: Tensor  # [B, T, V]
-    loss: Tensor | None  # mean cross-entropy over targets != ignore_index
-    state: State  # state after the last token (not detached)
-
-
-@dataclass
-class Call:
-    """What every layer of one call shares: the position of its first token, the document start
-    of every row, and a memo for tables (masks, RoPE angles) that several layers would build alike."""
-
-    pos: int
-    start: Tensor  # [B] int64
-    memo: dict[Any, Any] = field(default_factory=dict)
-
-    def shared(self, key: Any, make: Callable[[], Any]) -> Any:
-        if key not in self.memo:
-            self.memo[key] = make()
-        return self.memo[key]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,30 +147,77 @@ class Layer(nn.Module):
         return self.__dict__["_state_shapes"]
 
 
-def reset_rows(fresh: Tensor, old: Tensor, init: Tensor) -> Tensor:
-    """``old`` with the rows b where ``fresh[b]`` replaced by ``init`` (broadcast to a row)."""
-    f = fresh.view(-1, *([1] * (old.dim() - 1)))
-    return torch.where(f, init.to(old.dtype).expand_as(old), old)
+class Block(Layer):
+    """The pre-norm block around a mixer (the layer's sequence-mixing part), n = RMSNorm:
+
+        h = x + mixer(n(x), state),   y = h + MLP(n(h))
+
+    The block is the layer: its state, reset, period and reach are the mixer's."""
+
+    def __init__(self, cfg: ModelConfig, mixer: Layer, mlp: Literal["swiglu", "relu"] = "swiglu") -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = mixer
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = MLP(cfg.dim, cfg.hidden, kind=mlp)
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return self.attn.kind
+
+    @property
+    def period(self) -> int:  # type: ignore[override]
+        return self.attn.period
+
+    @property
+    def unit(self) -> str:  # type: ignore[override]
+        return self.attn.unit
+
+    @property
+    def bounded(self) -> bool:  # type: ignore[override]
+        return self.attn.bounded
+
+    @property
+    def state_cls(self) -> type[LayerState]:  # type: ignore[override]
+        return self.attn.state_cls
+
+    def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> LayerState:
+        return self.attn.init_state(batch_size, device, dtype)
+
+    def reset(self, state: LayerState, fresh: Tensor) -> LayerState:
+        return self.attn.reset(state, fresh)
+
+    def check_state(self, state: LayerState, pos: int) -> str | None:
+        return self.attn.check_state(state, pos)
+
+    def reach(self, q: int) -> int | None:
+        return self.attn.reach(q)
+
+    def describe(self) -> str:
+        return self.attn.describe()
+
+    def forward(self, x: Tensor, state: LayerState, call: Call) -> tuple[Tensor, LayerState]:
+        a, state = self.attn(self.attn_norm(x), state, call)
+        h = x + a
+        return h + self.ffn(self.ffn_norm(h)), state
 
 
 # ----------------------------------------------------------------------------------------------
 # the model
 
 
-class StreamingLM(nn.Module):
+class StreamingLM(nn.Module, GenerationMixin, HubMixin):
     """Token embedding -> the stack of layers -> final RMSNorm -> tied LM head.
 
     A model class names its config, its own layer ``kind`` and how to build a layer of that kind
-    (``make_layer``); ``config.layers`` may mix kinds (see ``models.build_layer``)."""
+    (``make_layer``) and registers itself (``registry.register``); ``config.layers`` may mix kinds
+    (see ``registry.build_layer``)."""
 
     kind: ClassVar[str]
     layer_config: ClassVar[type[ModelConfig]] = ModelConfig  # the config a layer of this kind needs
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        from .layers import RMSNorm
-        from .models import build_layer
-
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(build_layer(k, config, i) for i, k in enumerate(config.layer_kinds(self.default_kind())))
@@ -384,8 +318,6 @@ class StreamingLM(nn.Module):
     def state_from_flat(self, flat: dict[str, Tensor]) -> State:
         """The inverse of ``State.to_flat`` (states saved before the layer contract are converted)."""
         if "layers.n" not in flat:
-            from .compat import upgrade_state
-
             flat = upgrade_state(self, flat)
         try:
             n = int(flat["layers.n"])
@@ -394,41 +326,6 @@ class StreamingLM(nn.Module):
         except KeyError as e:
             raise RecurformerError(f"saved state is not a recurformer State: missing '{e.args[0]}'") from None
         return self.check_state(state, state.batch_size)
-
-    def generate(self, prompt: Any, max_new_tokens: int, temperature: float, **kwargs: Any) -> list[list[int]]:
-        """Sample ``max_new_tokens`` after ``prompt`` (see ``recurformer.generate.generate``).
-        ``temperature=0`` is greedy; there is no default on purpose."""
-        from .generate import generate
-
-        return generate(self, prompt, max_new_tokens, temperature, **kwargs)
-
-    def stream(self, prompt: Any, max_new_tokens: int, temperature: float, **kwargs: Any):
-        """Iterator form of ``generate``: yields the new tokens [B] one step at a time."""
-        from .generate import stream
-
-        return stream(self, prompt, max_new_tokens, temperature, **kwargs)
-
-    def save_pretrained(self, directory: str | Path, **kwargs: Any) -> Path:
-        """Weights, config, model card (+ ``tokenizer=``) in Hub layout; see ``recurformer.hub``."""
-        from .hub import save_pretrained
-
-        return save_pretrained(self, directory, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, dir_or_repo_id: str | Path, **kwargs: Any) -> "StreamingLM":
-        """The model saved in a local directory (pretrained, checkpoint or run) or a Hub repo."""
-        from .hub import from_pretrained
-
-        model = from_pretrained(dir_or_repo_id, **kwargs)[0]
-        if not isinstance(model, cls):
-            raise RecurformerError(f"{dir_or_repo_id} holds a {type(model).__name__}, not a {cls.__name__}")
-        return model
-
-    def push_to_hub(self, repo_id: str, **kwargs: Any) -> str:
-        """Upload to the Hub repo ``repo_id``; see ``recurformer.hub.push_to_hub``."""
-        from .hub import push_to_hub
-
-        return push_to_hub(self, repo_id, **kwargs)
 
     @property
     def bounded_state(self) -> bool:

@@ -29,11 +29,10 @@ longer than that.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +41,11 @@ from tqdm import tqdm
 
 from .config import RecurformerError, from_dict, merge, parse_overrides
 from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
+from .device import autocast_context, pick_device, slow_bf16_warning
 from .models import build_model, lookup
-from .layers import RMSNorm
+from .modules import RMSNorm
 from .nn import IGNORE_INDEX, StreamingLM
 from .optim import lr_at, make_optimizer
-from .device import autocast_context, pick_device, slow_bf16_warning
 
 MODEL_DEFAULTS: dict[str, Any] = {"dim": 128, "n_layers": 1, "n_heads": 16, "ffn_hidden": 512}
 ONE_LAYER_FIELDS: dict[str, Any] = {"recurrent_layers": (-1,)}  # block_recurrent's default (-3,) needs 3 layers

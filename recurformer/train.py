@@ -19,7 +19,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import threading
@@ -41,7 +40,6 @@ from .flops import matmul_peak, train_flops_per_token
 from .models import build_model, make_config
 from .nn import State, StreamingLM
 from .optim import lr_at, make_optimizer, optimizer_from_flat, optimizer_to_flat
-
 
 DEFAULT_DATASET = "tinystories-sample"
 
@@ -186,9 +184,6 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Non
 # ----------------------------------------------------------------------------------------------
 # the run directory
 
-RUN_FILES = ("metrics.jsonl", ckpt.LATEST, "tensorboard")  # what a run writes besides step_* checkpoints
-
-
 class TrainingInterrupted(Exception):
     """SIGINT or SIGTERM stopped training (after writing a checkpoint, when there was a step to save)."""
 
@@ -230,42 +225,6 @@ class StopSignals:
                 signal.signal(s, h)
 
 
-def _run_contents(out_dir: Path) -> list[str]:
-    """Names of the run files (checkpoints, metrics, ...) present in ``out_dir``."""
-    return [c.name for c in ckpt.checkpoints(out_dir)] + [n for n in RUN_FILES if (out_dir / n).exists()]
-
-
-def clear_run(out_dir: Path, keep_until: int | None = None) -> None:
-    """Delete a run's files (everything after step ``keep_until`` when it is given)."""
-    for c in ckpt.checkpoints(out_dir):
-        if keep_until is None or (ckpt.step_of(c) or 0) > keep_until:
-            ckpt.remove_dir(c)
-    if keep_until is None:
-        for name in RUN_FILES:
-            target = out_dir / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            else:
-                target.unlink(missing_ok=True)
-
-
-def copy_metrics(source: Path, target: Path, until: int) -> None:
-    """Write the rows of ``source`` (a metrics.jsonl) up to step ``until`` to ``target``,
-    atomically; a torn last line (a killed write) is dropped."""
-    rows = []
-    if source.is_file():
-        for line in source.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and row.get("step", until + 1) <= until:
-                rows.append(line)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text("".join(r + "\n" for r in rows))
-    os.replace(tmp, target)
-
-
 # ----------------------------------------------------------------------------------------------
 
 
@@ -281,7 +240,7 @@ class Trainer:
         self, cfg: RunConfig, resume: str | None = None, show_progress: bool = True, overwrite: bool = False,
         stop: StopSignals | None = None,
     ) -> None:
-        from .data import ContiguousStreams, ShuffledWindows, Tokenizer, load_prepared, prepare
+        from .data import ContiguousStreams, ShuffledWindows, load_prepared, prepare
 
         self.cfg = cfg
         t = cfg.train
@@ -307,7 +266,7 @@ class Trainer:
                 )
         self.resumed_from: Path | None = resumed["dir"] if resumed is not None else None
         if self.rank == 0:  # before the data is prepared: fail fast
-            self._claim_out_dir(resumed, overwrite)
+            ckpt.claim_run_dir(self.out_dir, resumed, overwrite)
 
         # data: prepared on first use (rank 0), then memory-mapped
         data_dir = cfg.data.resolved_dir()
@@ -378,43 +337,9 @@ class Trainer:
         self.stop = stop or StopSignals()  # installed by run(); by train_main from the start
         self.sinks, self.header = [], []
         if self.rank == 0:
-            try:
-                self.out_dir.mkdir(parents=True, exist_ok=True)
-                ckpt.remove_stale(self.out_dir)
-                if resumed is not None:  # the history up to the resumed step, without rows a killed run wrote later
-                    copy_metrics(resumed["dir"].parent / "metrics.jsonl", self.out_dir / "metrics.jsonl", self.step)
-            except OSError as e:
-                raise RecurformerError(f"cannot write run directory {self.out_dir}: {e.strerror or e}") from None
+            ckpt.open_run_dir(self.out_dir, resumed["dir"].parent if resumed is not None else None, self.step)
             self.sinks, notes = loggers.make_sinks(t.loggers, self.out_dir, self._config_dict())
             self.header = loggers.run_header(self, notes)
-
-    def _claim_out_dir(self, resumed: dict[str, Any] | None, overwrite: bool) -> None:
-        """Refuse (one line) to write into a run directory that is not writable, or that holds
-        another run, or checkpoints beyond the resumed step; with ``overwrite``, delete those."""
-        out = self.out_dir
-        ckpt.check_writable(out, "run directory", is_dir=True)
-        same_run = resumed is not None and out.resolve() == resumed["dir"].parent.resolve()
-        if same_run:
-            step = resumed["train_json"]["step"]  # type: ignore[index]
-            later = [c.name for c in ckpt.checkpoints(out) if (ckpt.step_of(c) or 0) > step]
-            if later and not overwrite:
-                raise RecurformerError(
-                    f"{out} has checkpoints after step {step} ({', '.join(later)}); continuing from step {step} would mix two "
-                    f"histories: resume the newest with --resume {out}, write elsewhere with --set train.out_dir=DIR, "
-                    f"or pass --overwrite to delete them"
-                )
-            if later:
-                clear_run(out, keep_until=step)
-            return
-        found = _run_contents(out)
-        if found and not overwrite:
-            how = "continue it with --resume " + str(out) + ", " if resumed is None else ""
-            raise RecurformerError(
-                f"{out} already holds a run ({', '.join(found[-3:])}); {how}train into another directory "
-                f"(--set train.out_dir=DIR), or pass --overwrite to replace it"
-            )
-        if found:
-            clear_run(out)
 
     # -- state of the run ------------------------------------------------------------------------
     def _config_dict(self) -> dict[str, Any]:

@@ -1,6 +1,5 @@
 """Run by tests/test_ddp.py under torchrun: train a few steps and dump what the test compares."""
 
-import json
 import os
 import sys
 

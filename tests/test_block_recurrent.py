@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TEST_CONFIGS, randomize_params
 
 from recurformer import RecurformerError, build_model
-from recurformer.models.block_recurrent import BlockRecurrent, Gate
+from recurformer.cells import Gate
 from recurformer.layers import apply_rope, rope_cos_sin
-
-from helpers import TEST_CONFIGS, randomize_params
+from recurformer.models.block_recurrent import BlockRecurrent
 
 CFGS = [c for c in TEST_CONFIGS["block_recurrent"] if "layers" not in c]  # the reference is a pure stack
 
@@ -133,7 +133,7 @@ def test_matches_slow_reference(cfg) -> None:
 
 
 def test_t5_buckets_match_formula() -> None:
-    from recurformer.models.block_recurrent import t5_buckets
+    from recurformer.cells import t5_buckets
 
     n = torch.arange(0, 600)
     got = t5_buckets(n, 32, 128)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from recurformer.checkpoint import load_model
+from recurformer.hub import load_model
 from recurformer.models import REGISTRY
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ckpt_v1"

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TEST_CONFIGS, randomize_params
 
 from recurformer import build_model
 from recurformer.models.llama import KVRoom
 from recurformer.models.transformer_xl import XLRoom
-
-from helpers import TEST_CONFIGS, randomize_params
 
 CASES = [("llama", cfg) for cfg in TEST_CONFIGS["llama"]] + [("transformer_xl", cfg) for cfg in TEST_CONFIGS["transformer_xl"]]
 

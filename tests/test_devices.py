@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TEST_CONFIGS, randomize_params
 
 from recurformer import RecurformerError, build_model
 from recurformer.cli import main as cli_main
 from recurformer.device import memory_kind, peak_memory_mb, pick_device, reset_peak_memory, resolve_precision, to_device
 from recurformer.optim import make_optimizer
-
-from helpers import TEST_CONFIGS, randomize_params
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")

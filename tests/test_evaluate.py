@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TEST_CONFIGS, randomize_params
 
 from recurformer import build_model
 from recurformer.evaluate import evaluate_lengths, score_windows
-
-from helpers import TEST_CONFIGS, randomize_params
 
 
 @pytest.mark.parametrize("name", ["memory_attention", "llama", "transformer_xl", "block_recurrent"])

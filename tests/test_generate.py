@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TEST_CONFIGS
 
 from recurformer import RecurformerError, build_model
 from recurformer.generate import filter_logits, generate, load_session, new_session, read, sample, save_session, stream
 from recurformer.models import REGISTRY
-
-from helpers import TEST_CONFIGS
 
 
 def small(name: str):

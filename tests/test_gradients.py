@@ -10,10 +10,9 @@ import zlib
 
 import pytest
 import torch
+from helpers import all_cases, case_id, randomize_params
 
 from recurformer import build_model
-
-from helpers import all_cases, case_id, randomize_params
 
 CASES = all_cases()
 INITIAL = ("init_memory", "initial_state")  # learned initial states (Memory Attention, Block-Recurrent)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import randomize_params
 
 from recurformer import RecurformerError, build_model
-
-from helpers import randomize_params
 
 BASE = dict(vocab_size=61, dim=32, n_heads=4)
 

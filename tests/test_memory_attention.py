@@ -3,16 +3,16 @@ properties the model-core issue asks for."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
-import pytest
+from helpers import randomize_params
 
 import recurformer.models.memory_attention as ma
 from recurformer import build_model
 from recurformer.cli import main as cli_main
 from recurformer.layers import rope_cos_sin
-
-from helpers import randomize_params
+from recurformer.reference import algorithm_1
 
 CFG = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8)
 
@@ -35,7 +35,7 @@ def test_matches_algorithm_1(extra) -> None:
     randomize_params(model, 0.2)
     tokens = torch.randint(0, 61, (2, 5 * 8))
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens).logits, ma.algorithm_1(model, tokens), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(model(tokens).logits, algorithm_1(model, tokens), rtol=1e-10, atol=1e-10)
 
 
 def test_gated_update_limits() -> None:

@@ -12,13 +12,12 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 import types
 from importlib import resources
 from pathlib import Path
 
-import numpy as np
 import pytest
+import tomllib
 import torch
 
 import recurformer
@@ -198,8 +197,9 @@ def test_export_command_writes_the_results_row(run, tmp_path, capsys) -> None:
 
 def test_from_pretrained_repo_id_downloads_offline(run, tmp_path, monkeypatch) -> None:
     """A repo id goes through ``snapshot_download`` (mocked: no network here) and loads the same."""
-    import recurformer.hub as hub
     from huggingface_hub.errors import LocalEntryNotFoundError
+
+    import recurformer.hub as hub
 
     local = run.model.save_pretrained(tmp_path / "snap", tokenizer=run.tokenizer)
     calls = []

@@ -12,15 +12,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import randomize_params
 
 from recurformer import build_model
 from recurformer.cli import main as cli_main
 from recurformer.probe import (
-    aggregate, bootstrap_mean, distance_bins, receptive_field, repeat_samples_from_stream, row_losses, split_copy_document,
+    aggregate,
+    bootstrap_mean,
+    distance_bins,
+    receptive_field,
+    repeat_samples_from_stream,
+    row_losses,
+    split_copy_document,
     swap_samples,
 )
-
-from helpers import randomize_params
 
 BOUNDED = {
     "sliding_window": dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, window=5),

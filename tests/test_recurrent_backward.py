@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import DEVICES, randomize_params
 
 from recurformer import build_model
 from recurformer.ops.recurrent_attention import recurrent_attention_naive, recurrent_attention_tiled
-
-from helpers import DEVICES, randomize_params
 
 BASE = dict(vocab_size=53, dim=16, n_layers=1, n_heads=2)
 CUSTOM = "_TiledRecurrentAttentionBackward"

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from helpers import DEVICES, randomize_params
 
 from recurformer import RecurformerError, build_model
 from recurformer.ops.recurrent_attention import (
@@ -19,8 +20,6 @@ from recurformer.ops.recurrent_attention import (
     recurrent_attention_tiled,
     tile_schedule,
 )
-
-from helpers import DEVICES, randomize_params
 
 OPS = {"tiled": recurrent_attention_tiled, "naive": recurrent_attention_naive}
 BASE = dict(vocab_size=53, dim=16, n_layers=2, n_heads=2)

@@ -10,13 +10,12 @@ import zlib
 
 import pytest
 import torch
+from helpers import DEVICES, TEST_CONFIGS, all_cases, case_id, randomize_params
 
 from recurformer import RecurformerError, build_model
-from recurformer.models import REGISTRY
 from recurformer.layers import attend
+from recurformer.models import REGISTRY
 from recurformer.nn import State
-
-from helpers import DEVICES, TEST_CONFIGS, all_cases, case_id, randomize_params
 
 CASES = all_cases()
 

@@ -8,15 +8,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import randomize_params
 
 from recurformer.cli import main
 from recurformer.config import RecurformerError
 from recurformer.data.synthetic import TASKS, make_split, vocab_size
-from recurformer.models import model_names
+from recurformer.models import build_model, model_names
 from recurformer.nn import IGNORE_INDEX
-from recurformer.models import build_model
 from recurformer.synth import Learner, SynthConfig, model_values, run_synth, synth_config
-from helpers import randomize_params
 
 SMALL = {  # small settings so the tests stay fast; defaults are the MAD baselines
     "in_context_recall": dict(seq_len=32),

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import DEVICES
 
 import recurformer.checkpoint as ckpt
 from recurformer import RecurformerError
 from recurformer.cli import main as cli_main
 from recurformer.train import RunConfig, Trainer, load_run_config
-
-from helpers import DEVICES
 
 WORDS = "the a cat dog ran sat on mat big small red blue happy sad tree house went saw".split()
 
@@ -112,7 +111,7 @@ def test_no_gradient_crosses_the_detach_boundary(corpus, tmp_path) -> None:
     g_within = torch.autograd.grad(l2, emb[0], retain_graph=True)[0]
     assert g_within.abs().sum() > 0
     l3, _ = tr._segment(tr.streams.next_batch(), s2.detach())
-    assert not l3.grad_fn is None
+    assert l3.grad_fn is not None
     with pytest.raises(RuntimeError):  # the first segment is not in l3's graph at all
         torch.autograd.grad(l3, emb[0])
     assert flat  # the carried state is a real, non-empty state

@@ -9,11 +9,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TEST_CONFIGS, randomize_params
 
 from recurformer import RecurformerError, build_model
 from recurformer.ops.relative import rel_shift, relative_scores, relative_scores_reference, sinusoid_table
-
-from helpers import TEST_CONFIGS, randomize_params
 
 BASE = dict(vocab_size=61, dim=16, n_heads=2)
 

@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from recurformer.checkpoint import check_writable
 from recurformer.config import RecurformerError
 from recurformer.data.tokenizer import FILENAME as TOKENIZER_FILE
 from recurformer.data.tokenizer import Tokenizer
+from recurformer.files import atomic_dir, check_writable
 
 EOT = "<|endoftext|>"
 DATASETS = ("tinystories-sample", "tinystories-repeat", "tinystories-cased", "warpeace", "books", "tinystories")
@@ -251,45 +251,38 @@ def prepare(
     append_eos = dataset == "tinystories-repeat"
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(out)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        counts = {}
-        for split, docs in (("train", train), ("val", val)):
-            n = _write_tokens(tmp / f"{split}.bin", docs, tok, dtype, append_eos, f"encode {split}")
-            counts[split] = n
-            _log(f"{split}: {len(docs):,} documents, {n:,} tokens")
-        tok.save(tmp)
-        meta = {
-            "format_version": 1,
-            "dataset": dataset or "text_files",
-            "source": source,
-            "source_key": source_key(dataset, text_files, tokenizer, vocab_size, val_fraction, seed),
-            "tokenizer": tok.kind,
-            "vocab_size": tok.vocab_size,
-            "bos_id": tok.bos_id,
-            "eos_id": tok.eos_id,
-            "dtype": dtype.name,
-            "append_eos": append_eos,
-            "train_documents": len(train),
-            "train_tokens": counts["train"],
-            "val_documents": len(val),
-            "val_tokens": counts["val"],
-            "val_fraction": val_fraction,
-            "seed": seed,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        with atomic_dir(out, tmp, old):
+            counts = {}
+            for split, docs in (("train", train), ("val", val)):
+                n = _write_tokens(tmp / f"{split}.bin", docs, tok, dtype, append_eos, f"encode {split}")
+                counts[split] = n
+                _log(f"{split}: {len(docs):,} documents, {n:,} tokens")
+            tok.save(tmp)
+            meta = {
+                "format_version": 1,
+                "dataset": dataset or "text_files",
+                "source": source,
+                "source_key": source_key(dataset, text_files, tokenizer, vocab_size, val_fraction, seed),
+                "tokenizer": tok.kind,
+                "vocab_size": tok.vocab_size,
+                "bos_id": tok.bos_id,
+                "eos_id": tok.eos_id,
+                "dtype": dtype.name,
+                "append_eos": append_eos,
+                "train_documents": len(train),
+                "train_tokens": counts["train"],
+                "val_documents": len(val),
+                "val_tokens": counts["val"],
+                "val_fraction": val_fraction,
+                "seed": seed,
+            }
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     except OSError as e:
         raise RecurformerError(f"cannot write prepared data {out}: {e.strerror or e}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     _log(f"wrote {out}")
     return meta
 

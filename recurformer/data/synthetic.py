@@ -25,8 +25,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..config import RecurformerError, _coerce, _suggest
-from ..nn import IGNORE_INDEX
+from ..config import RecurformerError, coerce, suggest
+from ..state import IGNORE_INDEX
 
 Arrays = tuple[np.ndarray, np.ndarray]
 
@@ -299,8 +299,8 @@ class Task:
         out = self.defaults
         for k, v in (overrides or {}).items():
             if k not in out:
-                raise RecurformerError(f"unknown parameter '{k}' of task {self.name}{_suggest(k, list(out))}")
-            out[k] = _coerce(v, type(out[k]), f"task parameter '{k}'")
+                raise RecurformerError(f"unknown parameter '{k}' of task {self.name}{suggest(k, list(out))}")
+            out[k] = coerce(v, type(out[k]), f"task parameter '{k}'")
         return out
 
 
@@ -322,7 +322,7 @@ TASKS: dict[str, Task] = {
 
 def get_task(name: str) -> Task:
     if name not in TASKS:
-        raise RecurformerError(f"unknown task '{name}'{_suggest(name, list(TASKS)).replace('keys', 'tasks')}")
+        raise RecurformerError(f"unknown task '{name}'{suggest(name, list(TASKS)).replace('keys', 'tasks')}")
     return TASKS[name]
 
 

@@ -17,8 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..layers import Block, apply_rope, attend, merge_heads, rope_cos_sin, split_heads
-from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM, writable
+from ..modules import apply_rope, attend, merge_heads, rope_cos_sin, split_heads
+from ..nn import Block, Layer, ModelConfig, StreamingLM
+from ..registry import register
+from ..state import Call, LayerState, writable
 
 
 @dataclass
@@ -174,3 +176,6 @@ class Llama(StreamingLM):
         for m in self.modules():
             if isinstance(m, Attention):
                 m.window = window
+
+
+register("llama", LlamaConfig, Llama, "Llama-style dense decoder (full causal attention, KV cache state)")

@@ -35,12 +35,13 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..layers import MLP, Block, RMSNorm, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
-from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM, reset_rows
+from ..modules import MLP, RMSNorm, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
+from ..nn import Block, Layer, ModelConfig, StreamingLM
+from ..registry import register
+from ..state import Call, LayerState, reset_rows
 
 
 @dataclass
@@ -210,46 +211,4 @@ class MemoryAttention(StreamingLM):
         return Block(cfg, MemoryAttentionLayer(cfg))
 
 
-def algorithm_1(model: MemoryAttention, tokens: Tensor) -> Tensor:
-    """Seed 000 Algorithm 1, read literally: the slow reference that the tests hold the model to
-    and a row of benchmarks/throughput.py. One chunk at a time, nothing batched or cached: Q/K/V of
-    the concatenation [M'; X_t] (memory queries computed, then their rows discarded), RoPE over the
-    concatenation at positions 0..2C-1, a square causal mask, O_t = output[:, C:]. Returns the
-    logits [B, T, V] of a fresh state; T must be a multiple of C, and every layer a memory layer."""
-    c = model.config
-    C, H = c.chunk_size, c.n_heads
-    B, T = tokens.shape
-    if T % C or any(not isinstance(b.attn, MemoryAttentionLayer) for b in model.layers):
-        raise RecurformerError("algorithm_1 reads whole chunks through memory layers only")
-    h = model.tok_emb(tokens)
-    cos, sin = rope_cos_sin(torch.arange(2 * C, device=h.device), c.head_dim, c.rope_theta, h.dtype)
-    for block in model.layers:
-        att = block.attn
-        x_all = block.attn_norm(h)
-        mem = att.init_memory.expand(B, C, c.dim) if c.init_memory == "learned" else x_all.new_zeros(B, C, c.dim)
-        outs = []
-        for t in range(T // C):
-            x = x_all[:, t * C : (t + 1) * C]
-            m = mem
-            if c.memory_ffn:
-                m = m + att.mem_ffn(att.mem_ffn_norm(m))
-            if c.memory_norm:
-                m = att.mem_norm(m)
-            wk, wv = (att.wkm, att.wvm) if c.memory_qkv == "separate" else (att.wk, att.wv)
-            seq_q = torch.cat((att.wq(m), att.wq(x)), 1)  # memory queries from wq (the code used wk: a bug)
-            seq_k = torch.cat((wk(m), att.wk(x)), 1)
-            seq_v = torch.cat((wv(m), att.wv(x)), 1)
-            q, k, v = (s.view(B, 2 * C, H, -1).transpose(1, 2) for s in (seq_q, seq_k, seq_v))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, 2C, d]
-            o = o.transpose(1, 2).reshape(B, 2 * C, c.dim)[:, C:]  # discard the memory rows
-            out = att.wo(o)
-            new = o if c.memory_source == "pre_wo" else out
-            if c.memory_update == "gated":  # g = sigmoid(W_g [M'; O]), M <- g M' + (1 - g) O
-                g = torch.sigmoid(att.mem_gate(torch.cat((m, new), -1)))
-                new = g * m + (1 - g) * new
-            mem = new
-            outs.append(out)
-        h = h + torch.cat(outs, 1)
-        h = h + block.ffn(block.ffn_norm(h))
-    return F.linear(model.norm(h), model.tok_emb.weight)
+register("memory_attention", MemoryAttentionConfig, MemoryAttention, "Memory Attention: block-wise recurrent transformer carrying a per-layer memory across chunks")

@@ -42,9 +42,11 @@ import torch
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..layers import MLP, RMSNorm, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
-from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM
+from ..modules import MLP, RMSNorm, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
+from ..nn import Layer, ModelConfig, StreamingLM
 from ..ops.recurrent_attention import BiasFn, alibi_bias, recurrent_attention_naive, recurrent_attention_tiled
+from ..registry import register
+from ..state import Call, LayerState
 
 
 @dataclass
@@ -188,3 +190,6 @@ class RecurrentTransformer(StreamingLM):
             f"state: persistent K/V cache 2 * n_layers * dim = {2 * c.n_layers * c.dim} numbers per position (grows with the document)",
             f"block_size b = {c.block_size}: recurrent depth N/b per layer; impl = {c.impl}; position = {c.position}",
         ]
+
+
+register("recurrent_transformer", RecurrentTransformerConfig, RecurrentTransformer, "Recurrent Transformer: each layer attends to the previous layer's persistent keys/values")

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import RecurformerError
-from ..layers import Block
-from ..nn import Layer, ModelConfig
+from ..nn import Block, Layer, ModelConfig
+from ..registry import register
 from .llama import Attention, Llama, LlamaConfig
 
 
@@ -30,3 +30,6 @@ class SlidingWindow(Llama):
         if cfg.window is None:
             raise RecurformerError(f"layer {index} is a 'window' layer: set config key 'window'")
         return Block(cfg, Attention(cfg, cfg.window))
+
+
+register("sliding_window", SlidingWindowConfig, SlidingWindow, "Llama-style decoder with sliding-window attention (bounded KV cache state)")

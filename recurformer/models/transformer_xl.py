@@ -34,9 +34,11 @@ import torch
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..layers import Block, merge_heads, pieces, split_heads
-from ..nn import Call, Layer, LayerState, ModelConfig, StreamingLM, reset_rows, writable
+from ..modules import merge_heads, pieces, split_heads
+from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..ops.relative import relative_scores, sinusoid_table
+from ..registry import register
+from ..state import Call, LayerState, reset_rows, writable
 
 
 @dataclass
@@ -248,3 +250,6 @@ class TransformerXL(StreamingLM):
             f"+ partial segment in the state: up to (L-1) × d × layers = {(L - 1) * D * N:,} floats per row",
             f"receptive field rule: {rule}",
         ]
+
+
+register("transformer_xl", TransformerXLConfig, TransformerXL, "Transformer-XL: segment recurrence with a cached memory of hidden states")

@@ -1,0 +1,100 @@
+"""Building blocks in plain PyTorch, importing nothing of the package: RMSNorm, the MLP (SwiGLU or
+ReLU), RoPE with arbitrary positions, ALiBi slopes, attention helpers over PyTorch SDPA, and
+``pieces``, which splits a call into chunks / segments / blocks at the current offset."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * g  (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class MLP(nn.Module):
+    """d_in -> hidden -> d_out, no biases. swiglu: W2 (silu(W1 x) * W3 x) (Shazeer 2020; Llama);
+    relu: W2 relu(W1 x). ``hidden(x)`` is the activation fed to W2 (what LSTM-style gates read)."""
+
+    def __init__(self, dim: int, hidden: int, out: int | None = None, kind: Literal["swiglu", "relu"] = "swiglu") -> None:
+        super().__init__()
+        self.kind = kind
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        if kind == "swiglu":
+            self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim if out is None else out, bias=False)
+
+    def hidden(self, x: Tensor) -> Tensor:
+        return F.silu(self.w1(x)) * self.w3(x) if self.kind == "swiglu" else F.relu(self.w1(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(self.hidden(x))
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [..., head_dim/2] for integer ``positions``. Angles are computed in float64,
+    so a position of 10^6 is as precise as position 10 (RoPE, Su et al. 2021)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
+    ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x[i], x[i + d/2]) of ``x`` [B, H, T, d] by angles given as cos/sin [T, d/2]
+    (or [B, 1, T, d/2])."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def split_heads(x: Tensor, n_heads: int) -> Tensor:
+    """[B, T, H*d] -> [B, H, T, d]"""
+    B, T, D = x.shape
+    return x.view(B, T, n_heads, D // n_heads).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """[B, H, T, d] -> [B, T, H*d]"""
+    B, H, T, d = x.shape
+    return x.transpose(1, 2).reshape(B, T, H * d)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v via PyTorch SDPA. ``mask`` is boolean (True = visible) or
+    additive, broadcastable to [B, H, Tq, Tk].
+
+    Under CPU autocast the attention runs in float32: PyTorch's CPU flash-attention backward is
+    2.5-4x slower in bf16 than in fp32 (benchmarks/throughput.py, docs/results.md §5), while the
+    projections around it keep bf16."""
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal and mask is None)
+        return o.to(torch.get_autocast_dtype("cpu"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+
+
+def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> Tensor:
+    """ALiBi head slopes m_h = 2^(-max_bias * h / H), h = 1..H (Press et al. 2022; for H a power
+    of two these are the paper's slopes, otherwise the same geometric rule without MPT's fix)."""
+    h = torch.arange(1, n_heads + 1, dtype=torch.float64)
+    return torch.exp2(-max_bias * h / n_heads)
+
+
+def pieces(offset: int, T: int, size: int) -> list[int]:
+    """Lengths of the pieces of a call of T tokens that starts ``offset`` tokens into a chunk of
+    ``size``: the rest of the current chunk, whole chunks, then a partial one. Sums to T."""
+    first = min(size - offset, T)
+    whole, rest = divmod(T - first, size)
+    return [first] + [size] * whole + ([rest] if rest else [])

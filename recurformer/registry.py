@@ -1,0 +1,79 @@
+"""The model registry: each model file registers its architecture here when it is imported
+(``register``), so a new architecture is one file that registers itself plus one import line in
+``models/__init__.py``. ``build_model`` is the one way to build a model from a name and a dict of
+config values; ``build_layer`` builds one layer of a kind ('full', 'window', 'memory', 'xl', ...),
+so a config's ``layers`` list can stack layers of several architectures. This module imports no
+model: the classes are typed loosely here and checked where they are defined."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .config import RecurformerError, from_dict, suggest
+
+
+@dataclass(frozen=True)
+class Entry:
+    config: type[Any]  # the model's config dataclass (a subclass of nn.ModelConfig)
+    model: type[Any]  # the model class (a subclass of nn.StreamingLM)
+    description: str  # one line for model cards
+
+
+REGISTRY: dict[str, Entry] = {}
+LAYER_KINDS: dict[str, type[Any]] = {}  # layer kind -> the model class that makes such layers (``make_layer``)
+
+
+def register(name: str, config: type[Any], model: type[Any], description: str) -> None:
+    """Add an architecture: ``name`` (the config's ``model.name``), its config and model classes;
+    the model's layer ``kind`` becomes available to hybrid stacks."""
+    if name in REGISTRY and REGISTRY[name].model is not model:
+        raise RecurformerError(f"model '{name}' is registered twice")
+    REGISTRY[name] = Entry(config, model, description)
+    LAYER_KINDS[model.kind] = model
+
+
+def model_names() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def lookup(name: str) -> tuple[type[Any], type[Any]]:
+    """(config class, model class) of a registered model."""
+    if name not in REGISTRY:
+        raise RecurformerError(f"unknown model '{name}'{suggest(name, model_names()).replace('keys', 'models')}")
+    return REGISTRY[name].config, REGISTRY[name].model
+
+
+def description(name: str) -> str:
+    return REGISTRY[name].description if name in REGISTRY else name
+
+
+def build_layer(kind: str, cfg: Any, index: int) -> Any:
+    """Layer ``index`` of kind ``kind`` ('full', 'window', 'memory', 'xl', ...) for config ``cfg``."""
+    if kind not in LAYER_KINDS:
+        raise RecurformerError(f"unknown layer kind '{kind}' for layer {index}{suggest(kind, sorted(LAYER_KINDS)).replace('keys', 'kinds')}")
+    model = LAYER_KINDS[kind]
+    if not isinstance(cfg, model.layer_config):
+        raise RecurformerError(f"a '{kind}' layer needs the config of a {model.layer_config.__name__}, not {type(cfg).__name__}")
+    return model.make_layer(cfg, index)
+
+
+def make_config(name: str, values: dict[str, Any] | None = None) -> Any:
+    return from_dict(lookup(name)[0], dict(values or {}), where="model")
+
+
+def model_name(cfg: Any) -> str:
+    """The registered name of a config instance's model."""
+    for n, entry in REGISTRY.items():
+        if type(cfg) is entry.config:
+            return n
+    raise RecurformerError(f"{type(cfg).__name__} is not a registered config")
+
+
+def build_model(name: Any, values: dict[str, Any] | None = None) -> Any:
+    """``build_model("memory_attention", {"dim": 128})`` or ``build_model(config_instance)``."""
+    if not isinstance(name, str):
+        cfg, name = name, model_name(name)
+    else:
+        cfg = make_config(name, values)
+    return lookup(name)[1](cfg)
