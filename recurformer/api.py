@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .config import RecurformerError, load_yaml, merge
+from .config import RecurformerError, merge
 from .data import Tokenizer
 from .evaluate import LengthResult, evaluate_lengths
 from .nn import StreamingLM
@@ -57,23 +57,10 @@ def train(config: str | Path | dict[str, Any] | None = None, *, resume: str | Pa
     checkpoint directory to continue exactly (written into that run's directory unless
     ``train.out_dir`` is given); ``overwrite``: replace a run already in ``train.out_dir``."""
     from . import checkpoint as ckpt
-    from .train import Trainer, merge_config, run_config_from_dict
+    from .train import train_main
 
-    if isinstance(config, dict):
-        raw = config
-    elif config is not None:
-        raw = load_yaml(config)
-    else:  # resume with the run's own config, or the defaults
-        raw = ckpt.load_config(resume) if resume is not None else {}
-    over = _overrides(overrides)
-    cfg = run_config_from_dict(merge_config(raw, over))
-    if resume is not None and "out_dir" not in over.get("train", {}):
-        cfg.train.out_dir = str(ckpt.resolve(resume).parent)
-    trainer = Trainer(cfg, resume=str(resume) if resume is not None else None, show_progress=progress, overwrite=overwrite)
-    try:
-        metrics = trainer.run()
-    finally:
-        trainer.close_loggers()
+    resumed = str(resume) if resume is not None else None
+    trainer, metrics = train_main(config, _overrides(overrides), resumed, overwrite, show_progress=progress)
     try:
         last = ckpt.resolve(trainer.out_dir)
     except RecurformerError:
@@ -112,8 +99,6 @@ def evaluate(model: StreamingLM, tokenizer: Tokenizer | None = None, *, tokens: 
     """Length extrapolation as ``recurformer eval``: loss and accuracy on the last ``last``
     tokens of windows of each length, on ``tokens`` or a dataset's val split or text files."""
     data = np.asarray(tokens, dtype=np.int64) if tokens is not None else _tokens(tokenizer, dataset, text)
-    if int(data.max()) >= model.config.vocab_size:
-        raise RecurformerError(f"evaluation data has token id {int(data.max())} >= the model's vocabulary {model.config.vocab_size}")
     return evaluate_lengths(model, data, list(lengths), last, windows, chunk, warm_state, batch_size, seed, context)
 
 

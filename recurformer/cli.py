@@ -83,12 +83,12 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from .train import train_main
+    from .api import train
 
     if not args.config and not args.resume:
         raise RecurformerError("give --config FILE (see configs/) or --resume DIR")
     sets = args.set + (["train.compile=true"] if args.compile else []) + ([f"train.device={args.device}"] if args.device else [])
-    last = train_main(args.config, sets, args.resume, args.overwrite)
+    last = train(args.config, resume=args.resume, overwrite=args.overwrite, **parse_overrides(sets)).metrics
     if last:
         print("done: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
 
@@ -106,7 +106,7 @@ def eval_labels(paths: list[str]) -> list[str]:
     from .checkpoint import resolve
 
     dirs = [resolve(p) for p in paths]
-    seen = {}
+    seen: dict[Any, Any] = {}
     for p, d in zip(paths, dirs):
         if d.resolve() in seen:
             raise RecurformerError(f"--checkpoint {p} and {seen[d.resolve()]} are the same checkpoint ({d})")
@@ -137,7 +137,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     check_writable(out.with_suffix(".png"), "plot")
     labels = eval_labels(args.checkpoint)
     device = pick_device(args.device)
-    results, cache, trained = {}, {}, {}
+    results: dict[str, Any] = {}
+    cache: dict[Any, Any] = {}
+    trained: dict[str, Any] = {}
     for path, label in zip(args.checkpoint, labels):
         model, name, tok, config = load_model(path, device)
         if args.window:
@@ -146,8 +148,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
             model.set_window(args.window)
             label += f" (window {args.window})"
         tokens = eval_tokens(tok, config, data=args.data, dataset=args.dataset, text=args.text, cache=cache)
-        if int(tokens.max()) >= model.config.vocab_size:
-            raise RecurformerError(f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}")
         print(f"evaluating {label} ({name}) at lengths {lengths}, {args.windows} windows each, loss on the last {args.last} tokens")
         rs = evaluate_lengths(
             model, tokens, lengths, args.last, args.windows, args.chunk, args.warm_state, args.batch_size, args.seed, args.context

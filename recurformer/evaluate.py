@@ -1,9 +1,9 @@
-"""Length-extrapolation evaluation (seed 000 §5.1): for each length L, K windows of L tokens;
-the model reads each window chunk by chunk through the streaming contract (so memory stays
-bounded for recurrent models at any L) and the loss / accuracy is taken on the last ``last``
-tokens only. The windows of every length end at the same K positions (as in the authors'
-evaluation), so all lengths score the same tokens and differ only in how much history the model
-read. Windows start from the initial state, or after reading a warm-up prefix."""
+"""Length-extrapolation evaluation (Liang, "Block-wise Recurrent Transformer", §5.1): for each
+length L, K windows of L tokens; the model reads each window chunk by chunk through the streaming
+contract (so memory stays bounded for recurrent models at any L) and the loss / accuracy is taken on
+the last ``last`` tokens only. The windows of every length end at the same K positions (as in the
+authors' evaluation), so all lengths score the same tokens and differ only in how much history the
+model read. Windows start from the initial state, or after reading a warm-up prefix."""
 
 from __future__ import annotations
 
@@ -106,6 +106,8 @@ def evaluate_lengths(
     use the same context and seed score the same tokens, whatever their lengths or warm-up."""
     from .data import eval_windows
 
+    if int(tokens.max()) >= model.config.vocab_size:
+        raise RecurformerError(f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}")
     model.eval()
     out = []
     for L in lengths:

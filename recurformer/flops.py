@@ -1,5 +1,5 @@
 """FLOPs per token and the machine's matmul peak, for tokens/s reported as a fraction of a peak
-measured on the same machine in the same run (issue 18: these machines differ by ~40%, so only
+measured on the same machine in the same run (machines of one type differ by ~40%, so only
 ratios mean anything).
 
 FLOPs are counted, not derived by hand: one no-grad forward of the real model over ``T`` tokens

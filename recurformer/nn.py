@@ -220,7 +220,9 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(build_layer(k, config, i) for i, k in enumerate(config.layer_kinds(self.default_kind())))
+        kinds = config.layer_kinds(self.default_kind())
+        # an nn.ModuleList, typed by what it holds
+        self.layers: list[Layer] = nn.ModuleList(build_layer(k, config, i) for i, k in enumerate(kinds))  # type: ignore[assignment]
         self.norm = RMSNorm(config.dim, config.norm_eps)
         if config.window is not None and not any(layer.kind == "window" for layer in self.layers):
             raise RecurformerError("config key 'window' is set, but no layer is a 'window' layer (see config key 'layers')")
@@ -242,8 +244,8 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
                 scale = 1 / math.sqrt(2 * self.config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0
                 nn.init.normal_(p, 0.0, std * scale)
         for m in self.modules():
-            if m is not self and hasattr(m, "init_extra"):
-                m.init_extra(std)
+            if m is not self and callable(init := getattr(m, "init_extra", None)):
+                init(std)
 
     # -- contract ------------------------------------------------------------------------------
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> State:
@@ -341,11 +343,12 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
     def receptive_start(self, p: int) -> int:
         """Earliest position of a document whose token can change the logits at position p: each
         layer, from the last, maps a position to the earliest one it reads directly."""
-        q: int | None = p
+        q = p
         for layer in reversed(self.layers):
-            q = layer.reach(q)
-            if q is None:
+            r = layer.reach(q)
+            if r is None:
                 return 0
+            q = r
         return max(q, 0)
 
     def max_context(self) -> int | None:

@@ -157,9 +157,10 @@ def repeat_samples(
     starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
     samples = []
     for i in np.sort(rng.choice(usable, size=n_docs, replace=False)):
-        head, s1, gap, mk, s2, tail = parts[i]  # type: ignore[misc]
+        head, s1, gap, mk, s2, tail = parts[i]
         # the swapped passage: the copied passages of the next documents, cut to len(s1)
-        pool, j = [], (usable.index(i) + 1) % len(usable)
+        pool: list[np.ndarray] = []
+        j = (usable.index(i) + 1) % len(usable)
         while sum(len(q) for q in pool) < len(s1):
             pool.append(parts[usable[j]][1])  # type: ignore[index]
             j = (j + 1) % len(usable)

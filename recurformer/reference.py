@@ -4,31 +4,34 @@ batching tricks; the fast code lives in ``models/`` and ``ops/``."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .config import RecurformerError
-from .models.memory_attention import MemoryAttentionLayer
+from .models.memory_attention import MemoryAttention, MemoryAttentionConfig, MemoryAttentionLayer
 from .modules import apply_rope, rope_cos_sin
-from .nn import StreamingLM
+from .nn import Block
 
 
-def algorithm_1(model: StreamingLM, tokens: Tensor) -> Tensor:
+def algorithm_1(model: MemoryAttention, tokens: Tensor) -> Tensor:
     """Algorithm 1 of "Block-wise Recurrent Transformer" (Liang), read literally: the slow
     reference that the tests hold ``MemoryAttention`` to, and a row of benchmarks/throughput.py. One chunk at a time, nothing batched or cached: Q/K/V of
     the concatenation [M'; X_t] (memory queries computed, then their rows discarded), RoPE over the
     concatenation at positions 0..2C-1, a square causal mask, O_t = output[:, C:]. Returns the
     logits [B, T, V] of a fresh state; T must be a multiple of C, and every layer a memory layer."""
-    c = model.config
+    c = cast(MemoryAttentionConfig, model.config)
     C, H = c.chunk_size, c.n_heads
     B, T = tokens.shape
-    if T % C or any(not isinstance(b.attn, MemoryAttentionLayer) for b in model.layers):
+    blocks = [cast(Block, b) for b in model.layers]
+    if T % C or any(not isinstance(b.attn, MemoryAttentionLayer) for b in blocks):
         raise RecurformerError("algorithm_1 reads whole chunks through memory layers only")
     h = model.tok_emb(tokens)
     cos, sin = rope_cos_sin(torch.arange(2 * C, device=h.device), c.head_dim, c.rope_theta, h.dtype)
-    for block in model.layers:
-        att = block.attn
+    for block in blocks:
+        att = cast(MemoryAttentionLayer, block.attn)
         x_all = block.attn_norm(h)
         mem = att.init_memory.expand(B, C, c.dim) if c.init_memory == "learned" else x_all.new_zeros(B, C, c.dim)
         outs = []

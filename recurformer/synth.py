@@ -1,8 +1,9 @@
-"""Synthetic diagnostics (seed 003 §"Synthetic diagnostics"): train a small model of any registered
-architecture on one task of ``recurformer.data.synthetic`` and report its test accuracy.
+"""Synthetic diagnostics ("The Recurrent Transformer: Greater Effective Depth and Efficient
+Decoding", §"Synthetic diagnostics"): train a small model of any registered architecture on one task
+of ``recurformer.data.synthetic`` and report its test accuracy.
 
 Protocol. For every learning rate of a small sweep, a fresh model (same seed) is trained with
-AdamW (``optim.make_optimizer``; betas 0.9/0.98 as in seed 003's appendix) and warmup + cosine
+AdamW (``optim.make_optimizer``; betas 0.9/0.98 as in that paper's appendix) and warmup + cosine
 (``optim.lr_at``) for a budget of optimizer steps over a fixed training set; the learning rate
 with the best accuracy on a validation split is selected, and its test accuracy is reported
 (train, validation and test rows are disjoint). Evaluation reads every row through the streaming
@@ -15,11 +16,11 @@ including lengths never trained. Compression is read through MAD's AutoEncoder h
 Metrics. ``token_accuracy`` is *micro* (correct scored tokens / scored tokens);
 ``macro_accuracy`` is the per-class recall averaged over target classes present (what MAD's
 torchmetrics ``MulticlassAccuracy`` reports by default); ``exact_match`` is the fraction of rows
-whose scored tokens are all correct (seed 003's "sequence-level accuracy"). The headline
+whose scored tokens are all correct (the paper's "sequence-level accuracy"). The headline
 ``accuracy`` is micro token accuracy for MAD tasks and exact match for copy, delayed copy and
 passkey.
 
-Model. Seed 003's synthetic setting (one layer, width 128, MLP 512, 16 heads) unless overridden;
+Model. The paper's synthetic setting (one layer, width 128, MLP 512, 16 heads) unless overridden;
 the field that bounds each model's direct reach (``ModelConfig.context_field``: window, chunk,
 segment or block length; llama's ``window=None`` stays full attention, the Recurrent Transformer
 has none) is set to ``context`` (32 by default), so a bounded model must use its state on tasks

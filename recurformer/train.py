@@ -1,11 +1,11 @@
-"""One training loop for every registered model: stateful segment training (seed 000 §4), i.e.
-truncated BPTT with the model state carried across steps.
+"""One training loop for every registered model: stateful segment training (Liang, "Block-wise
+Recurrent Transformer", §4), i.e. truncated BPTT with the model state carried across steps.
 
 Each optimizer step reads ``grad_accum`` consecutive segments of ``seq_len`` tokens from B
 streams (row b of segment k+1 continues row b of segment k: *data continuity*). The state
 returned by segment k is the initial state of segment k+1 (*state persistence*); it is detached
 every ``truncation`` segments, where the summed loss of those segments is backpropagated. A row
-whose stream wraps to its start has its state reset. The four ablation modes of seed Table 2 are
+whose stream wraps to its start has its state reset. The four ablation modes of its Table 2 are
 ``state: carry|reset`` x ``data_order: contiguous|shuffled``.
 
 Runs on one process or under ``torchrun`` (DDP): every rank owns its own streams and carried
@@ -167,7 +167,7 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     t = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         t["rng.cuda"] = torch.cuda.get_rng_state()
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     return t, {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
 
 
@@ -335,7 +335,8 @@ class Trainer:
         if resumed is not None:
             self._restore(resumed)
         self.stop = stop or StopSignals()  # installed by run(); by train_main from the start
-        self.sinks, self.header = [], []
+        self.sinks: list[Any] = []
+        self.header: list[str] = []
         if self.rank == 0:
             ckpt.open_run_dir(self.out_dir, resumed["dir"].parent if resumed is not None else None, self.step)
             self.sinks, notes = loggers.make_sinks(t.loggers, self.out_dir, self._config_dict())
@@ -423,13 +424,15 @@ class Trainer:
         groups = t.grad_accum // t.truncation
         for gi in range(groups):
             sync = gi == groups - 1
-            ctx = self.ddp.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
+            # self.ddp is a DistributedDataParallel when world > 1
+            ctx = self.ddp.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()  # type: ignore[operator]
             with ctx:
-                loss_sum = 0.0
+                loss_sum = torch.zeros((), device=self.device)
                 state = self.state
                 for _ in range(t.truncation):
                     loss, state = self._segment(self.streams.next_batch(), state)
                     loss_sum = loss_sum + loss
+                assert state is not None
                 (loss_sum / t.grad_accum).backward()
                 self.state = state.detach()  # the TBPTT boundary
                 total += float(loss_sum.detach())
@@ -564,25 +567,35 @@ class Trainer:
         return last
 
 
-def train_main(config: str | None, overrides: list[str] | None, resume: str | None, overwrite: bool = False) -> dict[str, Any]:
-    """``train`` from a config, or ``--resume`` a run: with the run's own config (or ``config``),
-    writing into the resumed run's directory unless ``--set train.out_dir=...`` says otherwise."""
-    over = parse_overrides(overrides)
-    if resume:
-        ck = ckpt.resolve(resume)
-        if config:
-            cfg = load_run_config(config, overrides)
-        else:  # resume with the run's own config
-            cfg = from_dict(RunConfig, merge_config(ckpt.load_config(ck), over))
-        if "out_dir" not in over.get("train", {}):
-            cfg.train.out_dir = str(ck.parent)
+def resolve_run_config(config: str | Path | dict[str, Any] | None, over: dict[str, Any], resume: str | None) -> RunConfig:
+    """The config of a run: ``config`` (a YAML path, a bundled config name or a dict) or, to resume
+    without one, the run's own config; merged with ``over``. A resumed run writes into its own
+    directory unless ``over`` sets ``train.out_dir``."""
+    if isinstance(config, dict):
+        raw = config
+    elif config is not None:
+        raw = load_yaml(config)
     else:
-        cfg = load_run_config(config, overrides)
+        raw = ckpt.load_config(resume) if resume is not None else {}
+    cfg = run_config_from_dict(merge_config(raw, over))
+    if resume is not None and "out_dir" not in over.get("train", {}):
+        cfg.train.out_dir = str(ckpt.resolve(resume).parent)
+    return cfg
+
+
+def train_main(
+    config: str | Path | dict[str, Any] | None, over: dict[str, Any], resume: str | None = None,
+    overwrite: bool = False, show_progress: bool = True,
+) -> tuple[Trainer, dict[str, Any]]:
+    """Train (or ``resume``) a run to ``train.steps``; returns the trainer and its last metrics.
+    SIGINT/SIGTERM are handled from the start: a signal while the run is set up stops it before
+    its first step."""
+    cfg = resolve_run_config(config, over, resume)
     stop = StopSignals()
-    with stop.installed():  # a signal while the run is set up stops it before its first step
-        trainer = Trainer(cfg, resume=resume, overwrite=overwrite, stop=stop)
+    with stop.installed():
+        trainer = Trainer(cfg, resume=resume, show_progress=show_progress, overwrite=overwrite, stop=stop)
         try:
-            return trainer.run()
+            return trainer, trainer.run()
         finally:
             trainer.close_loggers()
             if trainer.world > 1 and dist.is_initialized():

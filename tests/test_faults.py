@@ -1,4 +1,4 @@
-"""Never lose a run (issue 16): reruns into a run directory, prepared-data caches, eval labels,
+"""Never lose a run: reruns into a run directory, prepared-data caches, eval labels,
 SIGINT/SIGTERM, resume bookkeeping, checkpoint paths, and I/O or argument faults. Every test
 reproduces a fault through the CLI (or the library call it makes) with a tiny model."""
 

@@ -1,5 +1,5 @@
-"""Memory Attention against a literal reading of seed 000 Algorithm 1 (``algorithm_1``) and the
-properties the model-core issue asks for."""
+"""Memory Attention against a literal reading of Algorithm 1 of Liang, "Block-wise Recurrent
+Transformer" (``algorithm_1``) and the properties of its memory update."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_matches_algorithm_1(extra) -> None:
 
 
 def test_gated_update_limits() -> None:
-    """A gate shut (g = 0) is the seed's model with the same weights; a gate open (g = 1) keeps the
+    """A gate shut (g = 0) is the paper's model with the same weights; a gate open (g = 1) keeps the
     initial zero memory for ever, so every chunk reads only itself."""
     tokens = torch.randint(0, 61, (2, 5 * 8))
     seed = build_model("memory_attention", CFG).double().eval()

@@ -1,8 +1,9 @@
-"""The custom backward of the tiled recurrent attention (seed 003 §"The backward pass"): its
-gradients (layer input, state of an earlier call, every parameter) equal plain autograd through
-the naive reference in float64, it is the model's training path, it saves O(N d) bytes where
-autograd through the tiled forward saves O(N^2), a learned bias falls back to autograd, and in
-bf16 (autocast or weights) it stays as close to fp32 as the naive path."""
+"""The custom backward of the tiled recurrent attention ("The Recurrent Transformer: Greater
+Effective Depth and Efficient Decoding", §"The backward pass"): its gradients (layer input, state of
+an earlier call, every parameter) equal plain autograd through the naive reference in float64, it is
+the model's training path, it saves O(N d) bytes where autograd through the tiled forward saves
+O(N^2), a learned bias falls back to autograd, and in bf16 (autocast or weights) it stays as close
+to fp32 as the naive path."""
 
 from __future__ import annotations
 

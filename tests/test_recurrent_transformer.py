@@ -1,7 +1,8 @@
-"""Recurrent Transformer (seed 003): the exact tiled forward against the naive reference (logits
-and every parameter gradient), the temporary pair at the self position, the token-to-token
-recurrence under attention forced onto the previous position, the seed's Stirling-number theorem,
-the tile schedule, bf16 accumulators and the decoding cost."""
+"""Recurrent Transformer ("The Recurrent Transformer: Greater Effective Depth and Efficient
+Decoding"): the exact tiled forward against the naive reference (logits and every parameter
+gradient), the temporary pair at the self position, the token-to-token recurrence under attention
+forced onto the previous position, the paper's Stirling-number theorem, the tile schedule, bf16
+accumulators and the decoding cost."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def _run_layer(model, layer, x, impl, bias_fn="model"):
 
 @pytest.mark.parametrize("impl", ["tiled", "naive"])
 def test_self_position_uses_the_temporary_pair(impl) -> None:
-    """The layer's output is the fixed point of the seed's equations: recomputing a_i by hand
+    """The layer's output is the fixed point of the paper's equations: recomputing a_i by hand
     from the returned z (persistent pairs of j < i) and the temporary pair of x_i gives z back;
     using the persistent pair of i at i instead does not."""
     model, layer = _layer()
@@ -116,7 +117,7 @@ def test_self_position_uses_the_temporary_pair(impl) -> None:
 
 @pytest.mark.parametrize("impl", ["tiled", "naive"])
 def test_attention_on_previous_position_is_a_token_recurrence(impl) -> None:
-    """Seed §"Representing token-to-token recurrence": with V = Wo = I and attention forced onto
+    """The paper's §"Representing token-to-token recurrence": with V = Wo = I and attention forced onto
     the previous persistent pair, z_i = RMS(z_{i-1}) + x_i + MLP(RMS(x_i + RMS(z_{i-1})))."""
     model, layer = _layer(dict(dim=16, n_heads=2))
     D, T = 16, 20
@@ -150,13 +151,13 @@ def _stirling_first(k: int) -> list[int]:
 
 @pytest.mark.parametrize("impl", ["tiled", "tiled-custom", "naive"])
 def test_uniform_attention_gradient_matches_stirling_formula(impl) -> None:
-    """Theorem (seed §paths): for z_k = x_k + (α/k)(V x_k + V Σ_{j<k} z_j),
+    """Theorem (the paper's §paths): for z_k = x_k + (α/k)(V x_k + V Σ_{j<k} z_j),
     ∂z_k/∂x_1 = (1/k!) Σ_r [k r] α^r V^r. Run through the op itself: zero queries give uniform
     attention over the k-1 persistent pairs and the temporary one ("tiled-custom": the tiled op
     told what finish reads, so its custom backward runs)."""
     D, n, alpha = 5, 7, 0.7
     g = torch.Generator().manual_seed(3)
-    Vm = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0]  # orthonormal, as in the seed
+    Vm = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0]  # orthonormal, as in the paper
     x = torch.randn(1, n, D, generator=g, dtype=torch.float64)
 
     def layer(x1: torch.Tensor) -> torch.Tensor:

@@ -83,8 +83,8 @@ def test_metrics_give_tokens_per_s_and_fraction_of_peak(corpus, tmp_path) -> Non
 @pytest.mark.parametrize("order", ["contiguous", "shuffled"])
 @pytest.mark.parametrize("mode", ["carry", "reset"])
 def test_loss_depends_on_previous_batch_only_when_carrying(corpus, tmp_path, mode, order) -> None:
-    """All four ablation modes of seed Table 2: the state crosses batches exactly when carried,
-    with contiguous or shuffled data alike."""
+    """All four ablation modes of Table 2 of Liang, "Block-wise Recurrent Transformer": the state
+    crosses batches exactly when carried, with contiguous or shuffled data alike."""
     tr = Trainer(run_config(corpus, tmp_path, state=mode, data_order=order), show_progress=False)
     b1, b2 = tr.streams.next_batch(), tr.streams.next_batch()
     _, s1 = tr._segment(b1, None)

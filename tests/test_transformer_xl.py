@@ -1,6 +1,7 @@
 """Transformer-XL: the relative-shift scores against the explicit (i, j) loop, the whole model
 against a naive per-position reference, stop-gradient on the memory, and the receptive field /
-effective context of seed 004 measured by perturbing tokens."""
+effective context of Brenndoerfer, "Recurrent Memory: Extending Transformer Context with
+Segment-Level State Caching" measured by perturbing tokens."""
 
 from __future__ import annotations
 
@@ -180,7 +181,7 @@ def test_receptive_field_is_n_layers_segments(n_layers) -> None:
 
 
 def test_effective_context_two_layers() -> None:
-    """Seed 004: an N-layer XL with segment L (M = L) sees N·L + L tokens (direct span 2L per
+    """The tutorial's claim: an N-layer XL with segment L (M = L) sees N·L + L tokens (direct span 2L per
     layer). Measured on a 2-layer model: logit p is changed by exactly the tokens S(p) - N·L .. p,
     so the largest influence distance is N·L + L - 1; one layer alone reaches S(p) - L (2L span)."""
     L, N, T = 4, 2, 24
@@ -194,8 +195,8 @@ def test_effective_context_two_layers() -> None:
         assert torch.equal(inf, (t >= start) & (t <= p)), f"{n_layers} layers"
         spans[n_layers] = int((p - t)[inf].max()) + 1
         assert spans[n_layers] == model.max_context()
-    assert spans[1] == 2 * L  # the seed's "direct attention span"
-    assert spans[N] == N * L + L  # the seed's "max theoretical span"
+    assert spans[1] == 2 * L  # the tutorial's "direct attention span"
+    assert spans[N] == N * L + L  # the tutorial's "max theoretical span"
     # without recurrence (M = 0) the span collapses to the segment: context fragmentation
     model = build_model("transformer_xl", dict(BASE, n_layers=N, segment_len=L, mem_len=0)).double().eval()
     randomize_params(model)

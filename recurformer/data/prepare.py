@@ -107,8 +107,11 @@ def source_key(
         p = Path(f)
         if not p.is_file():
             raise RecurformerError(f"text file {p} does not exist")
+        digest = hashlib.sha256()
         with p.open("rb") as fh:
-            h.update(hashlib.file_digest(fh, "sha256").digest())
+            for block in iter(lambda: fh.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
+                digest.update(block)
+            h.update(digest.digest())
     return h.hexdigest()
 
 

@@ -1,11 +1,12 @@
 """Batch iterators over a 1-D token array (usually a ``np.memmap``) for stateful TBPTT.
 
-``ContiguousStreams`` is the seed paper's "data continuity" (§4): every row of a batch is its own
-stream that reads a fixed region of the corpus in order, so row b of batch k+1 is the exact
-continuation of row b of batch k and a recurrent state carried per row stays meaningful. Unlike
-the authors' loader (llama2rnn.md §3) it tells the trainer when a row restarts (``wrapped``) so the
-row's state can be reset, splits the streams across DDP ranks by construction, and resumes exactly.
-``ShuffledWindows`` is the ablation without continuity; ``eval_windows`` gives fixed long windows.
+``ContiguousStreams`` is the "data continuity" of Liang, "Block-wise Recurrent Transformer" (§4):
+every row of a batch is its own stream that reads a fixed region of the corpus in order, so row b of
+batch k+1 is the exact continuation of row b of batch k and a recurrent state carried per row stays
+meaningful. Unlike the authors' loader (llama2Rnn) it tells the trainer when a row restarts
+(``wrapped``) so the row's state can be reset, splits the streams across DDP ranks by construction,
+and resumes exactly. ``ShuffledWindows`` is the ablation without continuity; ``eval_windows`` gives
+fixed long windows.
 
 Both iterators are counter-based: the state is just the number of batches drawn (the cursors and
 random offsets are pure functions of it), so every rank can resume from any rank's state dict.
@@ -92,7 +93,7 @@ class ContiguousStreams:
                 f"each stream region needs >= {seq_len + 1} tokens, the smallest has {int(self.region_len.min())}"
             )
         # Windows per pass over a region: starts 0, T, 2T, ... while start + T + 1 <= region length.
-        self.windows_per_pass = (self.region_len - 1) // seq_len
+        self.windows_per_pass: np.ndarray = (self.region_len - 1) // seq_len
         self.rows = slice(rank * batch_size, (rank + 1) * batch_size)
         self.step = 0
 
@@ -132,7 +133,7 @@ class ContiguousStreams:
 
 
 class ShuffledWindows:
-    """Independent uniformly random windows of T+1 tokens per row: the seed's ablation without data
+    """Independent uniformly random windows of T+1 tokens per row: the paper's ablation without data
     continuity. ``wrapped`` is all False: whether the state is carried across these unrelated
     windows is the trainer's ``state: carry|reset`` switch ("Infinity Only Model" carries it).
 

@@ -1,5 +1,6 @@
-"""Synthetic diagnostic tasks (seed 003 "Synthetic diagnostics": MAD + the copy task; seed 004's
-copying task with a delay; a passkey task for lengths beyond any window).
+"""Synthetic diagnostic tasks ("The Recurrent Transformer: Greater Effective Depth and Efficient
+Decoding", "Synthetic diagnostics": MAD + the copy task; Brenndoerfer, "Recurrent Memory: Extending
+Transformer Context with Segment-Level State Caching": the copying task with a delay; a passkey task for lengths beyond any window).
 
 Every task is a generator ``fn(rng, n, **params) -> (inputs, targets)`` of int64 arrays [n, T]
 in next-token form: the model reads ``inputs`` and is scored at position t on ``targets[t]``;
@@ -210,8 +211,9 @@ def compression(rng: np.random.Generator, n: int, vocab_size: int = 16, seq_len:
 
 
 def copy(rng: np.random.Generator, n: int, vocab_size: int = 30, min_len: int = 5, max_len: int = 20) -> Arrays:
-    """Jelassi et al. copy task (seed 003's copy diagnostic). Defaults: 26 letters + 4 specials,
-    training strings of 5..20 letters (the authors' code; it evaluates 10..19).
+    """Jelassi et al. copy task (the copy diagnostic of "The Recurrent Transformer: Greater Effective
+    Depth and Efficient Decoding"). Defaults: 26 letters + 4 specials, training strings of 5..20
+    letters (the authors' code; it evaluates 10..19).
 
     Letters [0, V-4), then ``$`` = V-4 (BOS), ``|`` = V-3 (separator), ``.`` = V-2 (EOS),
     ``*`` = V-1 (pad). A row is ``$ s | s .`` with |s| uniform in [min_len, max_len], right-padded
@@ -233,13 +235,14 @@ def copy(rng: np.random.Generator, n: int, vocab_size: int = 30, min_len: int = 
 
 
 def delayed_copy(rng: np.random.Generator, n: int, vocab_size: int = 10, copy_len: int = 10, delay: int = 100) -> Arrays:
-    """Seed 004's copying task with a delay ("Evaluation: Comparing Context Approaches"):
+    """The copying task with a delay of Brenndoerfer, "Recurrent Memory: Extending Transformer
+    Context with Segment-Level State Caching" ("Evaluation: Comparing Context Approaches"):
     blank = 0, content tokens [1, V-1), signal V-1; defaults vocab 10, 10 tokens (its delays:
     50, 100, 200, 400).
 
     inputs (length 2*copy_len + delay): the copy_len content tokens, ``delay`` blanks, the signal,
     copy_len - 1 blanks. targets: the content tokens in order at the signal and the blanks after
-    it, -100 elsewhere. (The seed's listing scores only tokens 1..copy_len-1, one position late;
+    it, -100 elsewhere. (That listing scores only tokens 1..copy_len-1, one position late;
     here the signal position predicts the first token, so every token is asked.)"""
     _need(vocab_size >= 3, f"delayed_copy needs vocab_size >= 3, got {vocab_size}")
     _need(copy_len >= 1 and delay >= 0, f"delayed_copy needs copy_len >= 1 and delay >= 0, got {copy_len}, {delay}")

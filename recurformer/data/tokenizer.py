@@ -53,7 +53,10 @@ class Tokenizer:
             self.vocab_size, self.bos_id, self.eos_id = 258, 256, 257
         else:
             self.vocab_size = hf.get_vocab_size()
-            self.bos_id, self.eos_id = hf.token_to_id(BOS), hf.token_to_id(EOS)
+            bos, eos = hf.token_to_id(BOS), hf.token_to_id(EOS)
+            if bos is None or eos is None:
+                raise RecurformerError(f"tokenizer has no {BOS} or {EOS} token")
+            self.bos_id, self.eos_id = bos, eos
 
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size})"

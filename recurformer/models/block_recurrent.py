@@ -38,7 +38,7 @@ library's pre-norm block (with meliad's 2-matrix ReLU MLP as an option).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -224,6 +224,7 @@ class BlockAttention(Layer):
             outs.append(o)
             if r + n == W:  # block complete: update the state, keep this block as the next window
                 if self.cell is not None:
+                    assert cell is not None
                     cell = self.cell.update(cell, u, kc, vc, kr, vx)
                     if a + n < T:
                         u, kc, vc = self.cell.project(cell)
@@ -251,8 +252,9 @@ class BlockRecurrent(StreamingLM):
         out["recurrent layers (token side)"] = out["other layers"] = 0
         for layer in self.layers:
             total = sum(p.numel() for p in layer.parameters())
-            if layer.attn.cell is not None:
-                cell = sum(p.numel() for p in layer.attn.cell.parameters()) + layer.attn.initial_state.numel()
+            attn = cast(BlockAttention, cast(Block, layer).attn)
+            if attn.cell is not None:
+                cell = sum(p.numel() for p in attn.cell.parameters()) + attn.initial_state.numel()
                 out["recurrent cell (state side)"] += cell
                 out["recurrent layers (token side)"] += total - cell
             else:

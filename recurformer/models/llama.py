@@ -169,8 +169,8 @@ class Llama(StreamingLM):
         return Block(cfg, Attention(cfg, None))
 
     def set_window(self, window: int | None) -> None:
-        """Evaluate with a sliding-window mask (the seed's "Slide Window" baseline is a normally
-        trained Llama evaluated with a 256-token window)."""
+        """Evaluate with a sliding-window mask (the "Slide Window" baseline of Liang, "Block-wise Recurrent
+        Transformer", is a normally trained Llama evaluated with a 256-token window)."""
         if window is not None and window < 1:
             raise RecurformerError(f"window must be >= 1, got {window}")
         for m in self.modules():

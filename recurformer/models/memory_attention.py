@@ -15,15 +15,15 @@ so no position exceeds 2C-1 at any length. Gradients flow through every chunk of
 trainer decides where to detach. A trailing partial chunk is kept in the state, so splitting a
 sequence across calls changes nothing. The memory layer sits in the library's pre-norm block.
 
-``memory_update="gated"`` (not in the paper or the code; added for issue 15 after the copy probe
-found the seed's memory does not hold a sentence across chunks) keeps part of the evolved memory
+``memory_update="gated"`` (not in the paper or the code; added after the copy probe
+found the paper's memory does not hold a sentence across chunks) keeps part of the evolved memory
 instead of replacing it: when chunk t completes,
 
     g = sigmoid(W_g [M'_t; O_t] + b_g),    M_{t+1} = g * M'_t + (1 - g) * O_t
 
 per slot and channel, with O_t the chunk's output that the default ("replace") takes as M_{t+1}.
 b_g starts at 1 (a fresh gate keeps ~73% of the memory, as forget-gate biases favour
-remembering). The default leaves the seed's model exactly as it was.
+remembering). The default leaves the paper's model exactly as it was.
 
 ``memory_layers`` puts memory attention in the chosen layers only and full attention (or, with
 ``window``, sliding-window attention) in the others, as the code's ``memlayerN`` option.
@@ -53,7 +53,7 @@ class MemoryAttentionConfig(ModelConfig):
     memory_ffn: bool = True  # the projection FFN (eq. 2)
     memory_norm: bool = True  # the output RMSNorm of eq. 2
     init_memory: Literal["zeros", "learned"] = "zeros"
-    memory_update: Literal["replace", "gated"] = "replace"  # M_{t+1} = O_t (seed) or the gated mix above
+    memory_update: Literal["replace", "gated"] = "replace"  # M_{t+1} = O_t (the paper) or the gated mix above
     memory_layers: list[int] | None = None  # memory attention only in these layers (None: all)
 
     def __post_init__(self) -> None:

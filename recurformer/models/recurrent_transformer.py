@@ -9,7 +9,7 @@ processed representations of earlier ones (§"The Recurrent Transformer layer"):
     z_i = x_i + α (Wo a_i + MLP(N(x_i + α Wo a_i)))                       (α = 1/sqrt(L) or 1)
     k_i = qkN(K N(z_i)),    v_i = V N(z_i)                                (persistent pair)
 
-N = RMSNorm (shared by x and z, as in the seed and the authors' code), qkN = RMSNorm over the
+N = RMSNorm (shared by x and z, as in the paper and the authors' code), qkN = RMSNorm over the
 full D-dim q or k (all heads together, as the code), MLP = SwiGLU (library convention; the
 authors' code uses GELU). Scores are scaled by 1/sqrt(head_dim). ALiBi slopes 2^(-8h/H)
 (max bias 8) by default. The FFN sits inside the recurrence (z feeds the persistent pair), so
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -53,7 +53,7 @@ from ..state import Call, LayerState
 class RecurrentTransformerConfig(ModelConfig):
     position: Literal["alibi", "rope"] = "alibi"
     alibi_max_bias: float = 8.0
-    block_size: int = 1  # b: persistent pairs revealed b positions at a time (1 = the seed's layer)
+    block_size: int = 1  # b: persistent pairs revealed b positions at a time (1 = the paper's layer)
     impl: Literal["tiled", "naive"] = "tiled"
     residual_scale: bool = False  # multiply the attention and MLP branches by 1/sqrt(n_layers)
     qk_norm: bool = True
@@ -121,7 +121,7 @@ class RecurrentLayer(Layer):
         c = self.cfg
         if c.position == "rope":
             return rope_cos_sin(torch.arange(pos0, pos0 + T, device=device), c.head_dim, c.rope_theta, dtype), None
-        return None, alibi_bias(self.slopes.to(dtype))
+        return None, alibi_bias(cast(Tensor, self.slopes).to(dtype))
 
     def forward(self, x: Tensor, st: RecurrentState, call: Call) -> tuple[Tensor, RecurrentState]:
         acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
@@ -156,7 +156,7 @@ class RecurrentLayer(Layer):
             k, v = self.kv(z, None if rope is None else (rope[0][s:e], rope[1][s:e]))
             return z, k, v
 
-        kw = dict(
+        kw: dict[str, Any] = dict(
             block=b, pos0=pos0, past_k=past["k"], past_v=past["v"], past_tk=past["tk"], past_tv=past["tv"],
             start=start, bias_fn=bias_fn,
         )  # fmt: skip

@@ -1,6 +1,7 @@
-"""Recurrent attention of the Recurrent Transformer layer (seed 003, §"The Recurrent Transformer
-layer", §"Exact Tiling for Training and Prefill", §"The backward pass", appendix algorithms "Exact
-tiled forward pass" and UpdateTile), generalised to blocks of b positions.
+"""Recurrent attention of the Recurrent Transformer layer ("The Recurrent Transformer: Greater
+Effective Depth and Efficient Decoding", §"The Recurrent Transformer layer", §"Exact Tiling for
+Training and Prefill", §"The backward pass", appendix algorithms "Exact tiled forward pass" and
+UpdateTile), generalised to blocks of b positions.
 
 One layer, per head, positions grouped into blocks of b (b = 1 is the paper's layer):
 
@@ -276,13 +277,13 @@ class _TiledRecurrentAttention(torch.autograd.Function):
     tiles whose key range holds t, i.e. tiles t' >= t, so running tile t's backward (dq of its
     queries, dk/dv of its keys, from the already known da of blocks > t) completes dk_t, dv_t;
     then finish is recomputed for block t under grad to give da_t. Everything that does not feed
-    the recurrence is done after the loop in a batched way (seed §"The backward pass"): the
+    the recurrence is done after the loop in a batched way (the paper's §"The backward pass"): the
     temporaries' and the cache's part of dq and their own gradients, and one recomputation of
     finish over all positions for the gradients of ``finish_inputs`` (finish acts on each
     position separately, so finish(a, 0, T) is finish of every block at once)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx, tiling: _Tiling, q: Tensor, tk: Tensor, tv: Tensor,
         past_k: Tensor, past_v: Tensor, past_tk: Tensor, past_tv: Tensor, *finish_inputs: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
@@ -295,7 +296,7 @@ class _TiledRecurrentAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, dz: Tensor, dk_out: Tensor, dv_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dz: Tensor, dk_out: Tensor, dv_out: Tensor) -> tuple[Tensor | None, ...]:
         q, tk, tv, past_k, past_v, past_tk, past_tv, a, lse, k, v, *inputs = ctx.saved_tensors
         tiling: _Tiling = ctx.tiling
         autocast = lambda: torch.autocast(*ctx.autocast)  # noqa: E731 (finish is recomputed as it ran in forward)
@@ -430,7 +431,7 @@ def recurrent_attention_tiled(
     tensors = (q, tk, tv, past_k, past_v, past_tk, past_tv)
     custom = finish_inputs is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *finish_inputs))
     if custom and not _bias_needs_grad(bias_fn, q.device):
-        return _TiledRecurrentAttention.apply(tiling, *tensors, *finish_inputs)  # type: ignore[no-any-return]
+        return _TiledRecurrentAttention.apply(tiling, *tensors, *finish_inputs)  # type: ignore[misc]  # not None when custom
     return _tiled_forward(tiling, *tensors)[:3]
 
 

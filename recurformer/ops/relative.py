@@ -1,4 +1,5 @@
-"""Transformer-XL relative attention scores (Dai et al. 2019, §3.3; seed 004):
+"""Transformer-XL relative attention scores (Dai et al. 2019, §3.3; Brenndoerfer, "Recurrent Memory:
+Extending Transformer Context with Segment-Level State Caching"):
 
     score[i, j] = (a) q_i·k_j + (b) q_i·r_{i-j} + (c) u·k_j + (d) v·r_{i-j}
                 = (q_i + u)·k_j + (q_i + v)·r_{i-j}
