@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + e.signum
     except (KeyboardInterrupt, _Terminated) as e:
         print("recurformer: interrupted", file=sys.stderr)
-        return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT)
+        return 128 + (signal.SIGTERM if isinstance(e, _Terminated) else getattr(e, "signum", signal.SIGINT))
     except BrokenPipeError:  # the reader went away (| head): stop quietly, as `cat` does
         with contextlib.suppress(OSError, ValueError):  # no second error when Python flushes stdout at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -198,17 +198,25 @@ class TrainingInterrupted(Exception):
             )
 
 
+class StopNow(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM: stop at once (``signum``: the signal, for the exit code)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__()
+        self.signum = signum
+
+
 class StopSignals:
     """SIGINT/SIGTERM handler that records the first signal (training stops after the current
-    step and saves) and raises KeyboardInterrupt at a second one (stop at once: the newest
-    checkpoint on disk is complete either way)."""
+    step and saves) and raises ``StopNow`` at a second one (stop at once: the newest checkpoint
+    on disk is complete either way)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
 
     def __call__(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
-            raise KeyboardInterrupt
+            raise StopNow(signum)
         self.signum = signum
 
     @contextlib.contextmanager

@@ -195,6 +195,34 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(corpus, tmp_path,
     assert metric_steps(run) == metric_steps(ref)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_stops_at_once(corpus, tmp_path, capsys, monkeypatch, sig) -> None:
+    """Two signals during step 3: no step runs after them and nothing more is saved; the newest
+    checkpoint (step 2) is complete and resumes."""
+    real = Trainer.train_step
+    ran = []
+
+    def two_signals(self):
+        if self.step == 2:
+            os.kill(os.getpid(), sig)
+            os.kill(os.getpid(), sig)  # the handler raises here, before the step
+        ran.append(self.step)
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "train_step", two_signals)
+    run = tmp_path / "run"
+    fallback = signal.signal(signal.SIGTERM, signal.default_int_handler)  # never let SIGTERM kill pytest itself
+    try:
+        rc = train(*tiny(corpus, run, tmp_path / "data", save_every=1))
+    finally:
+        signal.signal(signal.SIGTERM, fallback)
+    assert (rc, last_error(capsys)) == (128 + sig, "recurformer: interrupted")
+    assert ran == [0, 1] and steps_in(run) == [1, 2]
+    monkeypatch.setattr(Trainer, "train_step", real)
+    assert train("--resume", str(run)) == 0
+    assert steps_in(run)[-1] == 6
+
+
 def test_resume_truncates_metrics_refuses_mixed_histories_and_reports_a_finished_run(corpus, tmp_path, capsys) -> None:
     run = tmp_path / "run"
     assert train(*tiny(corpus, run, tmp_path / "data")) == 0
