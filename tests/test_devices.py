@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TEST_CONFIGS, randomize_params
+from helpers import DEVICES, TEST_CONFIGS, randomize_params
 
 from recurformer import RecurformerError, build_model
 from recurformer.cli import main as cli_main
@@ -69,16 +69,28 @@ def test_cpu_and_cuda_agree(name) -> None:
             torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-8, atol=1e-9, msg=n)
 
 
-@cuda
-def test_cuda_training_uses_the_fast_paths() -> None:
-    """Fused AdamW and a bf16 autocast step that runs and stays finite."""
-    model = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0]).cuda()
-    opt = make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), fused=True)
-    assert opt.param_groups[0]["fused"]
-    x = torch.randint(0, 61, (2, 32), device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = model(x, targets=x)
-    out.loss.backward()
-    opt.step()
-    assert torch.isfinite(out.loss)
-    assert memory_kind(torch.device("cuda")) == "CUDA allocated" and peak_memory_mb(torch.device("cuda")) > 0
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_optimizer_step_equals_the_reference_adamw(device) -> None:
+    """The optimizer the trainer makes on each device (fused AdamW on CUDA, the for-each one on
+    CPU) takes the step of the reference single-tensor AdamW, and the device's memory is measured.
+    (bf16 gradients against fp32 on every device: test_streaming.test_bf16_autocast_close_to_fp32.)"""
+    dev = torch.device(device)
+    model = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0]).to(dev)
+    ref = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0]).to(dev)
+    ref.load_state_dict(model.state_dict())
+    opt = make_optimizer(model, 1e-2, 0.1, (0.9, 0.95), fused=dev.type == "cuda")
+    assert bool(opt.param_groups[0]["fused"]) == (dev.type == "cuda")
+    decay = [p for p in ref.parameters() if p.dim() >= 2]  # weight decay on matrices only
+    rest = [p for p in ref.parameters() if p.dim() < 2]
+    plain = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2,
+                              betas=(0.9, 0.95), foreach=False, fused=False)
+    x = torch.randint(0, 61, (2, 32), device=dev)
+    reset_peak_memory(dev)
+    for m, o in ((model, opt), (ref, plain)):
+        for _ in range(2):
+            m(x, targets=x).loss.backward()
+            o.step()
+            o.zero_grad()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+    assert memory_kind(dev) == ("CUDA allocated" if dev.type == "cuda" else "RSS") and peak_memory_mb(dev) > 0

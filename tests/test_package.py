@@ -195,6 +195,24 @@ def test_export_command_writes_the_results_row(run, tmp_path, capsys) -> None:
     assert capsys.readouterr().err.strip().startswith("recurformer: error: checkpoint not found")
 
 
+def test_export_writes_the_runs_weights_and_tokenizer(corpus, tmp_path) -> None:
+    """The exported directory holds the checkpoint's own weights (logits bitwise equal: the last
+    checkpoint's for a run, the named one's for a checkpoint) and its BPE tokenizer."""
+    cfg = tiny_config(corpus, tmp_path, tokenizer="bpe")
+    cfg["train"].update(steps=2, save_every=1, eval_every=2)
+    run = recurformer.train(cfg, progress=False)
+    x = torch.randint(0, run.model.config.vocab_size, (2, 40))
+    step1, _ = recurformer.load(run.dir / "step_000001")
+    for source, want in ((run.dir, run.model(x).logits), (run.dir / "step_000001", step1(x).logits)):
+        out = recurformer.export(source, tmp_path / source.name / "out")
+        model, tok = recurformer.load(out)
+        assert torch.equal(model(x).logits, want)
+        assert (out / "tokenizer.json").read_text() == (run.checkpoint / "tokenizer.json").read_text()
+    text = "the big dog sat on a red mat."
+    assert tok.kind == "bpe" and tok.encode(text) == run.tokenizer.encode(text) != Tokenizer.byte().encode(text)
+    assert not torch.equal(step1(x).logits, run.model(x).logits)  # the two checkpoints differ
+
+
 def test_from_pretrained_repo_id_downloads_offline(run, tmp_path, monkeypatch) -> None:
     """A repo id goes through ``snapshot_download`` (mocked: no network here) and loads the same."""
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -452,6 +470,28 @@ def test_info_gives_the_state_size_for_every_model(name, capsys) -> None:
         assert size.endswith(f"({2 * cfg['n_layers'] * cfg['dim']:,} per token)")
     if name == "block_recurrent":  # the bound of the model's own formula is reached
         assert f"(<= {size.split()[0]} numbers)" in out
+
+
+def test_info_takes_the_model_from_a_config_and_needs_one(tmp_path, capsys) -> None:
+    """Without --model, ``info`` reads model.name from --config (or a --set); with neither it is a
+    one-line error."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  name: transformer_xl\n  dim: 48\n  n_heads: 4\n  n_layers: 2\n")
+    assert cli_main(["info", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: transformer_xl\n") and "  dim: 48\n" in out
+    assert cli_main(["info", "--set", "model.name=llama", "--set", "dim=96"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: llama\n") and "  dim: 96\n" in out
+    assert cli_main(["info"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["recurformer: error: give --model NAME (or a --config with model.name)"]
+
+
+def test_prepare_needs_a_dataset_or_text(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["prepare"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["recurformer: error: give --dataset NAME or --text FILE ..."]
+    assert list(tmp_path.iterdir()) == []  # nothing prepared, nothing half-written
 
 
 def test_lowercase_tokenizer_lowercases_the_prompt(run, tmp_path, capsys) -> None:

@@ -102,10 +102,14 @@ def test_causality(case) -> None:
             assert not torch.allclose(logits[:, t], base[:, t])
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+# a Transformer-XL of one layer with mem_len=0 carries nothing: no reset to observe there
+CARRYING = [c for c in CASES if not (c[0] == "transformer_xl" and c[1].get("mem_len") == 0)]
+
+
+@pytest.mark.parametrize("case", CARRYING, ids=[case_id(c) for c in CARRYING])
 def test_reset_row_equals_fresh_start(case) -> None:
     """Resetting row 0 at a chunk boundary makes it continue exactly like a new document, while
-    row 1 carries on."""
+    row 1 carries on (and differs from a fresh start, so a reset that did nothing would show)."""
     name, cfg = case
     model = build_model(name, cfg).double().eval()
     randomize_params(model)
@@ -121,6 +125,7 @@ def test_reset_row_equals_fresh_start(case) -> None:
         cont1 = model(torch.cat((a, b), 1)[1:]).logits[:, T1:]
     torch.testing.assert_close(out.logits[:1], fresh0, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(out.logits[1:], cont1, rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(cont1, model(b[1:]).logits.detach(), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
@@ -199,15 +204,25 @@ def test_attend_runs_fp32_under_cpu_autocast() -> None:
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_autocast_close_to_fp32(case, device) -> None:
-    """Training under bf16 autocast computes the same function to bf16 precision (on CUDA the
-    attention itself runs in bf16 too)."""
+    """Training under bf16 autocast computes the same function and the same gradients to bf16
+    precision (on CUDA the attention itself runs in bf16 too): every parameter's gradient within
+    15% of fp32's (in norm; the worst seen is 11%, on a scalar of the Block-Recurrent cell, most
+    stay under 3%) and all of them together within 2% (worst seen 0.9%)."""
     torch.manual_seed(0)
     model = build_model(*case).to(device)
     x = torch.randint(0, model.config.vocab_size, (2, 40)).to(device)
     ref = model(x, targets=x)
+    ref.loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
     with torch.autocast(device, dtype=torch.bfloat16):
         out = model(x, targets=x)
     out.loss.backward()
     assert abs(float(out.loss.detach()) - float(ref.loss.detach())) < 2e-3
     assert (out.logits.detach().float().log_softmax(-1) - ref.logits.detach().log_softmax(-1)).abs().max() < 1e-2
-    assert all(p.grad is None or bool(p.grad.isfinite().all()) for p in model.parameters())
+    got = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    for n, g in got.items():
+        assert float((g - want[n]).norm()) <= 0.15 * float(want[n].norm()), n
+    flat = lambda d: torch.cat([t.flatten() for t in d.values()])  # noqa: E731
+    assert float((flat(got) - flat(want)).norm()) <= 0.02 * float(flat(want).norm())

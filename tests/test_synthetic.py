@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import randomize_params
+from helpers import DEVICES, randomize_params
 
 from recurformer.cli import main
 from recurformer.config import RecurformerError
@@ -214,10 +214,11 @@ def test_compression_reads_only_the_last_position() -> None:
 
 
 @pytest.mark.parametrize("name", model_names())
-def test_autoencoder_predictions_stream(name: str) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_autoencoder_predictions_stream(name: str, device: str) -> None:
     """Reading the row in chunks with the state carried gives the same decoded tokens as one call."""
-    learner = _learner(name)
-    x = make_split("compression", 5, seed=1, params=dict(seq_len=23)).inputs
+    learner = _learner(name).to(device)
+    x = make_split("compression", 5, seed=1, params=dict(seq_len=23)).inputs.to(device)
     assert torch.equal(learner.predict(x, chunk=23), learner.predict(x, chunk=5))
     assert learner.predict(x, chunk=5).shape == x.shape
 
@@ -266,3 +267,21 @@ def test_merged_sweep_halves_equal_the_whole_sweep() -> None:
         assert merged[k] == whole[k], k
     with pytest.raises(RecurformerError, match="differ in steps"):
         bench.merge_runs([low, run([3e-2], steps=5)])
+
+
+@pytest.mark.parametrize("name", model_names())
+@pytest.mark.parametrize("device", DEVICES)
+def test_lm_head_predictions_stream(name: str, device: str) -> None:
+    """The LM-head tasks (passkey, copy by length, ...): reading each row in chunks with the
+    state carried gives the predictions of one call, which depend on the context."""
+    torch.manual_seed(0)
+    V = vocab_size("copy", SMALL["copy"])
+    model = build_model(name, model_values(name, {"dim": 16, "n_heads": 2, "ffn_hidden": 32}, vocab=V, context=4)).double()
+    randomize_params(model, std=0.3)
+    learner = Learner(model, TASKS["copy"]).to(device).eval()
+    x = make_split("copy", 6, seed=1, params=dict(min_len=9, max_len=9)).inputs.to(device)
+    whole = learner.predict(x, chunk=x.shape[1])
+    with torch.no_grad():
+        assert torch.equal(whole, model(x).logits.argmax(-1))
+    assert torch.equal(learner.predict(x, chunk=5), whole) and torch.equal(learner.predict(x, chunk=1), whole)
+    assert len(whole.unique()) >= 4

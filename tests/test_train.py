@@ -39,17 +39,32 @@ def run_config(corpus: Path, tmp: Path, **train) -> RunConfig:
     return load_run_config(None, over)
 
 
+RESUME_CASES = {  # besides the default (contiguous data, fp32, truncation 1)
+    "default": {},
+    "shuffled": {"data_order": "shuffled"},
+    "bf16": {"precision": "bf16"},
+    "truncation2": {"truncation": 2},
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESUME_CASES))
 @pytest.mark.parametrize("device", DEVICES)
-def test_resume_is_exact(corpus, tmp_path, device) -> None:
-    full = Trainer(run_config(corpus, tmp_path / "a", steps=6, save_every=100, grad_accum=2, device=device), show_progress=False)
+def test_resume_is_exact(corpus, tmp_path, device, case) -> None:
+    extra = RESUME_CASES[case]
+    full = Trainer(run_config(corpus, tmp_path / "a", steps=6, save_every=100, grad_accum=2, device=device, **extra), show_progress=False)
     losses_full = [full.train_step() for _ in range(6)]
 
-    half = Trainer(run_config(corpus, tmp_path / "b", steps=3, grad_accum=2, device=device), show_progress=False)
+    half = Trainer(run_config(corpus, tmp_path / "b", steps=3, grad_accum=2, device=device, **extra), show_progress=False)
     losses_half = [half.train_step() for _ in range(3)]
     half.save()
+    rng = torch.get_rng_state(), random.getstate()
+    torch.manual_seed(123)  # the process's generators move on; a resume restores them
+    random.seed(123)
     resumed = Trainer(
-        run_config(corpus, tmp_path / "b", steps=6, grad_accum=2, device=device), resume=str(tmp_path / "b" / "run"), show_progress=False
+        run_config(corpus, tmp_path / "b", steps=6, grad_accum=2, device=device, **extra), resume=str(tmp_path / "b" / "run"),
+        show_progress=False,
     )
+    assert torch.equal(torch.get_rng_state(), rng[0]) and random.getstate() == rng[1]
     assert resumed.step == 3
     losses_half += [resumed.train_step() for _ in range(3)]
 
@@ -100,7 +115,6 @@ def test_loss_depends_on_previous_batch_only_when_carrying(corpus, tmp_path, mod
 def test_no_gradient_crosses_the_detach_boundary(corpus, tmp_path) -> None:
     tr = Trainer(run_config(corpus, tmp_path, truncation=2, grad_accum=2), show_progress=False)
     tr.train_step()
-    flat = tr.state.to_flat()
     assert all(t.grad_fn is None and not t.requires_grad for s in tr.state.layers for t in (s.memory, s.mem_k))
     # inside a truncation window the gradient does reach the earlier segment
     emb = []
@@ -114,7 +128,6 @@ def test_no_gradient_crosses_the_detach_boundary(corpus, tmp_path) -> None:
     assert l3.grad_fn is not None
     with pytest.raises(RuntimeError):  # the first segment is not in l3's graph at all
         torch.autograd.grad(l3, emb[0])
-    assert flat  # the carried state is a real, non-empty state
 
 
 def test_crash_mid_write_keeps_previous_checkpoint(corpus, tmp_path, monkeypatch) -> None:
@@ -215,3 +228,121 @@ def test_cli_eval_and_generate_on_a_trained_checkpoint(corpus, tmp_path, capsys)
     assert first.out.startswith("the cat") and "tok/s" in first.err and st.is_file()
     assert cli_main(["generate", "--checkpoint", run, "--prompt", " sat", "--load-state", str(st), "--max-new-tokens", "3",
                      "--temperature", "0"]) == 0
+
+
+def step_gradients(tr: Trainer) -> dict[str, torch.Tensor]:
+    """Run one training step; return the gradients it applied (before the optimizer)."""
+    seen: dict[str, torch.Tensor] = {}
+    real = tr.opt.step
+
+    def record(*a, **k):
+        seen.update({n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None})
+        return real(*a, **k)
+
+    tr.opt.step = record
+    try:
+        tr.train_step()
+    finally:
+        del tr.opt.step
+    return seen
+
+
+def hand_gradients(tr: Trainer, truncation: int, reset: bool = True) -> dict[str, torch.Tensor]:
+    """The gradient of the next step by hand, on copies of the model, streams and carried state:
+    mean loss over grad_accum segments, the state detached every ``truncation`` segments and (with
+    ``reset``) a row's state reset where its stream wraps."""
+    import copy
+
+    t = tr.cfg.train
+    model, streams = copy.deepcopy(tr.model), copy.deepcopy(tr.streams)
+    state = tr.state if tr.state is not None else model.init_state(t.batch_size, tr.device)
+    total = 0.0
+    for k in range(t.grad_accum):
+        if k % truncation == 0:
+            state = state.detach()
+        b = streams.next_batch()
+        x, y = b.x.to(tr.device), b.y.to(tr.device)
+        out = model(x, state=state.reset(b.wrapped) if reset else state, targets=y)
+        total = total + out.loss
+        state = out.state
+    (total / t.grad_accum).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_truncation_backpropagates_through_that_many_segments(corpus, tmp_path, device) -> None:
+    """A step of 4 segments with truncation 2 has the gradient of two backward passes over two
+    segments each (the state carried from the step before detached), not that of truncation 1."""
+    tr = Trainer(run_config(corpus, tmp_path, grad_accum=4, truncation=2, grad_clip=0, device=device), show_progress=False)
+    for _ in range(2):  # the second step starts from the carried state
+        want, cut = hand_gradients(tr, 2), hand_gradients(tr, 1)
+        got = step_gradients(tr)
+        assert got.keys() == want.keys()
+        for n in got:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-8, msg=n)
+        diff = max(float((want[n] - cut[n]).norm() / want[n].norm()) for n in want)
+        assert diff > 1e-3  # the segments' state carries gradient: truncation 1 differs
+
+
+@pytest.fixture(scope="module")
+def wrapping_data(tmp_path_factory) -> Path:
+    """Prepared data so small that two streams of 32 tokens wrap after 3 and 2 training segments
+    (regions of 103 and 89 tokens) and after 1 and 2 validation segments (64 and 65 tokens)."""
+    from recurformer.data import prepare
+
+    d = tmp_path_factory.mktemp("wrap")
+    rng = random.Random(0)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 8))) + "." for _ in range(10)]
+    (d / "c.txt").write_text("<|endoftext|>".join(docs))
+    prepare(d / "prepared", text_files=[d / "c.txt"], tokenizer="byte", val_fraction=0.4)
+    return d / "prepared"
+
+
+def wrapping_trainer(data: Path, tmp: Path, device: str) -> Trainer:
+    over = ["model.name=memory_attention", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.chunk_size=8",
+            "data.dataset=null", f"data.dir={data}", f"train.out_dir={tmp / 'run'}", "train.batch_size=2", "train.seq_len=32",
+            "train.steps=6", "train.warmup=2", "train.precision=fp32", "train.grad_clip=0", "train.eval_batches=4", "train.loggers=[]",
+            f"train.device={device}"]
+    tr = Trainer(load_run_config(None, over), show_progress=False)
+    assert list(tr.streams.windows_per_pass) == [3, 2]
+    return tr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_row_state_is_reset_where_its_stream_wraps(wrapping_data, tmp_path, device) -> None:
+    """Five steps over streams that wrap at steps 2 (row 1), 3 (row 0) and 4 (row 1): each step's
+    gradient is that of the carried state with the wrapped rows reset, which differs from carrying on."""
+    tr = wrapping_trainer(wrapping_data, tmp_path, device)
+    wrapped = []
+    for step in range(5):
+        want, carried = hand_gradients(tr, 1), hand_gradients(tr, 1, reset=False)
+        wrapped.append(tr.streams.step % tr.streams.windows_per_pass == 0 if step else [False, False])
+        got = step_gradients(tr)
+        for n in got:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-8, msg=n)
+        differs = max(float((want[n] - carried[n]).norm() / want[n].norm()) for n in want) > 1e-3
+        assert differs == bool(any(wrapped[-1]))
+    assert [list(map(bool, w)) for w in wrapped] == [[False, False], [False, False], [False, True], [True, False], [False, True]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_validation_resets_a_row_where_its_stream_wraps(wrapping_data, tmp_path, device) -> None:
+    from recurformer.data import ContiguousStreams
+
+    tr = wrapping_trainer(wrapping_data, tmp_path, device)
+
+    def by_hand(reset: bool) -> float:
+        streams = ContiguousStreams(tr.val_tokens, 2, 32)
+        state, losses = tr.model.init_state(2, device), []
+        with torch.no_grad():
+            for _ in range(4):
+                b = streams.next_batch()
+                x, y = b.x.to(device), b.y.to(device)
+                out = tr.model(x, state=state.reset(b.wrapped) if reset else state, targets=y)
+                state = out.state
+                losses.append(float(out.loss))
+        return sum(losses) / len(losses)
+
+    assert list(ContiguousStreams(tr.val_tokens, 2, 32).windows_per_pass) == [1, 2]
+    assert tr.evaluate() == pytest.approx(by_hand(True), rel=1e-6)
+    assert abs(by_hand(True) - by_hand(False)) > 1e-4
