@@ -47,7 +47,7 @@ RESUME_CASES = {  # besides the default (contiguous data, fp32, truncation 1)
 }
 
 
-@pytest.mark.parametrize("case", sorted(RESUME_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "bf16" else c for c in sorted(RESUME_CASES)])
 @pytest.mark.parametrize("device", DEVICES)
 def test_resume_is_exact(corpus, tmp_path, device, case) -> None:
     extra = RESUME_CASES[case]
