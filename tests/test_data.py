@@ -187,6 +187,7 @@ def test_prepare_text_files_byte_and_bpe(tmp_path: Path) -> None:
     assert int((train == tok.bos_id).sum()) == meta["train_documents"]
 
 
+@pytest.mark.slow
 def test_prepare_uint32_for_big_vocab(tmp_path: Path) -> None:
     files = _small_corpus(tmp_path)
     corpus = [f"w{i} " * 3 for i in range(70_000)]  # enough distinct words for a > 65535 vocab
@@ -196,6 +197,7 @@ def test_prepare_uint32_for_big_vocab(tmp_path: Path) -> None:
     assert tok.vocab_size > 65535 and meta["dtype"] == "uint32" and train.dtype == np.uint32
 
 
+@pytest.mark.slow
 def test_prepare_tinystories_sample_and_repeat(tmp_path: Path) -> None:
     meta = prepare(tmp_path / "ts", dataset="tinystories-sample", vocab_size=1024)
     _, train, val, tok = load_prepared(tmp_path / "ts")

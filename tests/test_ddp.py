@@ -55,6 +55,7 @@ def launch(n: int, out: Path, steps: int, data: Path, batch: int, resume: Path |
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(n)]
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_with_double_batch(data_dir, tmp_path) -> None:
     two = launch(2, tmp_path / "two", 3, data_dir, batch=2)
     one = launch(1, tmp_path / "one", 3, data_dir, batch=4)[0]
@@ -72,6 +73,7 @@ def test_two_ranks_equal_one_rank_with_double_batch(data_dir, tmp_path) -> None:
     assert not torch.allclose(two[0]["state"][mem], two[1]["state"][mem])
 
 
+@pytest.mark.slow
 def test_two_rank_resume_is_exact(data_dir, tmp_path) -> None:
     full = launch(2, tmp_path / "full", 4, data_dir, batch=2)
     launch(2, tmp_path / "half", 2, data_dir, batch=2)

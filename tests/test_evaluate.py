@@ -65,6 +65,7 @@ def peak(name: str, L: int) -> float:
     return json.loads(out.stdout)["peak"]
 
 
+@pytest.mark.slow
 def test_recurrent_memory_is_bounded_at_long_lengths() -> None:
     """Peak RSS while evaluating one window (a fresh process, the peak counter restarted after a
     warm-up): Memory Attention at L=16384 stays within 1.2x of L=1024; the same measurement on

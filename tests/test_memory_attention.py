@@ -129,6 +129,7 @@ def test_reset_mid_chunk_is_a_clear_error() -> None:
         model(torch.randint(0, 61, (2, 3)), state=st)
 
 
+@pytest.mark.slow
 def test_compiled_layers_match_eager() -> None:
     """``compile_layers`` (the trainer's --compile) changes speed, not results: logits, loss,
     gradients and the carried state agree with eager to float32 tolerance, over two calls."""

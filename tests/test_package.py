@@ -68,6 +68,7 @@ def test_version(capsys) -> None:
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "recurformer.__version__"}
 
 
+@pytest.mark.slow
 def test_python_dash_m() -> None:
     out = subprocess.run([sys.executable, "-m", "recurformer", "--version"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == f"recurformer {recurformer.__version__}"
@@ -96,6 +97,7 @@ def test_configs_are_package_data_and_load_by_name(tmp_path, monkeypatch) -> Non
         load_yaml("nope")
 
 
+@pytest.mark.slow
 def test_configs_load_by_name_from_a_built_wheel(tmp_path) -> None:
     """Build the wheel (pip, as a user would) and import the package from it, not from the source
     tree: the bundled configs travel inside it and load by name from any directory."""
@@ -519,6 +521,7 @@ def test_cased_tinystories_is_the_lower_case_sample_in_original_case() -> None:
     assert not Tokenizer.train_bpe(train[:300], 1024).lowercase and Tokenizer.train_bpe(lower_train[:300], 1024).lowercase
 
 
+@pytest.mark.slow
 def test_readme_examples_run(run) -> None:
     """The README's "What you get" blocks run as written (the trained-run path swapped for a tiny
     run); the API tour, which trains on the real data, at least compiles (its calls are tested above)."""

@@ -276,6 +276,7 @@ def test_cli_checkpoint_without_tokenizer_and_non_utf8_text(trained, tmp_path, c
     assert not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.slow
 def test_cli_merge_equals_one_run_and_refuses_other_settings(trained, tmp_path, capsys) -> None:
     """Probing checkpoints one at a time and merging the files gives the table of one run over
     them all (the documents depend only on the text and the seed); files run with other settings

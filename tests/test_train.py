@@ -39,7 +39,7 @@ def run_config(corpus: Path, tmp: Path, **train) -> RunConfig:
     return load_run_config(None, over)
 
 
-RESUME_CASES = {  # besides the default (contiguous data, fp32, truncation 1)
+RESUME_CASES = {  # data order, precision and truncation: a resume continues each exactly
     "default": {},
     "shuffled": {"data_order": "shuffled"},
     "bf16": {"precision": "bf16"},
