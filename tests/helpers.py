@@ -58,6 +58,15 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, block_size=4, impl="naive"),
         dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=3, window=2, layers=["recurrent", "window", "full"]),
     ],
+    "rmt": [  # segment lengths that divide none of the fixtures' lengths (77, 40, 23, 24)
+        # (the memory runs through every layer once per segment: at std 0.3 that recurrence is
+        # chaotic, and float64 rounding grows ~3x per segment with 3 layers, to 3e-7 by token 77
+        # with segments of 5; 6 to 8 segments stay near 1e-11, and 1 layer stays at 4e-15 over 77)
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=10, memory_size=3),
+        dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, segment_len=12, memory_size=5),
+        dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, segment_len=1, memory_size=1),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=2, segment_len=13, memory_size=2, layers=["rmt", "rmt"]),
+    ],
 }
 
 

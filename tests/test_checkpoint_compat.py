@@ -10,12 +10,13 @@ import torch
 from safetensors.torch import load_file
 
 from recurformer.hub import load_model
-from recurformer.models import REGISTRY
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ckpt_v1"
+# the models that the format-1 code had (the RMT came later, with format 2)
+FORMAT1 = ("block_recurrent", "llama", "memory_attention", "recurrent_transformer", "sliding_window", "transformer_xl")
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", FORMAT1)
 def test_format1_checkpoint_loads_and_computes_the_same(name) -> None:
     model, got_name, _, _ = load_model(FIXTURES / name)
     assert got_name == name

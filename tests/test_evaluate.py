@@ -68,10 +68,12 @@ def peak(name: str, L: int) -> float:
 @pytest.mark.slow
 def test_recurrent_memory_is_bounded_at_long_lengths() -> None:
     """Peak RSS while evaluating one window (a fresh process, the peak counter restarted after a
-    warm-up): Memory Attention at L=16384 stays within 1.2x of L=1024; the same measurement on
+    warm-up): Memory Attention and the RMT at L=16384 stay within 1.2x of L=1024; the same measurement on
     Llama (its KV cache grows with L) exceeds 1.2x, so the measurement can tell them apart."""
-    peaks = {(m, L): peak(m, L) for m in ("memory_attention", "llama") for L in (1024, 16384)}
+    peaks = {(m, L): peak(m, L) for m in ("memory_attention", "rmt", "llama") for L in (1024, 16384)}
     ma = peaks["memory_attention", 16384] / peaks["memory_attention", 1024]
+    rmt = peaks["rmt", 16384] / peaks["rmt", 1024]
     llama = peaks["llama", 16384] / peaks["llama", 1024]
     assert ma <= 1.2, peaks
+    assert rmt <= 1.2, peaks
     assert llama > 1.2, peaks

@@ -48,5 +48,5 @@ def test_split_calls_give_the_gradient_of_one_call(case) -> None:
             torch.testing.assert_close(split[n], whole[n], rtol=1e-9, atol=1e-9, msg=n)
     learned = [n for n in whole if n.endswith(INITIAL)]
     assert all(whole[n].abs().max() > 0 for n in learned)  # the learned initial state is trained
-    if cfg.get("init_memory") == "learned" or name == "block_recurrent":
+    if cfg.get("init_memory") == "learned" or name in ("block_recurrent", "rmt"):
         assert learned

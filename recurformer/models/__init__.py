@@ -9,12 +9,13 @@ from .block_recurrent import BlockRecurrent, BlockRecurrentConfig
 from .llama import Llama, LlamaConfig
 from .memory_attention import MemoryAttention, MemoryAttentionConfig
 from .recurrent_transformer import RecurrentTransformer, RecurrentTransformerConfig
+from .rmt import RMT, RMTConfig
 from .sliding_window import SlidingWindow, SlidingWindowConfig
 from .transformer_xl import TransformerXL, TransformerXLConfig
 
 __all__ = [
     "LAYER_KINDS", "REGISTRY", "build_layer", "build_model", "lookup", "make_config", "model_name", "model_names",
     "BlockRecurrent", "BlockRecurrentConfig", "Llama", "LlamaConfig", "MemoryAttention", "MemoryAttentionConfig",
-    "RecurrentTransformer", "RecurrentTransformerConfig", "SlidingWindow", "SlidingWindowConfig", "TransformerXL",
+    "RecurrentTransformer", "RecurrentTransformerConfig", "RMT", "RMTConfig", "SlidingWindow", "SlidingWindowConfig", "TransformerXL",
     "TransformerXLConfig",
 ]

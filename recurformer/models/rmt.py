@@ -1,0 +1,206 @@
+"""Recurrent Memory Transformer (Bulatov, Kuratov, Burtsev, "Recurrent Memory Transformer",
+NeurIPS 2022, §3 "Recurrent Memory Transformer", the decoder-only variant), as the authors' code
+(booydar/recurrent-memory-transformer, ``MemoryCell``) runs it.
+
+The stream is cut into segments of S tokens. Segment τ is read as one sequence of 2M + S vectors,
+the memory H^mem_τ [M, D] both before the tokens (read slots) and after them (write slots):
+
+    H~^0_τ = [H^mem_τ ; E(x_τ) ; H^mem_τ]                       (paper §3: [H^mem ∘ H ∘ H^mem])
+    H~^n_τ = Block_n(H~^{n-1}_τ),  n = 1..N                     (pre-norm blocks, one causal mask)
+    H^mem_{τ+1} = Norm(H~^N_τ[M + S :])                         (the write slots' final outputs)
+    logits_τ = E^T Norm(H~^N_τ[M : M + S])
+
+with one plain causal mask over the 2M + S positions, as the decoder's own mask in the authors'
+code: every token sees every read slot and the tokens before it, the write slots see the read
+slots, the whole segment and the write slots before them, the read slots see the read slots
+before them. H^mem_1 is a learned parameter (``init_memory``, N(0, init_std) like the embeddings,
+as the authors' memory). Positions: RoPE at the position inside the extended segment
+(read 0..M-1, tokens M..M+S-1, write M+S..2M+S-1), restarting every segment as the authors'
+absolute positions do, so no position exceeds 2M+S-1 at any length and the write slots are told
+apart from the read slots by position alone. The new memory is taken after the final RMSNorm, as
+both the authors' code (GPT-2's ln_f output) and lucidrains' recurrent-memory-transformer-pytorch
+take it. Choices of lucidrains' code not taken (the paper has none of them): separate learned write
+tokens with a learned read-slot embedding, bidirectional attention among memory slots, a learned
+null key/value per layer, value residuals and hyper-connections; its Memory Replay BackProp is a
+memory-saving training schedule, not a model change (here ``train.seq_len`` x ``train.truncation``
+tokens backpropagate together, as the authors' k2 segments).
+
+Streaming, exactly: a token depends only on the read memory and the tokens before it in its
+segment, so each layer keeps the keys/values of [read slots; tokens so far] of the current segment
+(at most M + S - 1 positions: constant memory). A call runs piece by piece (``pieces``): a piece
+that starts a segment is preceded by the read slots, one that completes it is followed by the
+write slots, and the piece runs through all layers against the caches; a whole segment is
+therefore the paper's single pass. One new token costs, per layer, its projections and MLP plus
+attention over M + r + 1 keys (r: its offset in the segment), O(D^2 + (M + r) D); the segment's
+first token also runs the M read slots, its last the M write slots (attending over 2M + S keys),
+through every layer. Gradients flow across segments through the memory until the trainer detaches
+the state (the TBPTT boundary). A row can be reset (to ``init_memory``) only at a segment boundary.
+
+The memory slots pass through every layer, so every layer of the stack is an 'rmt' layer: a
+hybrid stack with 'full' or 'window' layers is refused (such a layer has no way to read the slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from ..config import RecurformerError
+from ..modules import RMSNorm, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
+from ..nn import Block, Layer, ModelConfig, StreamingLM
+from ..registry import register
+from ..state import Call, LayerState, State, reset_rows
+
+
+@dataclass
+class RMTConfig(ModelConfig):
+    context_field = "segment_len"
+    segment_len: int = 128  # S: tokens per segment
+    memory_size: int = 16  # M: memory slots (read and write)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.segment_len < 1:
+            raise RecurformerError(f"config key 'segment_len' must be >= 1, got {self.segment_len}")
+        if self.memory_size < 1:
+            raise RecurformerError(f"config key 'memory_size' must be >= 1, got {self.memory_size}")
+        other = [k for k in self.layers or [] if k != "rmt"]
+        if other:
+            raise RecurformerError(
+                f"config key 'layers' names '{other[0]}': an RMT runs its memory slots through every layer, so every layer is 'rmt'"
+            )
+
+
+@dataclass
+class RMTState(LayerState):
+    """``k``/``v`` [B, H, c, d]: keys/values (rotated) of the current segment's read slots and
+    tokens read so far, c = M + r after r tokens, c = 0 at a segment boundary (the read slots run
+    with the segment's first token); ``memory`` [B, M, D] (layer 0 only): the memory of the current
+    segment, the stack's input at the read and the write slots."""
+
+    cache: ClassVar[dict[str, int]] = {"k": 2, "v": 2}
+    k: Tensor
+    v: Tensor
+    memory: Tensor | None = None
+
+
+class RMTAttention(Layer):
+    """Causal self-attention of new positions over the cached ones: the positions of x [B, n, D]
+    are c..c+n-1, c the cache length (their place in the extended segment), and each sees the
+    cache and the new positions up to itself."""
+
+    kind, unit = "rmt", "segment"
+    state_cls = RMTState
+
+    def __init__(self, cfg: RMTConfig, index: int) -> None:
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        self.period = cfg.segment_len
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def describe(self) -> str:
+        return f"rmt(S={self.cfg.segment_len}, M={self.cfg.memory_size})"
+
+    def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> RMTState:
+        c = self.cfg
+        z = torch.zeros(batch_size, c.n_heads, 0, c.head_dim, device=device, dtype=dtype)
+        memory = torch.zeros(batch_size, c.memory_size, c.dim, device=device, dtype=dtype) if self.index == 0 else None
+        return RMTState(k=z, v=z, memory=memory)
+
+    def check_state(self, state: LayerState, pos: int) -> str | None:
+        if (why := super().check_state(state, pos)) is not None:
+            return why
+        r = pos % self.period
+        want = self.cfg.memory_size + r if r else 0
+        got = state.k.shape[2]  # type: ignore[attr-defined]
+        if got != want or state.v.shape[2] != want:  # type: ignore[attr-defined]
+            return f"'k' holds {got} positions, expected {want} (the M = {self.cfg.memory_size} read slots and {r} tokens)"
+        return None
+
+    def tables(self, c: int, n: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """RoPE cos/sin of positions c..c+n-1 and the boolean mask [n, c+n] (None: plain causal
+        from position 0, or one query that sees every key)."""
+        cos, sin = rope_cos_sin(torch.arange(c, c + n, device=x.device), self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        if c == 0 or n == 1:
+            return cos, sin, None
+        i, j = torch.arange(n, device=x.device)[:, None], torch.arange(c + n, device=x.device)[None, :]
+        return cos, sin, j <= c + i
+
+    def forward(self, x: Tensor, state: RMTState, call: Call) -> tuple[Tensor, RMTState]:
+        H, c, n = self.cfg.n_heads, state.k.shape[2], x.shape[1]
+        cos, sin, mask = call.shared(("rmt", c, n, x.dtype), lambda: self.tables(c, n, x))
+        q = apply_rope(split_heads(self.wq(x), H), cos, sin)
+        k = torch.cat((state.k, apply_rope(split_heads(self.wk(x), H), cos, sin)), dim=2)
+        v = torch.cat((state.v, split_heads(self.wv(x), H)), dim=2)
+        o = attend(q, k, v, mask, causal=c == 0)
+        return self.wo(merge_heads(o)), RMTState(k=k, v=v, memory=state.memory)
+
+
+def with_memory(state: LayerState, memory: Tensor) -> RMTState:
+    """Layer 0's state with the memory of the current segment replaced."""
+    assert isinstance(state, RMTState)
+    return dataclasses.replace(state, memory=memory)
+
+
+class RMT(StreamingLM):
+    kind = "rmt"
+    layer_config = RMTConfig
+    config: RMTConfig
+    norm: RMSNorm
+
+    def __init__(self, config: RMTConfig) -> None:
+        super().__init__(config)
+        self.init_memory = nn.Parameter(torch.randn(config.memory_size, config.dim) * config.init_std)
+
+    @staticmethod
+    def make_layer(cfg: RMTConfig, index: int) -> Layer:
+        return Block(cfg, RMTAttention(cfg, index))
+
+    def body(self, h: Tensor, state: State) -> tuple[Tensor, State]:
+        """The layers over h [B, T, D], piece by piece: [read slots;] tokens [; write slots]
+        through the whole stack, then, at a segment end, the new memory and empty caches."""
+        S, M = self.config.segment_len, self.config.memory_size
+        pos, layers = state.pos, list(state.layers)
+        if pos % S and bool(state.fresh.any()):
+            raise RecurformerError(f"RMT can reset a row only at a segment boundary (current segment has {pos % S} of {S} tokens)")
+        start = torch.where(state.fresh, torch.full_like(state.start, pos), state.start)
+        # init_memory enters every call's graph (with no fresh row, with a zero gradient), so that
+        # DDP finds every parameter used
+        memory = reset_rows(state.fresh, getattr(layers[0], "memory"), self.init_memory)
+        layers[0] = with_memory(layers[0], memory)
+        outs, a = [], 0
+        for n in pieces(pos % S, h.shape[1], S):
+            r, done = (pos + a) % S, (pos + a) % S + n == S
+            x = torch.cat([memory] * (r == 0) + [h[:, a : a + n]] + [memory] * done, dim=1)
+            call = Call(pos + a, start)
+            for i, (layer, s) in enumerate(zip(self.layers, layers)):
+                x, layers[i] = layer(x, s, call)
+            lo = M if r == 0 else 0
+            outs.append(x[:, lo : lo + n])
+            if done:  # the write slots' outputs are the next memory; the caches start over
+                memory = self.norm(x[:, -M:])
+                layers = self.init_state(h.shape[0], h.device).layers
+                layers[0] = with_memory(layers[0], memory)
+            a += n
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        return out, State(fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=layers)
+
+    def info_lines(self) -> list[str]:
+        c = self.config
+        S, M, N, D = c.segment_len, c.memory_size, c.n_layers, c.dim
+        most = M * D + 2 * (M + S - 1) * D * N
+        return super().info_lines() + [
+            f"segment S = {S}, memory M = {M}: each segment is read as [M read slots; S tokens; M write slots], RoPE positions 0..{2 * M + S - 1}",
+            f"state per row: memory M × d = {M * D:,} + K/V of [read slots; tokens so far] ≤ 2 × (M + S - 1) × d × layers"
+            f" = {most - M * D:,}, at most {most:,} floats ({4 * most / 2**20:.2f} MiB at fp32), the same at any length",
+        ]
+
+
+register("rmt", RMTConfig, RMT, "Recurrent Memory Transformer: memory slots read and written around every segment")
