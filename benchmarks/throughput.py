@@ -3,7 +3,7 @@ machine's matmul peak measured in the same run (issue 18: machines differ by ~40
 and fractions of a peak measured side by side mean anything).
 
 Configurations: ``seed`` (dim 288, 6 layers, 6 heads, vocab 4096; Memory Attention chunk 32 with
-shared memory Q/K/V: the seeds' TinyStories model) and ``125m`` (dim 768, 12 layers, 12 heads,
+shared memory Q/K/V: the seeds' TinyStories model; RMT segments of 128 with 16 memory slots) and ``125m`` (dim 768, 12 layers, 12 heads,
 vocab 50304: ~124M parameters, for GPUs).
 
 Training: forward + backward + AdamW step on B x T tokens (default 8 x 256). Evaluation: one
@@ -59,7 +59,11 @@ CONFIGS = {
     "seed": dict(vocab_size=4096, dim=288, n_layers=6, n_heads=6),
     "125m": dict(vocab_size=50304, dim=768, n_layers=12, n_heads=12),
 }
-EXTRA = {"memory_attention": dict(chunk_size=32, memory_qkv="shared"), "sliding_window": dict(window=256)}
+EXTRA = {
+    "memory_attention": dict(chunk_size=32, memory_qkv="shared"),
+    "sliding_window": dict(window=256),
+    "rmt": dict(segment_len=128, memory_size=16),
+}
 BASELINES = ("algorithm-1",)  # rows beside the models; "llama2Rnn (authors)" comes with --peer
 
 
