@@ -243,7 +243,14 @@ def cmd_synth(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     from .api import export
 
-    out = export(args.checkpoint, args.out, args.push_to_hub)
+    if args.format == "transformers":
+        if args.push_to_hub:
+            raise RecurformerError("--push-to-hub goes with --format recurformer; upload a transformers directory with `hf upload`")
+        from .hf import export as export_transformers
+
+        out = export_transformers(args.checkpoint, args.out)
+    else:
+        out = export(args.checkpoint, args.out, args.push_to_hub)
     print(f"wrote {out} (" + ", ".join(sorted(f.name for f in out.iterdir())) + ")" + (f"; uploaded to {args.push_to_hub}" if args.push_to_hub else ""))
 
 
@@ -423,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="a run or checkpoint directory")
     p.add_argument("--out", required=True, help="the directory to write (model.safetensors, config.json, tokenizer.json, README.md)")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload it to this Hub repo (needs a network and a token)")
+    p.add_argument("--format", choices=["recurformer", "transformers"], default="recurformer",
+                   help="transformers: also readable by AutoModelForCausalLM / AutoTokenizer (needs recurformer[hf])")
     return ap
 
 

@@ -21,8 +21,11 @@ _BRT_ATTN = re.compile(r"^layers\.(\d+)\.(wq|wk|wv|wq2|wo|rel_bias|qk|qk2|cell)\
 
 
 def upgrade_weights(model: Any, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Format-1 weight names -> today's (an identity on format-2 weights)."""
+    """Format-1 weight names -> today's (an identity on format-2 weights); the prefix ``model.`` of a
+    directory written by ``transformers`` is dropped."""
     own = model.state_dict()
+    if tensors and all(k.startswith("model.") for k in tensors) and not any(k.startswith("model.") for k in own):
+        tensors = {k[len("model."):]: v for k, v in tensors.items()}  # written by transformers (recurformer.hf)
     out: dict[str, Tensor] = {}
     for k, v in tensors.items():
         if k in ("init_memory", "initial_state") and k not in own:  # stacked per-layer initial states

@@ -24,7 +24,7 @@ FLOORS: list[list[str]] = [
     # 5: the model around a stack of layers
     ["nn"],
     # 6: what reads a model; Llama, which other architectures build on
-    ["layers", "evaluate", "probe", "models.llama"],
+    ["layers", "evaluate", "probe", "models.llama", "hf"],
     # 7: the architectures (``models.*`` files not named elsewhere live on this floor too)
     [],
     ["models", "reference"],

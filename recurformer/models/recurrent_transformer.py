@@ -99,7 +99,15 @@ class RecurrentLayer(Layer):
         self.k_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = MLP(cfg.dim, cfg.hidden)
-        self.register_buffer("slopes", alibi_slopes(cfg.n_heads, cfg.alibi_max_bias), persistent=False)
+        self.max_bias = cfg.alibi_max_bias
+        self.register_buffer("slopes", torch.empty(cfg.n_heads, dtype=torch.float64), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """(Re)compute the non-persistent ALiBi slopes where the buffer lives: a model built on the
+        meta device and then loaded (as ``transformers`` does) gets its slopes back this way."""
+        old = self.get_buffer("slopes")
+        self.register_buffer("slopes", alibi_slopes(self.n_heads, self.max_bias).to(old), persistent=False)
 
     def kv(self, u: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
         """Key and value [B, H, n, d] of u [B, n, D] (x: temporary pair, z: persistent pair)."""
