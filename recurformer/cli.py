@@ -1,4 +1,4 @@
-"""The ``recurformer`` command line: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``synth``, ``probe``, ``export``.
+"""The ``recurformer`` command line: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``synth``, ``probe``, ``export``, ``lm-eval``.
 
 Every user error (bad config key, missing file, wrong checkpoint, ...) is printed as one line
 ``recurformer: error: ...`` with exit code 2, never as a traceback. SIGINT and SIGTERM stop with
@@ -426,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.add_argument("--json", default="probe.json", help="output JSON (a PNG plot is written beside it)")
+    p = sub.add_parser("lm-eval", add_help=False, help="EleutherAI's lm-evaluation-harness with the 'recurformer' model "
+                       "(needs recurformer[eval]); every argument is lm-eval's own, e.g. --model_args pretrained=DIR --tasks NAME")
+    p.add_argument("args", nargs=argparse.REMAINDER)
     p = sub.add_parser("export", help="write a run's checkpoint in Hugging Face Hub layout with a model card")
     p.add_argument("--checkpoint", required=True, help="a run or checkpoint directory")
     p.add_argument("--out", required=True, help="the directory to write (model.safetensors, config.json, tokenizer.json, README.md)")
@@ -433,6 +436,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["recurformer", "transformers"], default="recurformer",
                    help="transformers: also readable by AutoModelForCausalLM / AutoTokenizer (needs recurformer[hf])")
     return ap
+
+
+def _run_lm_eval(argv: list[str]) -> int:
+    """``recurformer lm-eval ARGS``: lm-eval's command line with the ``recurformer`` model type."""
+    try:
+        from .lm_eval import launch
+
+        launch(argv)
+    except RecurformerError as e:
+        print(f"recurformer: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # lm-eval's argparse and its own exits
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return 0
 
 
 class _Terminated(BaseException):
@@ -446,6 +463,9 @@ def _terminate(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     from .train import TrainingInterrupted
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # every argument is lm-eval's own: no parsing here
+        return _run_lm_eval(argv[1:])
     ap = build_parser()
     args = ap.parse_args(argv)
     in_main = threading.current_thread() is threading.main_thread()
