@@ -78,7 +78,10 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         raise RecurformerError("give --dataset NAME or --text FILE ...")
     dc = DataConfig(dataset=args.dataset, text_files=args.text or [], tokenizer=args.tokenizer, vocab_size=args.vocab_size)
     out = args.out or dc.resolved_dir()
-    meta = prepare(out, dataset=args.dataset, text_files=args.text or None, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
+    if not args.out and args.text_field != "text":  # the same files read through another field: another directory
+        out = out.with_name(f"{out.name}-{args.text_field}")
+    meta = prepare(out, dataset=args.dataset, text_files=args.text or None, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                   text_field=args.text_field)
     print(f"prepared {out}: " + ", ".join(f"{k}={v}" for k, v in meta.items() if not isinstance(v, (dict, list))))
 
 
@@ -344,7 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prepare", help="tokenize a corpus into train/val token files")
     p.add_argument("--dataset", help="tinystories-sample, tinystories-repeat, tinystories-cased, warpeace, books, tinystories (hub)")
-    p.add_argument("--text", nargs="+", metavar="FILE", help="your own text files instead of a dataset")
+    p.add_argument("--text", nargs="+", metavar="FILE", help="your own corpus instead of a dataset: text files, JSONL, "
+                   "Parquet or datasets directories (save_to_disk), streamed")
+    p.add_argument("--text-field", default="text", help="the field / column holding the text in JSONL, Parquet and datasets inputs")
     p.add_argument("--tokenizer", choices=["bpe", "byte"], default="bpe")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--out", help="output directory (default: prepared/<dataset>-<tokenizer><vocab>)")

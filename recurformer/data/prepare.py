@@ -15,25 +15,25 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import itertools
 import json
 import lzma
 import os
 import random
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from tqdm import tqdm
 
 from recurformer.config import RecurformerError
+from recurformer.data.sources import EOT, documents, kind_of
 from recurformer.data.tokenizer import FILENAME as TOKENIZER_FILE
 from recurformer.data.tokenizer import Tokenizer
 from recurformer.files import atomic_dir, check_writable
 
-EOT = "<|endoftext|>"
 DATASETS = ("tinystories-sample", "tinystories-repeat", "tinystories-cased", "warpeace", "books", "tinystories")
 TOKENIZERS = ("bpe", "byte")
 REPEAT_PROMPT = "Repeat above."
@@ -95,22 +95,28 @@ def read_text_file(path: str | Path) -> str:
 
 def source_key(
     dataset: str | None, text_files: Sequence[str | Path] | None, tokenizer: str, vocab_size: int,
-    val_fraction: float = 0.05, seed: int = 0,
+    val_fraction: float = 0.05, seed: int = 0, text_field: str = "text",
 ) -> str:
-    """A hex digest of everything a prepared directory is made of: the dataset name or the text
-    files' contents (in order), the tokenizer kind and vocabulary size, the split settings."""
+    """A hex digest of everything a prepared directory is made of: the dataset name or the input
+    files' contents (in order; every file of a datasets directory), the tokenizer kind and
+    vocabulary size, the split settings and the text field."""
     h = hashlib.sha256()
     settings = {"dataset": dataset, "tokenizer": tokenizer, "vocab_size": vocab_size if tokenizer == "bpe" else None,
                 "val_fraction": val_fraction, "seed": seed}
+    if text_field != "text":  # (the default is left out: keys of earlier preparations stay valid)
+        settings["text_field"] = text_field
     h.update(json.dumps(settings, sort_keys=True).encode())
     for f in text_files or []:
         p = Path(f)
-        if not p.is_file():
+        if not p.exists():
             raise RecurformerError(f"text file {p} does not exist")
-        digest = hashlib.sha256()
-        with p.open("rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
-                digest.update(block)
+        for part in sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]:  # a datasets directory
+            if p.is_dir():
+                h.update(str(part.relative_to(p)).encode())
+            digest = hashlib.sha256()
+            with part.open("rb") as fh:
+                for block in iter(lambda: fh.read(1 << 16), b""):  # hashlib.file_digest needs Python 3.11
+                    digest.update(block)
             h.update(digest.digest())
     return h.hexdigest()
 
@@ -173,32 +179,88 @@ def load_documents(
     return train, val, f"text files {', '.join(str(Path(p).resolve()) for p in text_files)}, last {val_fraction:.0%} is val"
 
 
-def _batches(docs: Sequence[str], max_chars: int = 1 << 22) -> list[Sequence[str]]:
-    """Consecutive groups of documents of about ``max_chars`` characters (bounds encoder memory)."""
-    groups, start, size = [], 0, 0
-    for i, doc in enumerate(docs):
-        size += len(doc)
-        if size >= max_chars:
-            groups.append(docs[start : i + 1])
-            start, size = i + 1, 0
-    if start < len(docs):
-        groups.append(docs[start:])
-    return groups
+BATCH_CHARS = 1 << 20  # characters encoded at a time (bounds the encoder's memory)
 
 
-def _write_tokens(path: Path, docs: Sequence[str], tok: Tokenizer, dtype: np.dtype, append_eos: bool, desc: str) -> int:
-    """Encode ``docs`` (BOS + doc [+ EOS] each) into ``path``; returns the token count."""
-    n = 0
+def _labelled(docs: Iterable[str], total: int, val_fraction: float) -> Iterator[tuple[str, str]]:
+    """``split_contiguous`` as a stream: ("train" | "val", document) given the total length."""
+    cut = total * (1.0 - val_fraction)
+    seen = 0
+    for doc in docs:
+        if seen + len(doc) <= cut:
+            yield "train", doc
+        elif seen >= cut:
+            yield "val", doc
+        else:
+            local = int(cut - seen)
+            at = doc.rfind("\n", 0, local)
+            at = at if at > 0 else local
+            for split, part in (("train", doc[:at].strip()), ("val", doc[at:].strip())):
+                if part:
+                    yield split, part
+        seen += len(doc)
+
+
+def _write_tokens(out: dict[str, BinaryIO], docs: Iterable[tuple[str, str]], tok: Tokenizer, dtype: np.dtype,
+                  append_eos: bool, total: int | None) -> dict[str, int]:
+    """Encode each (split, document) as BOS + document [+ EOS] onto its split's file, about
+    ``BATCH_CHARS`` characters at a time; returns the token count of each split."""
+    counts = dict.fromkeys(out, 0)
     tail = [tok.eos_id] if append_eos else []
-    with path.open("wb") as f, tqdm(total=len(docs), desc=desc, unit="doc", leave=False) as bar:
-        for group in _batches(docs):
-            encoded = tok.encode_batch(group)
-            flat = itertools.chain.from_iterable([tok.bos_id, *ids, *tail] for ids in encoded)
-            arr = np.fromiter(flat, dtype=dtype)
-            f.write(arr.tobytes())
-            n += arr.size
-            bar.update(len(group))
-    return n
+
+    def flush(group: list[tuple[str, str]]) -> None:
+        for (split, _), ids in zip(group, tok.encode_batch([d for _, d in group])):
+            arr = np.array([tok.bos_id, *ids, *tail], dtype=dtype)
+            out[split].write(arr.tobytes())
+            counts[split] += arr.size
+
+    group: list[tuple[str, str]] = []
+    size = 0
+    with tqdm(total=total, desc="encode", unit="doc", leave=False) as bar:
+        for item in docs:
+            group.append(item)
+            size += len(item[1])
+            if size >= BATCH_CHARS:
+                flush(group)
+                bar.update(len(group))
+                group, size = [], 0
+        flush(group)
+        bar.update(len(group))
+    return counts
+
+
+def _stream_sources(text_files: Sequence[str | Path], text_field: str, val_fraction: float, seed: int,
+                    bpe: bool) -> tuple[Callable[[], Iterator[tuple[str, str]]], list[str], dict[str, int]]:
+    """Input files of any kind, never held in memory: (a function that streams the labelled
+    documents again, the BPE training sample, the document count of each split). The files are
+    read once to measure them, once to count the splits and draw the sample, once to encode."""
+    def docs() -> Iterator[str]:
+        for f in text_files:
+            yield from documents(f, text_field)
+
+    total = n = 0
+    for doc in tqdm(docs(), desc="measure", unit="doc", leave=False):
+        total, n = total + len(doc), n + 1
+    if not n:
+        raise RecurformerError(f"text files {', '.join(map(str, text_files))} contain no text")
+    counts = {"train": 0, "val": 0}
+    for split, _ in _labelled(docs(), total, val_fraction):
+        counts[split] += 1
+    sample: list[str] = []
+    if bpe:
+        n_train = counts["train"]
+        if n_train <= BPE_TRAIN_MAX_DOCS:
+            sample = [d for split, d in _labelled(docs(), total, val_fraction) if split == "train"]
+        else:  # the documents random.sample would pick from the list of all train documents, in its order
+            pick = random.Random(seed).sample(range(n_train), BPE_TRAIN_MAX_DOCS)
+            where = {i: k for k, i in enumerate(pick)}
+            chosen: dict[int, str] = {}
+            train = (d for split, d in _labelled(docs(), total, val_fraction) if split == "train")
+            for i, d in enumerate(train):
+                if i in where:
+                    chosen[where[i]] = d
+            sample = [chosen[k] for k in range(len(pick))]
+    return lambda: _labelled(docs(), total, val_fraction), sample, counts
 
 
 def _remove_stale_temporaries(out: Path) -> None:
@@ -224,8 +286,11 @@ def prepare(
     vocab_size: int = 4096,
     val_fraction: float = 0.05,
     seed: int = 0,
+    text_field: str = "text",
 ) -> dict:
-    """Prepare ``dataset`` (one of ``DATASETS``) or ``text_files`` into ``out_dir``; returns the meta dict."""
+    """Prepare ``dataset`` (one of ``DATASETS``) or ``text_files`` (plain text, JSONL, Parquet or
+    ``datasets`` directories, streamed: see ``sources``; ``text_field`` names their text) into
+    ``out_dir``; returns the meta dict."""
     out = Path(out_dir)
     if (dataset is None) == (not text_files):
         raise RecurformerError("prepare needs exactly one of dataset=... or text_files=[...]")
@@ -239,17 +304,30 @@ def prepare(
         raise RecurformerError(f"{out} exists and is not a prepared dataset directory; refusing to overwrite it")
     check_writable(out, "prepared data", is_dir=True)
 
-    _log(f"reading {dataset or f'{len(text_files or [])} text file(s)'}")
-    train, val, source = load_documents(dataset, text_files, val_fraction)
-    if not train or not val:
-        raise RecurformerError(f"dataset {dataset or 'text_files'} has an empty {'train' if not train else 'val'} split")
+    _log(f"reading {dataset or f'{len(text_files or [])} input file(s)'}")
+    if dataset is not None:
+        train, val, source = load_documents(dataset, None, val_fraction)
+        if not train or not val:
+            raise RecurformerError(f"dataset {dataset} has an empty {'train' if not train else 'val'} split")
+        stream: Callable[[], Iterable[tuple[str, str]]] = lambda: [*(("train", d) for d in train), *(("val", d) for d in val)]  # noqa: E731
+        sample, n_docs = train, {"train": len(train), "val": len(val)}
+        if len(sample) > BPE_TRAIN_MAX_DOCS:
+            sample = random.Random(seed).sample(train, BPE_TRAIN_MAX_DOCS)
+    else:
+        assert text_files is not None
+        stream, sample, n_docs = _stream_sources(text_files, text_field, val_fraction, seed, tokenizer == "bpe")
+        if not n_docs["train"] or not n_docs["val"]:
+            raise RecurformerError(f"text_files give an empty {'train' if not n_docs['train'] else 'val'} split")
+        kinds = sorted({kind_of(f) for f in text_files})
+        source = (f"{'/'.join(kinds)} files {', '.join(str(Path(p).resolve()) for p in text_files)}"
+                  f"{'' if kinds == ['text'] else f' (field {text_field!r})'}, last {val_fraction:.0%} is val")
 
     if tokenizer == "byte":
         tok = Tokenizer.byte()
     else:
-        sample = train if len(train) <= BPE_TRAIN_MAX_DOCS else random.Random(seed).sample(train, BPE_TRAIN_MAX_DOCS)
         _log(f"training byte-level BPE (vocab {vocab_size}) on {len(sample):,} train documents")
         tok = Tokenizer.train_bpe(sample, vocab_size)
+    del sample
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 65535 else np.uint32)
     append_eos = dataset == "tinystories-repeat"
 
@@ -259,26 +337,25 @@ def prepare(
         out.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(out)
         with atomic_dir(out, tmp, old):
-            counts = {}
-            for split, docs in (("train", train), ("val", val)):
-                n = _write_tokens(tmp / f"{split}.bin", docs, tok, dtype, append_eos, f"encode {split}")
-                counts[split] = n
-                _log(f"{split}: {len(docs):,} documents, {n:,} tokens")
+            with (tmp / "train.bin").open("wb") as f_train, (tmp / "val.bin").open("wb") as f_val:
+                counts = _write_tokens({"train": f_train, "val": f_val}, stream(), tok, dtype, append_eos, sum(n_docs.values()))
+            for split in ("train", "val"):
+                _log(f"{split}: {n_docs[split]:,} documents, {counts[split]:,} tokens")
             tok.save(tmp)
             meta = {
                 "format_version": 1,
                 "dataset": dataset or "text_files",
                 "source": source,
-                "source_key": source_key(dataset, text_files, tokenizer, vocab_size, val_fraction, seed),
+                "source_key": source_key(dataset, text_files, tokenizer, vocab_size, val_fraction, seed, text_field),
                 "tokenizer": tok.kind,
                 "vocab_size": tok.vocab_size,
                 "bos_id": tok.bos_id,
                 "eos_id": tok.eos_id,
                 "dtype": dtype.name,
                 "append_eos": append_eos,
-                "train_documents": len(train),
+                "train_documents": n_docs["train"],
                 "train_tokens": counts["train"],
-                "val_documents": len(val),
+                "val_documents": n_docs["val"],
                 "val_tokens": counts["val"],
                 "val_fraction": val_fraction,
                 "seed": seed,
