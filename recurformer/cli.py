@@ -1,4 +1,4 @@
-"""The ``recurformer`` command line: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``synth``, ``probe``, ``export``, ``lm-eval``.
+"""The ``recurformer`` command line: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``synth``, ``probe``, ``niah``, ``export``, ``lm-eval``.
 
 Every user error (bad config key, missing file, wrong checkpoint, ...) is printed as one line
 ``recurformer: error: ...`` with exit code 2, never as a traceback. SIGINT and SIGTERM stop with
@@ -243,6 +243,52 @@ def cmd_synth(args: argparse.Namespace) -> None:
         print(f"wrote {args.json}")
 
 
+def cmd_niah(args: argparse.Namespace) -> None:
+    from .checkpoint import check_writable
+    from .device import pick_device
+    from .niah import niah, save, table
+
+    out = Path(args.json)
+    check_writable(out, "output JSON")
+    lengths, depths = _int_list(args.lengths, "--lengths"), _float_list(args.depths, "--depths")
+    device = pick_device(args.device)
+    if args.via == "transformers":
+        from .api import load
+        from .hf import RecurformerForCausalLM
+
+        _, tok = load(args.checkpoint)
+        model = RecurformerForCausalLM.from_pretrained(args.checkpoint).to(device)
+    else:
+        from .api import load
+
+        model, tok = load(args.checkpoint, str(device))
+    if tok is None:
+        raise RecurformerError(f"{args.checkpoint} has no tokenizer.json: the haystack is text")
+    cells = niah(model, tok, lengths, depths, args.trials, args.chunk, args.text, args.seed)
+    print(table(cells))
+    meta = {"checkpoint": str(args.checkpoint), "via": args.via, "trials": args.trials, "chunk": args.chunk, "seed": args.seed,
+            "haystack": args.text or "bundled books (val)", "label": Path(args.checkpoint).name}
+    save(cells, out, meta)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        out = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise RecurformerError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise RecurformerError(f"{flag} must be positive integers, got {text!r}")
+    return out
+
+
+def _float_list(text: str, flag: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise RecurformerError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     from .api import export
 
@@ -329,7 +375,7 @@ def cmd_probe(args: argparse.Namespace) -> None:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "info": cmd_info, "prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-    "synth": cmd_synth, "probe": cmd_probe, "export": cmd_export,
+    "synth": cmd_synth, "probe": cmd_probe, "niah": cmd_niah, "export": cmd_export,
 }
 
 
@@ -431,6 +477,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.add_argument("--json", default="probe.json", help="output JSON (a PNG plot is written beside it)")
+    p = sub.add_parser("niah", help="needle in a haystack: a passkey at depth d%% of a context of length L, retrieved at the end "
+                       "(exact match and answer log-likelihood; a depth x length heatmap)")
+    p.add_argument("--checkpoint", required=True, help="a run, checkpoint or pretrained directory")
+    p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths in tokens")
+    p.add_argument("--depths", default="0,25,50,75,100", help="needle depths in percent of the haystack")
+    p.add_argument("--trials", type=int, default=4, help="prompts per cell (random passkeys and haystack offsets)")
+    p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
+    p.add_argument("--text", nargs="+", metavar="FILE", help="haystack text files (default: the bundled books, val split)")
+    p.add_argument("--via", choices=["recurformer", "transformers"], default="recurformer",
+                   help="transformers: load and run the model through AutoModelForCausalLM (needs recurformer[hf])")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+    p.add_argument("--json", default="niah.json", help="output JSON (the heatmap PNG is written beside it)")
     p = sub.add_parser("lm-eval", add_help=False, help="EleutherAI's lm-evaluation-harness with the 'recurformer' model "
                        "(needs recurformer[eval]); every argument is lm-eval's own, e.g. --model_args pretrained=DIR --tasks NAME")
     p.add_argument("args", nargs=argparse.REMAINDER)

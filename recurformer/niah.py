@@ -1,0 +1,182 @@
+"""Needle in a haystack (passkey in text): can the model retrieve a fact planted deep in a long
+context? (Kamradt's "needle in a haystack" test; the passkey form of Mohtashami and Jaggi,
+"Landmark Attention: Random-Access Infinite Context Length for Transformers", Section 4.2.)
+
+For a context length L and a depth d%, a prompt of exactly L tokens is
+
+    BOS, haystack text ..., NEEDLE at d% of the haystack, ... haystack text, QUESTION
+
+with NEEDLE = "The secret passkey is K. Remember it. K is the passkey." (K a random 5-digit
+number per trial) and QUESTION = "What is the secret passkey? The secret passkey is"; the
+answer is " K". The haystack is the bundled Project Gutenberg books (val split) or any text,
+cut at a random offset per trial. Two scores per (depth, length) cell, averaged over trials:
+
+- ``logprob``: log p(answer | prompt), summed over the answer's tokens (nats);
+- ``exact``: 1 if greedy decoding after the prompt gives exactly the answer's tokens (all of
+  them the argmax under teacher forcing), else 0.
+
+The prompt is read ``chunk`` tokens per call with the state carried, so lengths beyond the
+training context cost no more memory for a bounded-state model. ``score_fn`` takes any model:
+a ``StreamingLM`` or a ``transformers`` causal LM (``recurformer.hf.RecurformerForCausalLM``
+is read through its state cache; any other is given the whole sequence at once)."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .checkpoint import atomic_write
+from .config import RecurformerError
+from .data.tokenizer import Tokenizer
+from .nn import StreamingLM
+
+NEEDLE = " The secret passkey is {key}. Remember it. {key} is the passkey. "
+QUESTION = " What is the secret passkey? The secret passkey is"
+
+
+@dataclass
+class Cell:
+    length: int
+    depth: float  # percent of the haystack before the needle
+    logprob: float  # mean over trials of log p(answer | prompt), nats
+    exact: float  # fraction of trials retrieved exactly (greedy)
+    trials: int
+
+
+def haystack_tokens(tokenizer: Tokenizer, text: Sequence[str | Path] | None = None) -> list[int]:
+    """The haystack as tokens: the bundled books' val split, or the given text files."""
+    from .data.prepare import bundled_corpus, read_text_file
+
+    docs = [read_text_file(f) for f in text] if text else bundled_corpus("books_val")
+    return [t for d in docs for t in tokenizer.encode(d + "\n\n")]
+
+
+def make_prompt(hay: list[int], tokenizer: Tokenizer, length: int, depth: float, rng: random.Random) -> tuple[list[int], list[int]]:
+    """(prompt of exactly ``length`` tokens, answer tokens) for one trial."""
+    key = str(rng.randint(10000, 99999))
+    needle, question = tokenizer.encode(NEEDLE.format(key=key)), tokenizer.encode(QUESTION)
+    answer = tokenizer.encode(" " + key)
+    body = length - 1 - len(needle) - len(question)
+    if body < 1:
+        raise RecurformerError(f"length {length} leaves no room for the haystack (the needle and question take "
+                               f"{len(needle) + len(question) + 1} tokens)")
+    if len(hay) < body:
+        raise RecurformerError(f"the haystack has {len(hay):,} tokens, fewer than the {body:,} that length {length:,} needs; "
+                               "give a longer text or shorter lengths")
+    start = rng.randint(0, len(hay) - body)
+    text = hay[start : start + body]
+    at = round(depth / 100 * body)
+    return [tokenizer.bos_id, *text[:at], *needle, *text[at:], *question], answer
+
+
+def logits_fn(model: Any, chunk: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """(tokens [B, T], first) -> logits [B, T - first, V] of ``model`` at positions >= first,
+    read ``chunk`` tokens per call through the state (a ``StreamingLM``, or recurformer's
+    transformers class through its cache; earlier logits are dropped as they come); any other
+    ``transformers`` model reads the whole sequence in one call."""
+    ours = isinstance(model, StreamingLM)
+    if ours or type(model).__name__ == "RecurformerForCausalLM":
+        def run(x: torch.Tensor, first: int) -> torch.Tensor:
+            parts, state = [], None
+            if not ours:
+                from .hf import RecurformerCache
+
+                cache = RecurformerCache()
+            for a in range(0, x.shape[1], chunk):
+                part = x[:, a : a + chunk]
+                if ours:
+                    out = model(part, state=state)
+                    logits, state = out.logits, out.state
+                else:
+                    logits = model(part, past_key_values=cache, use_cache=True).logits
+                if a + chunk > first:
+                    parts.append(logits[:, max(first - a, 0) :].float())
+            return torch.cat(parts, 1)
+        return run
+    return lambda x, first: model(input_ids=x).logits[:, first:].float()
+
+
+@torch.no_grad()
+def niah(model: Any, tokenizer: Tokenizer, lengths: Sequence[int] = (256, 512, 1024), depths: Sequence[float] = (0, 25, 50, 75, 100),
+         trials: int = 4, chunk: int = 256, text: Sequence[str | Path] | None = None, seed: int = 0) -> list[Cell]:
+    """Every (depth, length) cell: ``trials`` prompts (one batch), scored at the answer."""
+    for d in depths:
+        if not 0 <= d <= 100:
+            raise RecurformerError(f"depth {d} is not a percentage in [0, 100]")
+    if trials < 1 or chunk < 1:
+        raise RecurformerError(f"trials and chunk must be positive, got {trials} and {chunk}")
+    hay = haystack_tokens(tokenizer, text)
+    device = next(model.parameters()).device
+    run = logits_fn(model, chunk)
+    model.eval()
+    cells = []
+    for L in lengths:
+        for d in depths:
+            rng = random.Random(f"{seed}-{L}-{float(d)}")
+            rows = [make_prompt(hay, tokenizer, L, d, rng) for _ in range(trials)]
+            n = max(len(a) for _, a in rows)
+            x = torch.tensor([p + a + [tokenizer.eos_id] * (n - len(a)) for p, a in rows], device=device)
+            logp = run(x[:, :-1], L - 1).log_softmax(-1)  # the predictions of the answer's tokens
+            tgt = x[:, L:]
+            mask = torch.tensor([[i < len(a) for i in range(n)] for _, a in rows], device=device)
+            lp = logp.gather(-1, tgt[..., None]).squeeze(-1)
+            ll = torch.where(mask, lp, torch.zeros_like(lp)).sum(1)
+            exact = ((logp.argmax(-1) == tgt) | ~mask).all(1).float()
+            cells.append(Cell(L, float(d), float(ll.mean()), float(exact.mean()), trials))
+    return cells
+
+
+def table(cells: Sequence[Cell]) -> str:
+    """Markdown: one row per depth, one column per length, exact match (mean log p)."""
+    lengths = sorted({c.length for c in cells})
+    depths = sorted({c.depth for c in cells})
+    at = {(c.depth, c.length): c for c in cells}
+    lines = ["| depth \\ length | " + " | ".join(f"{L:,}" for L in lengths) + " |", "|---" * (len(lengths) + 1) + "|"]
+    for d in depths:
+        lines.append(f"| {d:g}% | " + " | ".join(f"{at[d, L].exact:.2f} ({at[d, L].logprob:.2f})" for L in lengths) + " |")
+    return "\n".join(lines)
+
+
+def plot(cells: Sequence[Cell], path: Path, title: str) -> None:
+    """The depth x length heatmap of exact match (the standard NIAH figure), each cell labelled
+    with its exact-match rate and mean answer log-probability."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({c.length for c in cells})
+    depths = sorted({c.depth for c in cells})
+    at = {(c.depth, c.length): c for c in cells}
+    grid = [[at[d, L].exact for L in lengths] for d in depths]
+    fig, ax = plt.subplots(figsize=(1.1 * len(lengths) + 2.5, 0.55 * len(depths) + 1.8))
+    im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    for i, d in enumerate(depths):
+        for j, L in enumerate(lengths):
+            ax.text(j, i, f"{at[d, L].exact:.2f}\n{at[d, L].logprob:.1f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(lengths)), [f"{L:,}" for L in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    ax.set_title(f"{title}: passkey retrieval (exact match; log p of the answer)")
+    fig.colorbar(im, ax=ax, label="exact match")
+    fig.tight_layout()
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    finally:
+        plt.close(fig)
+
+
+def save(cells: Sequence[Cell], path: Path, meta: dict[str, Any]) -> None:
+    """JSON of every cell, and the heatmap PNG beside it."""
+    text = json.dumps({"meta": meta, "cells": [asdict(c) for c in cells]}, indent=2) + "\n"
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+    plot(cells, path.with_suffix(".png"), meta.get("label", "model"))
+
+
+__all__ = ["Cell", "NEEDLE", "QUESTION", "make_prompt", "niah", "plot", "save", "table"]
