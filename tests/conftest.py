@@ -20,9 +20,16 @@ def _seed() -> None:
 def offline(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(var, "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    if "huggingface_hub" in sys.modules:  # read at import: set the flag where it is kept
-        monkeypatch.setattr(sys.modules["huggingface_hub"].constants, "HF_HUB_OFFLINE", True)
+    home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    # the libraries read these at import: where one is imported already, set them where they are kept
+    if (hub := sys.modules.get("huggingface_hub.constants")) is not None:
+        for key, value in (("HF_HUB_OFFLINE", True), ("HF_HOME", str(home)), ("HF_HUB_CACHE", str(home / "hub"))):
+            monkeypatch.setattr(hub, key, value)
+    if (ds := sys.modules.get("datasets.config")) is not None:
+        for key, value in (("HF_DATASETS_OFFLINE", True), ("HF_HUB_OFFLINE", True), ("HF_CACHE_HOME", str(home)),
+                           ("HF_DATASETS_CACHE", home / "datasets")):
+            monkeypatch.setattr(ds, key, value)
 
     def refuse(self, address, *args):  # type: ignore[no-untyped-def]
         raise AssertionError(f"a test tried to open a network connection to {address}")
