@@ -283,11 +283,25 @@ AutoModelForCausalLM.register(RecurformerConfig, RecurformerForCausalLM, exist_o
 
 def tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
     """``tokenizer_config.json`` for ``AutoTokenizer``: our BPE ``tokenizer.json`` read by
-    ``PreTrainedTokenizerFast`` with its BOS and EOS (no BOS is added: prepend ``bos_token_id``)."""
+    ``PreTrainedTokenizerFast`` with its BOS and EOS."""
     from .data.tokenizer import BOS, EOS
 
     return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+            "clean_up_tokenization_spaces": False}
+
+
+def with_bos(path: Path, tokenizer: Tokenizer) -> None:
+    """Give the ``tokenizer.json`` at ``path`` a post-processor that puts BOS before every text
+    (``AutoTokenizer`` and pipelines then encode a prompt as our documents begin); recurformer's
+    own ``Tokenizer`` encodes without special tokens and is unaffected."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    from .data.tokenizer import BOS
+
+    hf = HFTokenizer.from_file(str(path))
+    hf.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, tokenizer.bos_id)])
+    hf.save(str(path))
 
 
 def export(checkpoint: str | Path, out: str | Path) -> Path:
@@ -310,6 +324,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
         if tok is not None:
             tok.save(t)
             if tok.kind == "bpe":
+                with_bos(t / "tokenizer.json", tok)
                 (t / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok), indent=2) + "\n")
         model_card(model, run_config_of(model, config)).save(t / "README.md")
         for f in t.iterdir():

@@ -156,10 +156,15 @@ def test_export_format_transformers(offline) -> None:
         assert torch.equal(hf(ids).logits, model(ids).logits)
     at = transformers.AutoTokenizer.from_pretrained(offline / "hf")
     assert (at.bos_token_id, at.eos_token_id) == (tok.bos_id, tok.eos_id)
-    assert at("the cat sat")["input_ids"] == tok.encode("the cat sat")
+    assert at("the cat sat")["input_ids"] == [tok.bos_id, *tok.encode("the cat sat")]  # BOS first, as our documents
+    assert at.decode(at("the cat sat")["input_ids"], skip_special_tokens=True) == "the cat sat"
     assert hf.generation_config.eos_token_id == tok.eos_id
     again, tok2 = recurformer.load(offline / "hf")
     assert tok2 is not None and torch.equal(again(ids).logits, model(ids).logits)
+    assert tok2.encode("the cat sat") == tok.encode("the cat sat")  # our tokenizer adds no BOS of its own
+    pipe = transformers.pipeline("text-generation", model=str(offline / "hf"))
+    text = pipe("the cat sat", max_new_tokens=6, do_sample=False)[0]["generated_text"]
+    assert text == "the cat sat" + tok.decode(model.generate(ids, 6, temperature=0, stop_tokens=[tok.eos_id])[0])
     assert not [p.name for p in (offline / "hf").iterdir() if p.name.startswith(".")]  # nothing half-written left
 
 
