@@ -244,8 +244,8 @@ def cmd_synth(args: argparse.Namespace) -> None:
 
 
 def cmd_niah(args: argparse.Namespace) -> None:
-    from .checkpoint import check_writable
     from .device import pick_device
+    from .files import check_writable
     from .niah import niah, save, table
 
     out = Path(args.json)

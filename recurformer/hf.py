@@ -181,6 +181,11 @@ class RecurformerForCausalLM(PreTrainedModel, GenerationMixin):
         out.rebuild_buffers()
         return model
 
+    def empty_cache(self) -> RecurformerCache:
+        """A cache holding no state yet: pass it as ``past_key_values`` to read a long input in
+        several calls (each call advances it)."""
+        return RecurformerCache()
+
     def get_input_embeddings(self) -> nn.Module:
         return self.model.tok_emb
 

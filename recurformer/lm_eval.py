@@ -38,9 +38,9 @@ try:
 except ImportError:  # pragma: no cover - the message is the point
     raise RecurformerError("recurformer.lm_eval needs lm-eval 0.4.13: pip install 'recurformer[eval]'") from None
 
-from .api import load
 from .device import pick_device
 from .generate import sample
+from .hub import from_pretrained
 
 
 def _positive_int(value: Any, key: str) -> int:
@@ -66,7 +66,7 @@ class RecurformerLM(TemplateLM):
         if pretrained is None:
             raise RecurformerError("recurformer model_args need pretrained=<run, checkpoint or pretrained directory>")
         self._device = pick_device(str(device) if device else "auto")
-        self.model, tok = load(pretrained, str(self.device))
+        self.model, tok, _ = from_pretrained(pretrained, str(self.device))
         if tok is None:
             raise RecurformerError(f"{pretrained} has no tokenizer.json: lm-eval scores text")
         self.tokenizer_ = tok

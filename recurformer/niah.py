@@ -30,9 +30,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .checkpoint import atomic_write
 from .config import RecurformerError
 from .data.tokenizer import Tokenizer
+from .files import atomic_write
 from .nn import StreamingLM
 
 NEEDLE = " The secret passkey is {key}. Remember it. {key} is the passkey. "
@@ -80,13 +80,10 @@ def logits_fn(model: Any, chunk: int) -> Callable[[torch.Tensor, int], torch.Ten
     transformers class through its cache; earlier logits are dropped as they come); any other
     ``transformers`` model reads the whole sequence in one call."""
     ours = isinstance(model, StreamingLM)
-    if ours or type(model).__name__ == "RecurformerForCausalLM":
+    if ours or hasattr(model, "empty_cache"):  # recurformer's transformers class: read through its state cache
         def run(x: torch.Tensor, first: int) -> torch.Tensor:
             parts, state = [], None
-            if not ours:
-                from .hf import RecurformerCache
-
-                cache = RecurformerCache()
+            cache = None if ours else model.empty_cache()
             for a in range(0, x.shape[1], chunk):
                 part = x[:, a : a + chunk]
                 if ours:

@@ -15,7 +15,7 @@ FLOORS: list[list[str]] = [
     # 0: nothing of the package
     ["config", "modules", "compat", "optim", "ops", "ops.recurrent_attention", "ops.reference"],
     # 1: the state types, files, the registry, the recurrent cell, devices, data readers
-    ["files", "state", "registry", "cells", "device", "ops.relative", "data.tokenizer", "data.streams"],
+    ["files", "state", "registry", "cells", "device", "ops.relative", "data.tokenizer", "data.streams", "data.sources"],
     # 2: file formats and helpers on the state types
     ["checkpoint", "generate", "flops", "data.prepare", "data.synthetic"],
     ["data", "loggers"],
@@ -24,7 +24,7 @@ FLOORS: list[list[str]] = [
     # 5: the model around a stack of layers
     ["nn"],
     # 6: what reads a model; Llama, which other architectures build on
-    ["layers", "evaluate", "probe", "models.llama", "hf"],
+    ["layers", "evaluate", "probe", "models.llama", "hf", "lm_eval", "niah"],
     # 7: the architectures (``models.*`` files not named elsewhere live on this floor too)
     [],
     ["models", "reference"],

@@ -10,14 +10,13 @@ import random
 
 import pytest
 import torch
+from helpers import TEST_CONFIGS, randomize_params
 from torch import nn
 
 from recurformer import RecurformerError, build_model
 from recurformer.cli import main as cli_main
 from recurformer.data import Tokenizer
 from recurformer.niah import NEEDLE, haystack_tokens, make_prompt, niah
-
-from helpers import TEST_CONFIGS, randomize_params
 
 TOK = Tokenizer.byte()
 
