@@ -35,6 +35,7 @@ from tqdm import tqdm
 from . import checkpoint as ckpt
 from . import loggers
 from .config import RecurformerError, from_dict, load_yaml, merge, parse_overrides
+from .curriculum import Schedule, initial_state, schedule_from
 from .device import autocast_context, configure, pick_device, resolve_precision, to_device
 from .flops import matmul_peak, train_flops_per_token
 from .models import build_model, make_config
@@ -82,6 +83,9 @@ class DataConfig:
         return Path("prepared") / f"{name}-{self.tokenizer}{self.vocab_size if self.tokenizer == 'bpe' else ''}"
 
 
+SCHEDULED = ("seq_len", "truncation")  # the train keys a schedule may change
+
+
 @dataclass
 class TrainConfig:
     out_dir: str = "runs/default"
@@ -91,6 +95,9 @@ class TrainConfig:
     grad_accum: int = 1  # segments per optimizer step (consecutive segments of the same streams)
     truncation: int = 1  # segments backpropagated through before the state is detached
     state: Literal["carry", "reset"] = "carry"
+    state_init: Literal["zero", "noise", "passing"] = "zero"  # where a row starts a document (curriculum.initial_state)
+    state_noise: float = 1.0  # sigma of state_init=noise
+    schedule: dict[str, Any] = field(default_factory=dict)  # seq_len / truncation by step (curriculum.Schedule)
     data_order: Literal["contiguous", "shuffled"] = "contiguous"
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -116,6 +123,26 @@ class TrainConfig:
                 raise RecurformerError(f"config key 'train.{k}' must be >= 1, got {getattr(self, k)}")
         if self.grad_accum % self.truncation:
             raise RecurformerError(f"train.grad_accum ({self.grad_accum}) must be a multiple of train.truncation ({self.truncation})")
+        sched = self.curriculum()
+        sched.check("train.schedule", SCHEDULED, self.base_values())
+        for v in sched.values("truncation", self.base_values()):
+            if v > self.grad_accum or self.grad_accum % v:
+                raise RecurformerError(
+                    f"config key 'train.schedule' sets truncation {v}: more segments than the {self.grad_accum} a step reads "
+                    f"(train.grad_accum), or not a divisor of it"
+                )
+        if self.state_noise < 0:
+            raise RecurformerError(f"config key 'train.state_noise' must be >= 0, got {self.state_noise}")
+
+    def base_values(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in SCHEDULED}
+
+    def curriculum(self) -> Schedule:
+        return schedule_from(self.schedule, "train.schedule")
+
+    def at(self, step: int) -> dict[str, int]:
+        """seq_len and truncation in force at ``step`` (the schedule's stage, or the base values)."""
+        return self.curriculum().at(step, self.base_values())
 
 
 @dataclass
@@ -149,6 +176,14 @@ def run_config_from_dict(raw: dict[str, Any]) -> RunConfig:
     if "name" not in cfg.model:
         raise RecurformerError("config key 'model.name' is required (e.g. memory_attention)")
     make_config(cfg.model["name"], {k: v for k, v in cfg.model.items() if k != "name"})  # validate now
+    if cfg.train.schedule:  # every stage's segment length fits the model's chunk, before any work starts
+        with torch.device("meta"):
+            boundary = build_from_run_config(cfg, 2).reset_boundary
+        for L in cfg.train.curriculum().values("seq_len", cfg.train.base_values()):
+            if L % boundary:
+                raise RecurformerError(
+                    f"config key 'train.schedule' sets seq_len {L}, not a multiple of the model's chunk/segment/block length ({boundary})"
+                )
     return cfg
 
 
@@ -248,7 +283,7 @@ class Trainer:
         self, cfg: RunConfig, resume: str | None = None, show_progress: bool = True, overwrite: bool = False,
         stop: StopSignals | None = None,
     ) -> None:
-        from .data import ContiguousStreams, ShuffledWindows, load_prepared, prepare
+        from .data import load_prepared, prepare
 
         self.cfg = cfg
         t = cfg.train
@@ -331,12 +366,8 @@ class Trainer:
             # the carried state is not a module buffer, and buffers are not broadcast either
             self.ddp = DDP(self.model, broadcast_buffers=False)
 
-        if t.data_order == "contiguous":
-            self.streams: Any = ContiguousStreams(
-                train_tokens, t.batch_size, t.seq_len, rank=self.rank, world_size=self.world, bos_id=self.meta["bos_id"]
-            )
-        else:
-            self.streams = ShuffledWindows(train_tokens, t.batch_size, t.seq_len, rank=self.rank, world_size=self.world, seed=t.seed)
+        self.train_tokens = train_tokens
+        self.streams: Any = self._make_streams(t.seq_len, t.seed)
         self.state: State | None = None
         self.step = 0
         self.tokens_seen = 0
@@ -349,6 +380,28 @@ class Trainer:
             ckpt.open_run_dir(self.out_dir, resumed["dir"].parent if resumed is not None else None, self.step)
             self.sinks, notes = loggers.make_sinks(t.loggers, self.out_dir, self._config_dict())
             self.header = loggers.run_header(self, notes)
+
+    def _make_streams(self, seq_len: int, seed: int) -> Any:
+        from .data import ContiguousStreams, ShuffledWindows
+
+        t = self.cfg.train
+        if t.data_order == "contiguous":
+            return ContiguousStreams(
+                self.train_tokens, t.batch_size, seq_len, rank=self.rank, world_size=self.world, bos_id=self.meta["bos_id"]
+            )
+        return ShuffledWindows(self.train_tokens, t.batch_size, seq_len, rank=self.rank, world_size=self.world, seed=seed)
+
+    def _apply_schedule(self) -> int:
+        """Enter the schedule's stage for the step about to be taken; returns its truncation.
+        A new segment length gets new streams that go on about where the old ones were (the
+        same token offset before any wrap; shuffled windows get a new seed) and a fresh state."""
+        stage = self.cfg.train.at(self.step)
+        old = self.streams
+        if stage["seq_len"] != old.seq_len:
+            self.streams = self._make_streams(stage["seq_len"], self.cfg.train.seed + self.step)
+            self.streams.step = old.step * old.seq_len // stage["seq_len"]
+            self.state = None
+        return stage["truncation"]
 
     # -- state of the run ------------------------------------------------------------------------
     def _config_dict(self) -> dict[str, Any]:
@@ -401,7 +454,10 @@ class Trainer:
         ckpt.load_model_weights(self.model, resumed["model"], str(resumed["dir"]))
         optimizer_from_flat(self.opt, tt, tj["optimizer"])
         set_rng_state(tt, tj["rng"])
-        self.streams.load_state_dict(tj["streams"][self.rank])
+        saved = tj["streams"][self.rank]
+        if saved.get("seq_len") != self.streams.seq_len:  # saved in another stage of the schedule
+            self.streams = self._make_streams(saved["seq_len"], saved.get("seed", self.cfg.train.seed))
+        self.streams.load_state_dict(saved)
         prefix = f"rank{self.rank}.state."
         flat = {k[len(prefix) :]: v for k, v in tt.items() if k.startswith(prefix)}
         if flat:
@@ -411,9 +467,13 @@ class Trainer:
         self.tokens_seen = tj["tokens_seen"]
 
     # -- the loop ----------------------------------------------------------------------------------
-    def _segment(self, batch: Any, state: State | None) -> tuple[torch.Tensor, State]:
+    def _segment(self, batch: Any, state: State | None, index: int = 0) -> tuple[torch.Tensor, State]:
         t = self.cfg.train
-        if t.state == "reset" or state is None:
+        if t.state_init != "zero":  # rows that start a document take a noisy or another stream's state
+            rows = torch.ones(t.batch_size, dtype=torch.bool) if t.state == "reset" else batch.wrapped
+            gen = torch.Generator().manual_seed(((t.seed * 1_000_003 + self.step) * 4099 + index) * 1031 + self.rank)
+            state = initial_state(self.model, t.state_init, rows, state, t.batch_size, self.device, gen, t.state_noise)
+        elif t.state == "reset" or state is None:
             state = self.model.init_state(t.batch_size, self.device)
         elif bool(batch.wrapped.any()):
             state = state.reset(batch.wrapped.to(self.device))
@@ -429,7 +489,9 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         total = 0.0
-        groups = t.grad_accum // t.truncation
+        truncation = self._apply_schedule()
+        seq_len = self.streams.seq_len
+        groups = t.grad_accum // truncation
         for gi in range(groups):
             sync = gi == groups - 1
             # self.ddp is a DistributedDataParallel when world > 1
@@ -437,8 +499,8 @@ class Trainer:
             with ctx:
                 loss_sum = torch.zeros((), device=self.device)
                 state = self.state
-                for _ in range(t.truncation):
-                    loss, state = self._segment(self.streams.next_batch(), state)
+                for si in range(truncation):
+                    loss, state = self._segment(self.streams.next_batch(), state, gi * truncation + si)
                     loss_sum = loss_sum + loss
                 assert state is not None
                 (loss_sum / t.grad_accum).backward()
@@ -449,7 +511,7 @@ class Trainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        self.tokens_seen += t.grad_accum * t.batch_size * t.seq_len * self.world
+        self.tokens_seen += t.grad_accum * t.batch_size * seq_len * self.world
         mean = total / t.grad_accum
         if self.world > 1:  # one scalar, so every rank logs (and stops on) the same number
             v = torch.tensor([mean], device=self.device)

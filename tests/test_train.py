@@ -80,6 +80,111 @@ def test_resume_is_exact(corpus, tmp_path, device, case) -> None:
     assert full.streams.state_dict() == resumed.streams.state_dict()
 
 
+SCHEDULES = {  # stage changes at step 3 (where the run is resumed) and at step 2 (before it)
+    "truncation": "{stages: [{step: 0, truncation: 1}, {step: 3, truncation: 2}]}",
+    "seq_len": "{stages: [{step: 2, seq_len: 16}, {step: 3, seq_len: 48}]}",
+    "doubling": "{double_every: 2, double: {seq_len: 64, truncation: 2}}",
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("state_init, state", [("zero", "carry"), ("noise", "reset"), ("passing", "reset")])
+def test_resume_is_exact_across_stage_changes(corpus, tmp_path, schedule, state_init, state) -> None:
+    """Bitwise: 6 steps in one run == 3 steps, a checkpoint, 3 more, with the schedule changing
+    the segment length or the truncation at the resumed step and before it, and every state_init."""
+    kw = dict(grad_accum=2, schedule=SCHEDULES[schedule], state_init=state_init, state=state)
+    full = Trainer(run_config(corpus, tmp_path / "a", steps=6, save_every=100, **kw), show_progress=False)
+    losses_full, lens_full = [], []
+    for _ in range(6):
+        losses_full.append(full.train_step())
+        lens_full.append(full.streams.seq_len)
+    half = Trainer(run_config(corpus, tmp_path / "b", steps=3, **kw), show_progress=False)
+    losses_half = [half.train_step() for _ in range(3)]
+    half.save()
+    resumed = Trainer(run_config(corpus, tmp_path / "b", steps=6, **kw), resume=str(tmp_path / "b" / "run"), show_progress=False)
+    losses_half += [resumed.train_step() for _ in range(3)]
+    assert losses_half == losses_full
+    for (n, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), n
+    fa, fb = full.state.to_flat(), resumed.state.to_flat()
+    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+    assert full.streams.state_dict() == resumed.streams.state_dict()
+    assert full.tokens_seen == resumed.tokens_seen
+    expect = {"truncation": [32] * 6, "seq_len": [32, 32, 16, 48, 48, 48], "doubling": [32, 32, 64, 64, 64, 64]}[schedule]
+    assert lens_full == expect
+
+
+def test_schedule_applies_at_its_steps(corpus, tmp_path) -> None:
+    """The stage in force is a function of the step: truncation 1 -> 2 -> 4 by doubling every 2
+    steps, and a truncation-2 step backpropagates the first segment's loss through the state."""
+    cfg = run_config(corpus, tmp_path, grad_accum=4, schedule="{double_every: 2, double: {truncation: 4}}").train
+    assert [cfg.at(s)["truncation"] for s in range(7)] == [1, 1, 2, 2, 4, 4, 4]
+    assert [cfg.at(s)["seq_len"] for s in range(7)] == [32] * 7
+    tr = Trainer(run_config(corpus, tmp_path, grad_accum=4, schedule="{stages: [{step: 1, truncation: 4}]}"), show_progress=False)
+    calls = []
+    real = tr._segment
+    tr._segment = lambda b, s, i=0: (calls.append(s is not None and s.layers[0].memory.requires_grad), real(b, s, i))[1]  # type: ignore[method-assign]
+    tr.train_step()  # truncation 1: every segment starts from a detached state
+    assert calls[1:4] == [False] * 3
+    calls.clear()
+    tr.train_step()  # truncation 4: segments 2..4 read a state that still has its graph
+    assert calls == [False, True, True, True]
+
+
+def test_state_init_per_row(corpus, tmp_path) -> None:
+    """noise: every fresh row starts from a different, seeded noisy memory; passing: row b starts
+    from another row's final state of the previous segment, detached; zero: the fresh state."""
+    from recurformer.curriculum import initial_state
+
+    tr = Trainer(run_config(corpus, tmp_path, state="reset"), show_progress=False)
+    m, B = tr.model, 3
+    prev = m(torch.randint(0, 50, (B, 32)), state=None).state
+    rows = torch.tensor([True, False, True])
+    g = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    noisy = initial_state(m, "noise", rows, prev, B, "cpu", g(), sigma=0.5)
+    again = initial_state(m, "noise", rows, prev, B, "cpu", g(), sigma=0.5)
+    a, p = noisy.layers[0].memory, prev.layers[0].memory
+    assert torch.equal(a, again.layers[0].memory) and torch.equal(a[1], p[1])  # seeded; row 1 continues
+    assert 0.4 < float(a[0].detach().std()) < 0.6 and not torch.equal(a[0], a[2])
+    assert noisy.fresh.tolist() == [False, False, False]
+    passed = initial_state(m, "passing", rows, prev, B, "cpu", g())
+    got = passed.layers[0].memory
+    assert torch.equal(got[1], p[1])
+    for b in (0, 2):
+        assert any(torch.equal(got[b], p[c]) for c in range(B) if c != b)
+    (got[0].sum() + got[2].sum()).backward()  # the passed rows carry no gradient to the other stream
+    assert all(q.grad is None or not q.grad.any() for q in m.parameters())
+    zero = initial_state(m, "zero", rows, prev, B, "cpu", g())
+    assert zero.fresh.tolist() == [True, False, True]
+    with pytest.raises(RecurformerError, match="must be one of"):
+        initial_state(m, "warm", rows, prev, B, "cpu", g())
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("schedule", "{stages: [{step: 4, truncation: 2}, {step: 2, truncation: 1}]}", "must start at increasing steps, got step 2 after step 4"),
+        ("schedule", "{stages: [{step: 4, truncation: 4}]}", "sets truncation 4: more segments than the 2 a step reads"),
+        ("schedule", "{stages: [{step: 4, seq_len: 20}]}", "sets seq_len 20, not a multiple of the model's chunk"),
+        ("schedule", "{stages: [{step: 4, lr: 2}]}", "'train.schedule.stages[0].lr' is not schedulable"),
+        ("schedule", "{double_every: 2, double: {seq_len: 96}}", "'train.schedule.double.seq_len' must be 32 (the base value) times a power of two"),
+        ("schedule", "{double_every: 2, stages: [{step: 1}]}", "give either 'stages' or 'double_every'"),
+        ("state_init", "warm", "config key 'train.state_init' must be one of ['zero', 'noise', 'passing'], got 'warm'"),
+    ],
+)
+def test_bad_schedules_and_state_inits_are_one_line_errors(corpus, tmp_path, capsys, key, value, message) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"model: {{name: memory_attention, dim: 32, n_layers: 1, n_heads: 2, chunk_size: 8}}\n"
+        f"data: {{dataset: null, text_files: [{corpus}], tokenizer: byte, dir: {tmp_path / 'p'}}}\n"
+        f"train: {{out_dir: {tmp_path / 'run'}, seq_len: 32, grad_accum: 2, steps: 2, {key}: {value}}}\n"
+    )
+    assert cli_main(["train", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("recurformer: error: ") and "\n" not in err and message in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_metrics_give_tokens_per_s_and_fraction_of_peak(corpus, tmp_path) -> None:
     """mfu = tokens/s x counted FLOP per token / the matmul peak measured at start (flops.py)."""
     import json

@@ -1,0 +1,211 @@
+"""Training recipes for a state that must remember: schedules and initial states.
+
+*Schedules* (curricula) change a few training values at given steps, e.g. the number of segments
+backpropagated through before the state is detached, 1 -> 2 -> 4 -> 8, each stage starting from
+the last (Bulatov et al., "Scaling Transformer to 1M tokens and beyond with RMT", 2023, §3: the
+curriculum over the number of segments), or the length of a synthetic task. A schedule is either
+explicit stages, each with the step at which it starts::
+
+    schedule: {stages: [{step: 0, truncation: 1}, {step: 500, truncation: 2}, {step: 1000, truncation: 4}]}
+
+or doubling: every key of ``double`` starts at its base value and doubles every ``double_every``
+steps until it reaches the value given (which must be the base times a power of two)::
+
+    schedule: {double_every: 500, double: {truncation: 4}}     # the same schedule as above
+
+The value in force at a step is a pure function of the step, so a resumed run is in the same
+stage as the run it continues.
+
+*Initial states* (Buitrago Ruiz & Gu, "Understanding and Improving Length Generalization in
+Recurrent Models", ICML 2025, §4: state passing and noise as initial states): a row that starts a
+new document begins from the model's own initial state (``zero``), from that state plus Gaussian
+noise N(0, sigma^2) on every floating-point tensor of its layer states (``noise``), or from the
+final state of another stream's last segment (``passing``), so the model sees non-zero states at
+the start of training documents and not only after reading one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .config import RecurformerError
+from .nn import State, StreamingLM
+
+StateInit = Literal["zero", "noise", "passing"]
+
+
+@dataclass
+class Schedule:
+    """Stages ``[{step: S, key: value, ...}, ...]`` (steps strictly increasing) or doubling."""
+
+    stages: list[dict[str, int]] = field(default_factory=list)
+    double_every: int = 0
+    double: dict[str, int] = field(default_factory=dict)
+
+    def check(self, where: str, keys: tuple[str, ...], base: dict[str, int]) -> None:
+        """One-line errors for a schedule that is not monotone in steps, names a key outside
+        ``keys``, or doubles to a value that is not the base times a power of two."""
+        if self.stages and self.double_every:
+            raise RecurformerError(f"{where}: give either 'stages' or 'double_every', not both")
+        if self.double_every < 0:
+            raise RecurformerError(f"config key '{where}.double_every' must be >= 0, got {self.double_every}")
+        if bool(self.double_every) != bool(self.double):
+            raise RecurformerError(f"{where}: 'double_every' and 'double' go together (got double_every={self.double_every}, double={self.double})")
+        last = -1
+        for i, st in enumerate(self.stages):
+            if not isinstance(st, dict) or not isinstance(st.get("step"), int) or isinstance(st.get("step"), bool):
+                raise RecurformerError(f"config key '{where}.stages[{i}]' needs an integer 'step', got {st!r}")
+            if st["step"] <= last:
+                raise RecurformerError(f"config key '{where}.stages' must start at increasing steps, got step {st['step']} after step {last}")
+            last = st["step"]
+            for k, v in st.items():
+                if k != "step":
+                    self._check_value(f"{where}.stages[{i}].{k}", k, v, keys)
+        for k, v in self.double.items():
+            self._check_value(f"{where}.double.{k}", k, v, keys)
+            b = base[k]
+            if b < 1:
+                raise RecurformerError(f"config key '{where}.double.{k}' doubles from {b}; set a base value >= 1")
+            if v < b or v % b or (v // b) & (v // b - 1):
+                raise RecurformerError(f"config key '{where}.double.{k}' must be {b} (the base value) times a power of two, got {v}")
+
+    @staticmethod
+    def _check_value(name: str, key: str, value: Any, keys: tuple[str, ...]) -> None:
+        if key not in keys:
+            raise RecurformerError(f"config key '{name}' is not schedulable (schedulable: {', '.join(keys)})")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise RecurformerError(f"config key '{name}' must be an integer >= 1, got {value!r}")
+
+    def stage_list(self, base: dict[str, int]) -> list[dict[str, int]]:
+        """Every stage ``{step, key: value}`` with every key of ``base`` filled in (stage 0 at
+        step 0 holds the base values unless the schedule's first stage starts there)."""
+        out = [{"step": 0, **base}]
+        if self.double_every:
+            k = 1
+            while any(1 <= base[key] and base[key] << k <= top for key, top in self.double.items()):
+                out.append({**out[-1], "step": k * self.double_every, **{key: min(base[key] << k, top) for key, top in self.double.items()}})
+                k += 1
+        for st in self.stages:
+            if st["step"] == 0:
+                out[0] = {**out[0], **st}
+            else:
+                out.append({**out[-1], **st})
+        return out
+
+    def at(self, step: int, base: dict[str, int]) -> dict[str, int]:
+        """The values in force at ``step`` (0-based: the step about to be taken)."""
+        current = base
+        for st in self.stage_list(base):
+            if st["step"] <= step:
+                current = {k: v for k, v in st.items() if k != "step"}
+        return current
+
+    def sets(self, key: str) -> bool:
+        """Whether the schedule changes ``key`` at all."""
+        return key in self.double or any(key in st for st in self.stages)
+
+    def values(self, key: str, base: dict[str, int]) -> list[int]:
+        """Every value ``key`` takes over the run (for checks before any work starts)."""
+        return sorted({st[key] for st in self.stage_list(base)})
+
+
+def schedule_from(value: Any, where: str) -> Schedule:
+    """Build a ``Schedule`` from its config mapping (``{}`` or None: no schedule)."""
+    if value is None or value == {}:
+        return Schedule()
+    if isinstance(value, Schedule):
+        return value
+    if not isinstance(value, dict):
+        raise RecurformerError(f"config key '{where}' must be a mapping (stages or double_every), got {value!r}")
+    names = {f.name for f in dataclasses.fields(Schedule)}
+    for k in value:
+        if k not in names:
+            raise RecurformerError(f"unknown config key '{where}.{k}' (valid keys: {', '.join(sorted(names))})")
+    stages, double = value.get("stages") or [], value.get("double") or {}
+    if not isinstance(stages, list):
+        raise RecurformerError(f"config key '{where}.stages' must be a list of mappings, got {stages!r}")
+    if not isinstance(double, dict):
+        raise RecurformerError(f"config key '{where}.double' must be a mapping key: final value, got {double!r}")
+    every = value.get("double_every", 0)
+    if not isinstance(every, int) or isinstance(every, bool):
+        raise RecurformerError(f"config key '{where}.double_every' must be an integer, got {every!r}")
+    return Schedule(stages=[dict(s) if isinstance(s, dict) else s for s in stages], double_every=every, double=dict(double))
+
+
+# ----------------------------------------------------------------------------------------------
+# initial states
+
+
+def check_state_init(value: str, where: str) -> None:
+    if value not in ("zero", "noise", "passing"):
+        raise RecurformerError(f"config key '{where}' must be one of ['zero', 'noise', 'passing'], got {value!r}")
+
+
+def initial_state(
+    model: StreamingLM,
+    kind: str,
+    rows: torch.Tensor,
+    state: State | None,
+    batch_size: int,
+    device: torch.device | str,
+    generator: torch.Generator,
+    sigma: float = 1.0,
+) -> State:
+    """The state to read the next segment from, where the rows marked in ``rows`` ([B] bool)
+    start a new document and the others continue ``state`` (None: every row starts).
+
+    ``zero``: the model's initial state (a fresh row, reset lazily by the model itself).
+    ``noise``: the initial state plus N(0, sigma^2) on every floating-point layer-state tensor,
+    drawn from ``generator`` (on the CPU, so a seed gives the same noise on every device).
+    ``passing``: row b takes the final state of row (b + s) mod B of ``state``, s in 1..B-1
+    drawn from ``generator`` once per call (another stream's segment; where ``state`` is None the
+    rows start from zero). The new states are detached: no gradient reaches the other stream."""
+    check_state_init(kind, "train.state_init")
+    fresh = model.init_state(batch_size, device)
+    rows = rows.to(fresh.fresh.device)
+    if state is None:
+        if kind != "noise":  # nothing to pass yet: every row starts from the initial state
+            return fresh
+        rows, state = torch.ones_like(rows), fresh
+    if kind == "zero" or not bool(rows.any()):
+        return state.reset(rows)
+    if kind == "passing":
+        if batch_size < 2:
+            raise RecurformerError("state_init=passing needs a batch of at least 2 rows (a row takes another stream's state)")
+        shift = int(torch.randint(1, batch_size, (1,), generator=generator))
+        perm = (torch.arange(batch_size) + shift) % batch_size
+        given = state.detach().map(lambda t: t[perm.to(t.device)])
+        return _where_rows(rows, given, state)
+    if state.pos % model.reset_boundary:
+        raise RecurformerError(f"a noisy initial state needs a segment boundary, the stream is at position {state.pos}")
+    layers = [layer.reset(s, torch.ones_like(rows)) for layer, s in zip(model.layers, fresh.layers)]
+
+    def noisy(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.numel() == 0:
+            return t
+        return t + sigma * torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.device, t.dtype)
+
+    given = State(fresh=torch.zeros_like(fresh.fresh), start=torch.full_like(fresh.start, state.pos), pos=state.pos, layers=[s.map(noisy) for s in layers])
+    return _where_rows(rows, given, state)
+
+
+def _where_rows(rows: torch.Tensor, given: State, own: State) -> State:
+    """Per row: ``given`` where ``rows``, else ``own`` (the two share shapes and position)."""
+
+    def pick(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if a.dim() == 0 or a.shape[0] != rows.shape[0]:
+            return b
+        return torch.where(rows.view(-1, *([1] * (a.dim() - 1))).to(a.device), a, b)
+
+    layers = []
+    for g, o in zip(given.layers, own.layers):
+        gt, ot = g.tensors(), o.tensors()
+        layers.append(dataclasses.replace(o, **{k: pick(gt[k], ot[k]) for k in ot if k in gt and gt[k].shape == ot[k].shape}))
+    return State(fresh=own.fresh & ~rows, start=pick(given.start, own.start), pos=own.pos, layers=layers)
+
+
+__all__ = ["Schedule", "StateInit", "check_state_init", "initial_state", "schedule_from"]
