@@ -27,6 +27,7 @@ SMALL = {  # small settings so the tests stay fast; defaults are the MAD baselin
     "copy": dict(min_len=3, max_len=9),
     "delayed_copy": dict(delay=20),
     "passkey": dict(length=30),
+    "mqar": dict(num_pairs=4, num_queries=4, distance=6),
 }
 
 
@@ -285,3 +286,88 @@ def test_lm_head_predictions_stream(name: str, device: str) -> None:
         assert torch.equal(whole, model(x).logits.argmax(-1))
     assert torch.equal(learner.predict(x, chunk=5), whole) and torch.equal(learner.predict(x, chunk=1), whole)
     assert len(whole.unique()) >= 4
+
+
+# -- multi-query associative recall ----------------------------------------------------------------
+
+
+def test_mqar_layout() -> None:
+    """Distinct keys, then the distance in filler, then distinct queried keys whose targets are
+    the values shown with them; with seq_len the row is longer only by filler in front."""
+    P, Q, d = 6, 4, 9
+    data = make_split("mqar", 64, seed=0, params=dict(num_pairs=P, num_queries=Q, distance=d))
+    x, y = data.inputs, data.targets
+    assert x.shape[1] == 2 * P + d + 2 * Q - 1
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        pairs = dict(zip(row_x[0 : 2 * P : 2], row_x[1 : 2 * P : 2]))
+        assert len(pairs) == P and all(k < 24 and 24 <= v < 48 for k, v in pairs.items())
+        assert all(t >= 48 for t in row_x[2 * P : 2 * P + d])
+        q = 2 * P + d
+        asked = row_x[q::2]
+        assert len(set(asked)) == Q and [row_y[i] for i in range(q, len(row_y), 2)] == [pairs[k] for k in asked]
+        assert all(t == IGNORE_INDEX for i, t in enumerate(row_y) if i < q or (i - q) % 2)
+    longer = make_split("mqar", 4, seed=0, params=dict(num_pairs=P, num_queries=Q, distance=d, seq_len=60))
+    assert longer.inputs.shape[1] == 60 and bool((longer.inputs[:, : 60 - x.shape[1]] >= 48).all())
+
+
+def test_mqar_chance_level_on_the_data() -> None:
+    """Without the pairs no rule does better than 1 / value_vocab: the values are independent
+    of the keys, of each other and of the row, so the best key -> value rule learnt on one split
+    scores chance on another (within 4 standard errors), as does the most common value."""
+    p = dict(num_pairs=8, num_queries=8, distance=0)
+    train, test = make_split("mqar", 4000, 0, p), make_split("mqar", 4000, 1, p)
+
+    def answers(d):  # (query key, answer) of every scored position
+        s = d.targets != IGNORE_INDEX
+        keys = torch.zeros_like(d.inputs)[s] + d.inputs[s]  # the scored position holds the query key
+        return keys, d.targets[s]
+
+    k_tr, v_tr = answers(train)
+    k_te, v_te = answers(test)
+    rule = {int(k): int(torch.mode(v_tr[k_tr == k]).values) for k in k_tr.unique()}
+    acc = float(torch.tensor([rule[int(k)] == int(v) for k, v in zip(k_te, v_te)]).float().mean())
+    chance, n = 1 / 24, len(v_te)
+    se = (chance * (1 - chance) / n) ** 0.5
+    assert abs(acc - chance) < 4 * se, acc
+    assert abs(float((v_te == torch.mode(v_tr).values).float().mean()) - chance) < 4 * se
+
+
+def bounded_models(context: int) -> list[tuple[str, object]]:
+    """Every registered model whose logits read a bounded past (max_context not None), tiny."""
+    out = []
+    for name in model_names():
+        values = model_values(name, {"dim": 16, "n_heads": 2, "ffn_hidden": 32, "n_layers": 2}, vocab=64, context=context)
+        model = build_model(name, values)
+        if model.max_context() is not None:
+            out.append((name, model))
+    return out
+
+
+def test_mqar_is_out_of_reach_of_every_bounded_model_beyond_its_reach() -> None:
+    """For each model with a bounded reach R (sliding window, Transformer-XL, ...): at distance
+    R - 1 no query's receptive field holds a pair token, and the logits at every scored position
+    are exactly the same when every pair is redrawn (so the model scores chance, exactly); one
+    at distance 0, the pairs are in reach and the logits change."""
+    models = bounded_models(context=8)
+    assert {"sliding_window", "transformer_xl"} <= {n for n, _ in models}
+    torch.manual_seed(0)
+    for name, model in models:
+        R = model.max_context()
+        randomize_params(model)
+        model.eval()
+        for d, reachable in ((R - 1, False), (0, True)):
+            P = 4
+            a = make_split("mqar", 8, seed=0, params=dict(num_pairs=P, num_queries=P, distance=d))
+            scored = (a.targets[0] != IGNORE_INDEX).nonzero().flatten().tolist()
+            assert any(model.receptive_start(p) <= 2 * P - 1 for p in scored) == reachable, (name, d)
+            b = a.inputs.clone()
+            b[:, : 2 * P] = make_split("mqar", 8, seed=1, params=dict(num_pairs=P, num_queries=P, distance=d)).inputs[:, : 2 * P]
+            with torch.no_grad():
+                la, lb = model(a.inputs).logits, model(b).logits
+            same = torch.equal(la[:, scored], lb[:, scored])
+            assert same != reachable, (name, d, R)
+
+
+def test_mqar_distance_longer_than_the_sequence_is_one_line() -> None:
+    with pytest.raises(RecurformerError, match=r"task parameter 'distance' = 100 does not fit in seq_len 50"):
+        make_split("mqar", 2, 0, dict(distance=100, seq_len=50))

@@ -275,6 +275,59 @@ def passkey(rng: np.random.Generator, n: int, vocab_size: int = 32, length: int 
     return _shift(seq, scored)
 
 
+def mqar(
+    rng: np.random.Generator,
+    n: int,
+    vocab_size: int = 64,
+    key_vocab: int = 24,
+    value_vocab: int = 24,
+    num_pairs: int = 8,
+    num_queries: int = 8,
+    distance: int = 0,
+    seq_len: int = 0,
+) -> Arrays:
+    """Multi-query associative recall (Arora et al., "Zoology: Measuring and Improving Recall in
+    Efficient Language Models", 2023, §3 and appendix on MQAR), with the pairs a controlled
+    distance back.
+
+    Keys [0, key_vocab), values [key_vocab, key_vocab + value_vocab), filler the remaining tokens
+    (at least one). A row: filler, ``num_pairs`` (key, value) pairs with distinct random keys and
+    values drawn independently (so no value can be inferred from the others), ``distance`` filler
+    tokens, then ``num_queries`` of those keys (distinct, random order), each followed by its value
+    (teacher-forced). inputs = row[:-1], of length ``seq_len`` (0: the shortest row,
+    2 * num_pairs + distance + 2 * num_queries - 1; longer rows get more filler in front).
+    Scored: each query key's position, which predicts the key's value.
+
+    The last pair token is ``distance + 1 + 2j`` positions before the position that answers query
+    j, so a model that reads at most ``distance + 1`` tokens (itself included) sees no pair from
+    any query and cannot beat chance, 1 / value_vocab."""
+    _need(key_vocab >= 1 and value_vocab >= 2, f"mqar needs key_vocab >= 1 and value_vocab >= 2, got {key_vocab}, {value_vocab}")
+    _need(vocab_size > key_vocab + value_vocab, f"mqar needs vocab_size > key_vocab + value_vocab (filler), got {vocab_size}")
+    _need(1 <= num_pairs <= key_vocab, f"mqar needs 1 <= num_pairs <= key_vocab ({key_vocab}), got {num_pairs}")
+    _need(1 <= num_queries <= num_pairs, f"mqar needs 1 <= num_queries <= num_pairs ({num_pairs}), got {num_queries}")
+    _need(distance >= 0, f"task parameter 'distance' must be >= 0, got {distance}")
+    P, Q = num_pairs, num_queries
+    shortest = 2 * P + distance + 2 * Q - 1
+    _need(
+        seq_len == 0 or seq_len >= shortest,
+        f"task parameter 'distance' = {distance} does not fit in seq_len {seq_len}: {P} pairs, the distance and {Q} queries need {shortest}",
+    )
+    S = max(seq_len, shortest) + 1  # tokens of the row before the shift
+    filler = key_vocab + value_vocab
+    seq = rng.integers(filler, vocab_size, size=(n, S))
+    keys = np.argsort(rng.random((n, key_vocab)), axis=1)[:, :P]  # distinct keys per row
+    values = rng.integers(key_vocab, filler, size=(n, P))
+    a = S - 2 * Q - distance - 2 * P  # where the pairs begin
+    seq[:, a : a + 2 * P : 2], seq[:, a + 1 : a + 2 * P : 2] = keys, values
+    asked = np.argsort(rng.random((n, P)), axis=1)[:, :Q]  # which pairs are queried, in order
+    rows = np.arange(n)[:, None]
+    q0 = S - 2 * Q
+    seq[:, q0::2], seq[:, q0 + 1 :: 2] = keys[rows, asked], values[rows, asked]
+    scored = np.zeros_like(seq, dtype=bool)
+    scored[:, q0 + 1 :: 2] = True
+    return _shift(seq, scored)
+
+
 # ----------------------------------------------------------------------------------------------
 # registry and splits
 
@@ -319,6 +372,7 @@ TASKS: dict[str, Task] = {
         Task("copy", copy, "sequence", 16000, length_key=("min_len", "max_len")),
         Task("delayed_copy", delayed_copy, "sequence", 12800, length_key=("delay",)),
         Task("passkey", passkey, "sequence", 12800, length_key=("length",)),
+        Task("mqar", mqar, "token", 12800, length_key=("distance",)),
     ]
 }
 
