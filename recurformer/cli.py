@@ -1,4 +1,5 @@
-"""The ``recurformer`` command line: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``synth``, ``probe``, ``niah``, ``export``, ``lm-eval``.
+"""The ``recurformer`` command line: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``synth``, ``probe``,
+``readout``, ``niah``, ``export``, ``lm-eval``.
 
 Every user error (bad config key, missing file, wrong checkpoint, ...) is printed as one line
 ``recurformer: error: ...`` with exit code 2, never as a traceback. SIGINT and SIGTERM stop with
@@ -224,17 +225,28 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_synth(args: argparse.Namespace) -> None:
     import json
 
+    from .config import load_yaml, merge
     from .files import check_writable
     from .synth import result_dict, run_synth, split_overrides, summary, synth_config
 
     if args.json:
         check_writable(Path(args.json), "--json file")  # before training, not after it
-    model_over, task_over, synth_over = split_overrides(args.set)
+    files: dict[str, dict] = {"model": {}, "task": {}, "synth": {}}
+    for path in args.config or []:  # YAML files with model / task / synth sections, the later and --set winning
+        raw = load_yaml(path)
+        unknown = sorted(set(raw) - set(files))
+        if unknown:
+            raise RecurformerError(f"synth config {path} has section '{unknown[0]}'; valid sections: model, task, synth")
+        files = {k: merge(v, raw.get(k) or {}) for k, v in files.items()}
+    model_over, task_over, synth_over = (merge(files[k], d) for k, d in zip(files, split_overrides(args.set)))
     for key, value in (("steps", args.steps), ("lrs", args.lrs), ("n_train", args.n_train), ("n_test", args.n_test)):
         if value is not None:
             synth_over[key] = value
+    if args.save:
+        check_writable(Path(args.save), "--save directory", is_dir=True)
     r = run_synth(
-        args.task, args.model, model_over, task_over, synth_config(synth_over), log=print, device=args.device, progress=sys.stderr.isatty()
+        args.task, args.model, model_over, task_over, synth_config(synth_over), log=print, device=args.device, progress=sys.stderr.isatty(),
+        save=args.save,
     )
     print(summary(r))
     if args.json:
@@ -373,9 +385,45 @@ def cmd_probe(args: argparse.Namespace) -> None:
     print(f"wrote {out} and {png}")
 
 
+def cmd_readout(args: argparse.Namespace) -> None:
+    from .files import atomic_write, check_writable
+    from .data import eval_windows
+    from .data.synthetic import get_task, make_split
+    from .evaluate import eval_tokens
+    from .hub import from_pretrained
+    from .readout import default_segment, readout, table
+    from .synth import split_overrides
+
+    _check_at_least(args, 1, "segments", "rows")
+    if args.json:
+        check_writable(Path(args.json), "--json file")
+    model, tok, config = from_pretrained(args.checkpoint)
+    segment = args.segment or default_segment(model)
+    need = (args.segments + 1) * segment
+    if args.task:
+        _, task_over, _ = split_overrides(args.set)
+        t = get_task(args.task)
+        params = t.params(task_over)
+        if int(params["vocab_size"]) != model.config.vocab_size:
+            raise RecurformerError(f"task {args.task} has vocab_size {params['vocab_size']}, the model {model.config.vocab_size}; set task.vocab_size")
+        data = make_split(args.task, args.rows, args.seed, params)
+        x, y = data.inputs, data.targets
+        if x.shape[1] < need:
+            raise RecurformerError(f"task rows have {x.shape[1]} tokens, the read-out needs {need} ({args.segments + 1} segments of {segment}); lengthen the task")
+    else:
+        w = eval_windows(eval_tokens(tok, config), need, args.rows, seed=args.seed)
+        x, y = w[:, :-1], w[:, 1:]
+    r = readout(model, x, y, segment, args.segments)
+    print(f"{args.checkpoint}: {type(model).__name__}, {x.shape[0]} rows of {x.shape[1]} tokens")
+    print(table(r, [layer.kind for layer in model.layers]))
+    if args.json:
+        atomic_write(Path(args.json), lambda p: p.write_text(json.dumps(r.to_json(), indent=2) + "\n"))
+        print(f"wrote {args.json}")
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "info": cmd_info, "prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-    "synth": cmd_synth, "probe": cmd_probe, "niah": cmd_niah, "export": cmd_export,
+    "synth": cmd_synth, "probe": cmd_probe, "readout": cmd_readout, "niah": cmd_niah, "export": cmd_export,
 }
 
 
@@ -448,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("synth", help="train a small model on a synthetic diagnostic task and report its accuracy")
     p.add_argument("--task", required=True, choices=sorted(TASKS))
     p.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}")
+    p.add_argument("--config", action="append", metavar="FILE", help="YAML with model/task/synth sections (repeatable; --set wins)")
     _add_set(p)
     p.add_argument("--steps", type=int, help="optimizer steps per learning rate (default 500)")
     p.add_argument("--lrs", help="comma-separated learning rates to sweep (default 5e-4,1e-3,3e-3)")
@@ -455,6 +504,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-test", type=int, help="test examples (default 1280)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.add_argument("--json", help="write the full result as JSON here")
+    p.add_argument("--save", metavar="DIR", help="save the selected model (pretrained layout) for `recurformer readout`")
+
+    p = sub.add_parser("readout", help="does a model read its memory, and does a later loss reach it: attention share and gradient norms")
+    p.add_argument("--checkpoint", required=True, help="a run, checkpoint or pretrained directory (e.g. from synth --save)")
+    p.add_argument("--task", help="read synthetic task rows (see synth) instead of the checkpoint's validation text")
+    _add_set(p)
+    p.add_argument("--segment", type=int, help="tokens per segment (default: the model's chunk / segment / block length)")
+    p.add_argument("--segments", type=int, default=4, help="K: gradient norms from the losses of segments 1..K (default 4)")
+    p.add_argument("--rows", type=int, default=16, help="rows to read (default 16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the read-out as JSON here")
 
     p = sub.add_parser("probe", help="how far back the state carries information: copy and swap probes with bootstrap intervals")
     what = p.add_mutually_exclusive_group(required=True)

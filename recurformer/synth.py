@@ -35,17 +35,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
 from .config import RecurformerError, from_dict, merge, parse_overrides
+from .curriculum import Schedule, initial_state, schedule_from
 from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
 from .device import autocast_context, pick_device, slow_bf16_warning
 from .models import build_model, lookup
 from .modules import RMSNorm
-from .nn import IGNORE_INDEX, StreamingLM
+from .nn import IGNORE_INDEX, State, StreamingLM
 from .optim import lr_at, make_optimizer
 
 MODEL_DEFAULTS: dict[str, Any] = {"dim": 128, "n_layers": 1, "n_heads": 16, "ffn_hidden": 512}
@@ -73,6 +75,14 @@ class SynthConfig:
     eval_lengths: list[int] = field(default_factory=list)  # lengths to test (passkey filler, copy string, copy delay)
     n_length_test: int = 256  # test rows per length of ``eval_lengths``
     seed: int = 0
+    # recipes for memory (recurformer.curriculum): with any of the first three, training rows are drawn
+    # fresh for every batch (disjoint from every test row) instead of from a fixed set of n_train rows
+    train_lengths: list[int] = field(default_factory=list)  # [lo, hi]: each batch at a task length drawn from lo..hi
+    schedule: dict[str, Any] = field(default_factory=dict)  # the task length / truncation by step
+    fresh_data: bool = False  # fresh rows for every batch at the task's own length
+    truncation: int = 0  # segments of ``context`` tokens backpropagated before the state is detached (0: the whole row)
+    state_init: Literal["zero", "noise", "passing"] = "zero"  # each training row's initial state
+    state_noise: float = 1.0  # sigma of state_init=noise
 
     def __post_init__(self) -> None:
         for k in ("steps", "batch_size", "n_val", "n_test", "n_length_test", "context", "chunk", "eval_batch_size"):
@@ -86,6 +96,22 @@ class SynthConfig:
             raise RecurformerError(f"synth key 'warmup' is a fraction of the steps in [0, 1), got {self.warmup}")
         if any(L < 0 for L in self.eval_lengths):
             raise RecurformerError(f"synth key 'eval_lengths' must be >= 0, got {self.eval_lengths}")
+        if self.train_lengths and (len(self.train_lengths) != 2 or not 0 <= self.train_lengths[0] <= self.train_lengths[1]):
+            raise RecurformerError(f"synth key 'train_lengths' must be [lo, hi] with 0 <= lo <= hi, got {self.train_lengths}")
+        if self.truncation < 0:
+            raise RecurformerError(f"synth key 'truncation' must be >= 0 (0: the whole row), got {self.truncation}")
+        if self.state_noise < 0:
+            raise RecurformerError(f"synth key 'state_noise' must be >= 0, got {self.state_noise}")
+        sched = self.curriculum()
+        if self.train_lengths and sched.sets("length"):
+            raise RecurformerError("give either synth.train_lengths (mixed lengths) or a length in synth.schedule, not both")
+
+    def curriculum(self) -> Schedule:
+        return schedule_from(self.schedule, "synth.schedule")
+
+    def fresh(self) -> bool:
+        """Whether training rows are drawn for every batch (a recipe that changes the length does so)."""
+        return self.fresh_data or bool(self.train_lengths) or bool(self.schedule)
 
 
 @dataclass
@@ -194,6 +220,30 @@ class Learner(nn.Module):
         logits = self.decoder(h[:, -1], x.shape[1])
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
 
+    def backward(self, x: Tensor, y: Tensor, state: State | None, piece: int, boundary: int) -> tuple[float, State]:
+        """Backpropagate the mean loss over the scored tokens of ``x`` read from ``state``,
+        detaching the state every ``piece`` tokens (0: never): truncated BPTT within a row.
+        Returns the loss and the state after the row's last whole multiple of ``boundary``
+        tokens, detached (what ``state_init=passing`` gives another row)."""
+        assert self.decoder is None, "the autoencoder head reads whole rows"
+        T = x.shape[1]
+        n = (y != IGNORE_INDEX).sum().clamp(min=1)
+        cuts = sorted({0, T, (T // boundary) * boundary, *range(piece or T, T, piece or T)})
+        total, pending, kept = 0.0, None, None
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            out = self.model(x[:, a:b], state=state)
+            loss = F.cross_entropy(out.logits.float().flatten(0, 1), y[:, a:b].flatten(), ignore_index=IGNORE_INDEX, reduction="sum") / n
+            pending = loss if pending is None else pending + loss
+            state = out.state
+            if b == (T // boundary) * boundary:
+                kept = state.detach()
+            if piece and b % piece == 0 or b == T:
+                pending.backward()
+                total += float(pending.detach())
+                pending, state = None, state.detach()
+        assert kept is not None
+        return total, kept
+
     @torch.no_grad()
     def predict(self, x: Tensor, chunk: int) -> Tensor:
         """Argmax predictions [B, T], reading ``x`` ``chunk`` tokens per call with the state carried."""
@@ -229,33 +279,111 @@ def evaluate(learner: Learner, data: TaskData, chunk: int, batch_size: int) -> S
     return Scores(float(hit.mean()), float(per_class.mean()), float(exact.float().mean()), int(scored.sum()), int(rows.sum()))
 
 
-def train_model(learner: Learner, data: TaskData, cfg: SynthConfig, lr: float, progress: bool = False) -> float:
-    """AdamW with warmup + cosine over ``cfg.steps`` steps of random batches (epoch order, seeded).
-    Returns the mean training loss over the last 10% of the steps; ``progress``: a tqdm bar."""
+class FreshRows:
+    """Training batches drawn fresh for every step (``SynthConfig.fresh``): batch k at the task
+    length the schedule sets at step k, or drawn uniformly from ``train_lengths``; rows from the
+    seed ``(seed, k)``, none equal to a row of ``exclude`` (the validation and test rows)."""
+
+    def __init__(self, task: str, params: dict[str, Any], cfg: SynthConfig, exclude: set[bytes]) -> None:
+        self.task, self.t, self.params, self.cfg, self.exclude = task, get_task(task), params, cfg, exclude
+        self.base_length = stage_base(self.t, params, cfg).get("length", 0)
+
+    def length(self, step: int) -> int | None:
+        """The task length of batch ``step`` (None: the task's own parameters)."""
+        cfg = self.cfg
+        if cfg.train_lengths:
+            lo, hi = cfg.train_lengths
+            return int(np.random.default_rng([cfg.seed, step, 7]).integers(lo, hi + 1))
+        if cfg.curriculum().sets("length"):
+            return cfg.curriculum().at(step, stage_base(self.t, self.params, cfg))["length"]
+        return None
+
+    def batch(self, step: int) -> TaskData:
+        L = self.length(step)
+        params = self.params if L is None else self.t.at_length(self.params, L)
+        return make_split(self.task, self.cfg.batch_size, 10**9 + self.cfg.seed * 10**6 + step, params, exclude=self.exclude)
+
+
+def stage_base(t: Task, params: dict[str, Any], cfg: SynthConfig) -> dict[str, int]:
+    """The values a synth schedule starts from: the task length (where the task has one) and truncation."""
+    base = {"truncation": cfg.truncation}
+    if t.length_key:
+        base["length"] = int(params[t.length_key[0]])
+    return base
+
+
+def train_model(learner: Learner, data: TaskData | FreshRows, cfg: SynthConfig, lr: float, progress: bool = False) -> float:
+    """AdamW with warmup + cosine over ``cfg.steps`` steps of random batches (epoch order, seeded),
+    or of fresh batches (``FreshRows``). With ``truncation``, ``state_init`` other than zero, or a
+    schedule, each batch goes through ``Learner.backward``. Returns the mean training loss over the
+    last 10% of the steps; ``progress``: a tqdm bar."""
     min_lr, warmup = lr * cfg.min_lr_ratio, int(cfg.warmup * cfg.steps)
     device = learner.model.tok_emb.weight.device
     opt = make_optimizer(learner, lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(cfg.seed)
-    n = len(data.inputs)
+    n = len(data.inputs) if isinstance(data, TaskData) else 0
     order = torch.randperm(n, generator=gen)
     pos, tail = 0, []
+    sched = cfg.curriculum()
+    base = {"truncation": cfg.truncation, "length": data.base_length if isinstance(data, FreshRows) else 0}
+    plain = learner.decoder is not None or (sched.values("truncation", base) == [0] and cfg.state_init == "zero")
+    passed: State | None = None
     learner.train()
     for step in tqdm(range(cfg.steps), desc=f"lr {lr:g}", unit="step", leave=False, disable=not progress, dynamic_ncols=True):
-        if pos + cfg.batch_size > n:
-            order, pos = torch.randperm(n, generator=gen), 0
-        idx = order[pos : pos + cfg.batch_size]
-        pos += cfg.batch_size
+        if isinstance(data, TaskData):
+            if pos + cfg.batch_size > n:
+                order, pos = torch.randperm(n, generator=gen), 0
+            idx = order[pos : pos + cfg.batch_size]
+            pos += cfg.batch_size
+            x, y = data.inputs[idx].to(device), data.targets[idx].to(device)
+        else:
+            b = data.batch(step)
+            x, y = b.inputs.to(device), b.targets.to(device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, lr, min_lr, warmup, cfg.steps)
         with autocast_context(cfg.precision, device):
-            loss = learner.loss(data.inputs[idx].to(device), data.targets[idx].to(device))
-        loss.backward()
+            if plain:
+                loss_t = learner.loss(x, y)
+                loss_t.backward()
+                loss = float(loss_t.detach())
+            else:
+                truncation = sched.at(step, base)["truncation"]
+                rows = torch.ones(x.shape[0], dtype=torch.bool)
+                noise = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+                state = initial_state(learner.model, cfg.state_init, rows, passed, x.shape[0], device, noise, cfg.state_noise)
+                loss, passed = learner.backward(x, y, state, truncation * cfg.context, learner.model.reset_boundary)
         torch.nn.utils.clip_grad_norm_(learner.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step >= cfg.steps - max(1, cfg.steps // 10):
-            tail.append(float(loss.detach()))
+            tail.append(loss)
     return sum(tail) / len(tail)
+
+
+def check_recipe(t: Task, params: dict[str, Any], cfg: SynthConfig) -> None:
+    """One-line errors, before any work, for a recipe that does not fit the task: a schedule that
+    is not monotone or names a key the task lacks, mixed lengths for a task without a length,
+    truncation through a decoder head, or more segments of ``context`` tokens than a row has."""
+    base = stage_base(t, params, cfg)
+    sched = cfg.curriculum()
+    sched.check("synth.schedule", tuple(base), base)
+    if cfg.train_lengths and not t.length_key:
+        raise RecurformerError(f"synth key 'train_lengths' needs a task with a length; task {t.name} has none")
+    truncations = sched.values("truncation", base)
+    if t.head != "lm" and (truncations != [0] or cfg.state_init != "zero"):
+        raise RecurformerError(f"task {t.name} is read by a decoder from the whole row: synth.truncation and synth.state_init do not apply")
+    if cfg.state_init == "passing" and cfg.batch_size < 2:
+        raise RecurformerError("synth key 'state_init' = passing needs batch_size >= 2 (a row takes another row's state)")
+    if t.length_key:
+        lengths = [cfg.train_lengths[0]] if cfg.train_lengths else sched.values("length", base)
+        shortest = min(make_split(t.name, 1, 0, t.at_length(params, L)).inputs.shape[1] for L in lengths)
+    else:
+        shortest = make_split(t.name, 1, 0, params).inputs.shape[1]
+    for v in truncations:
+        if v * cfg.context > shortest:
+            raise RecurformerError(
+                f"synth key 'truncation' = {v}: more segments of {cfg.context} tokens (synth.context) than the shortest training row ({shortest} tokens) has"
+            )
 
 
 def run_synth(
@@ -267,9 +395,11 @@ def run_synth(
     log: Callable[[str], None] = lambda s: None,
     device: str = "auto",
     progress: bool = False,
+    save: str | None = None,
 ) -> SynthResult:
     """Train ``model_name`` on ``task`` for every lr of ``cfg.lrs``; select by validation accuracy.
-    ``progress``: a tqdm bar (on stderr) for each learning rate's training."""
+    ``progress``: a tqdm bar (on stderr) for each learning rate's training; ``save``: a directory
+    to save the selected model in (``StreamingLM.save_pretrained``)."""
     cfg = cfg or SynthConfig()
     dev = pick_device(device)
     if warning := slow_bf16_warning(cfg.precision, dev):
@@ -282,13 +412,28 @@ def run_synth(
         raise RecurformerError(f"task {task} has no length to sweep; eval_lengths applies to {[n for n, x in TASKS.items() if x.length_key]}")
     values = model_values(model_name, dict(model_over or {}), int(params["vocab_size"]), cfg.context)
     build_model(model_name, values)  # validate before generating data
+    check_recipe(t, params, cfg)
     t0 = time.perf_counter()
-    train = make_split(task, cfg.n_train or t.train_size, cfg.seed, params)
-    seen = train.row_keys()
-    val = make_split(task, cfg.n_val, cfg.seed + 1, params, exclude=seen)
-    seen |= val.row_keys()
-    test = make_split(task, cfg.n_test, cfg.seed + 2, params, exclude=seen)
-    log(f"{task} {params}: {len(train.inputs)} train / {cfg.n_val} val / {cfg.n_test} test rows of {train.inputs.shape[1]} tokens")
+    train: TaskData | FreshRows
+    if cfg.fresh():  # held-out rows first; training rows are drawn per batch, none equal to one of them
+        val = make_split(task, cfg.n_val, cfg.seed + 1, params)
+        seen = val.row_keys()
+        test = make_split(task, cfg.n_test, cfg.seed + 2, params, exclude=seen)
+        seen |= test.row_keys()
+        length_data = {L: make_split(task, cfg.n_length_test, cfg.seed + 3 + L, t.at_length(params, L), exclude=seen) for L in cfg.eval_lengths}
+        for d in length_data.values():
+            seen |= d.row_keys()
+        train = FreshRows(task, params, cfg, seen)
+        log(f"{task} {params}: fresh training rows for each of {cfg.steps} steps / {cfg.n_val} val / {cfg.n_test} test rows of {val.inputs.shape[1]} tokens")
+    else:
+        train = make_split(task, cfg.n_train or t.train_size, cfg.seed, params)
+        seen = train.row_keys()
+        val = make_split(task, cfg.n_val, cfg.seed + 1, params, exclude=seen)
+        seen |= val.row_keys()
+        test = make_split(task, cfg.n_test, cfg.seed + 2, params, exclude=seen)
+        seen |= test.row_keys()
+        length_data = {L: make_split(task, cfg.n_length_test, cfg.seed + 3 + L, t.at_length(params, L), exclude=seen) for L in cfg.eval_lengths}
+        log(f"{task} {params}: {len(train.inputs)} train / {cfg.n_val} val / {cfg.n_test} test rows of {train.inputs.shape[1]} tokens")
 
     best: tuple[float, float, Learner] | None = None
     sweep = []
@@ -304,10 +449,10 @@ def run_synth(
     assert best is not None
     val_acc, lr, learner = best
     scores = evaluate(learner, test, cfg.chunk, cfg.eval_batch_size)
+    if save:
+        learner.model.save_pretrained(save, config={"model": {"name": model_name}, "task": {"name": task, **params}})
     by_length: dict[int, float] = {}
-    seen |= test.row_keys()
-    for L in cfg.eval_lengths:
-        data = make_split(task, cfg.n_length_test, cfg.seed + 3 + L, t.at_length(params, L), exclude=seen)
+    for L, data in length_data.items():
         by_length[L] = evaluate(learner, data, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
         log(f"  {task} at length {L}: test accuracy {by_length[L]:.4f}")
     return SynthResult(

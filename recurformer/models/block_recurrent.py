@@ -43,6 +43,7 @@ from typing import ClassVar, Literal, cast
 import torch
 from torch import Tensor, nn
 
+from .. import tap
 from ..cells import QK, StateCell, t5_buckets
 from ..config import RecurformerError
 from ..modules import apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
@@ -221,6 +222,9 @@ class BlockAttention(Layer):
             o = merge_heads(self.window_attend(qa, kr, vx, r, call, x.dtype))
             if self.cell is not None:
                 o = torch.cat((o, merge_heads(attend(q2[:, :, a : a + n], kc, vc))), dim=-1)
+                if tap.active():  # the read-out: share of Wo [self ; cross] that comes from the state
+                    D = o.shape[-1] // 2
+                    tap.record(self, tap.output_share(o[..., D:] @ self.wo.weight[:, D:].T, o[..., :D] @ self.wo.weight[:, :D].T))
             outs.append(o)
             if r + n == W:  # block complete: update the state, keep this block as the next window
                 if self.cell is not None:

@@ -37,6 +37,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
+from .. import tap
 from ..config import RecurformerError
 from ..modules import MLP, RMSNorm, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
@@ -185,6 +186,8 @@ class MemoryAttentionLayer(Layer):
             k = torch.cat((part_k, k_new), dim=2) if r else k_new
             v = torch.cat((part_v, v_new), dim=2) if r else v_new
             o = merge_heads(attend(q, torch.cat((mem_k, k), 2), torch.cat((mem_v, v), 2), mask[r : r + n, : C + r + n]))
+            if tap.active():  # the read-out: attention mass on the C memory slots
+                tap.record(self, tap.attention_share(q, torch.cat((mem_k, k), 2), mask[r : r + n, : C + r + n], C))
             out = o if pre_wo else self.wo(o)
             src = torch.cat((part_o, out), dim=1) if r else out  # the memory: o (pre_wo) or Wo o
             if r + n == C:  # chunk complete: its output becomes (or, gated, enters) the next memory

@@ -1,0 +1,232 @@
+"""Recipes for a state that must remember (truncation, schedules, mixed lengths, initial states in
+``synth``) and the read-out of the memory path, on constructed models whose answer is known."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from recurformer.cli import main
+from recurformer.data.synthetic import TASKS, make_split
+from recurformer.models import build_model
+from recurformer.nn import IGNORE_INDEX
+from recurformer.readout import memory_share, readout, state_gradient
+from recurformer.synth import FreshRows, Learner, SynthConfig, model_values, run_synth, synth_config
+from helpers import randomize_params
+
+TINY = {"dim": 16, "n_heads": 2, "ffn_hidden": 32}
+
+
+def learner(name: str = "memory_attention", context: int = 4, **extra) -> Learner:
+    torch.manual_seed(0)
+    model = build_model(name, model_values(name, {**TINY, **extra}, vocab=64, context=context))
+    randomize_params(model)
+    return Learner(model, TASKS["mqar"])
+
+
+def grads(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad(set_to_none=True)
+    return out
+
+
+def test_learner_backward_matches_the_whole_row_and_a_hand_truncation() -> None:
+    """piece 0 == the plain loss's gradient; piece C == two backward passes with the state
+    detached between them (the slow reference, written out)."""
+    lr = learner()
+    d = make_split("mqar", 4, 0, dict(num_pairs=3, num_queries=3, distance=5))  # 16 tokens: 4 chunks of 4
+    x, y = d.inputs, d.targets
+    lr.loss(x, y).backward()
+    ref = grads(lr)
+    loss, kept = lr.backward(x, y, None, 0, 4)
+    got = grads(lr)
+    assert ref.keys() == got.keys() and all(torch.allclose(ref[k], got[k], atol=1e-6) for k in ref)
+    assert kept.pos == 16 and not kept.layers[0].memory.requires_grad
+
+    n = (y != IGNORE_INDEX).sum()
+    F = torch.nn.functional
+    out = lr.model(x[:, :8])
+    (F.cross_entropy(out.logits.flatten(0, 1), y[:, :8].flatten(), ignore_index=IGNORE_INDEX, reduction="sum") / n).backward()
+    out = lr.model(x[:, 8:], state=out.state.detach())
+    (F.cross_entropy(out.logits.flatten(0, 1), y[:, 8:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum") / n).backward()
+    ref = grads(lr)
+    lr.backward(x, y, None, 8, 4)
+    got = grads(lr)
+    assert all(torch.allclose(ref[k], got[k], atol=1e-6) for k in ref)
+    lr.backward(x, y, None, 0, 4)
+    full_again = grads(lr)
+    assert any(not torch.allclose(full_again[k], got[k], atol=1e-6) for k in got), "truncation changes the gradient"
+
+
+def test_fresh_rows_follow_the_schedule_and_mixed_lengths() -> None:
+    p = TASKS["mqar"].params(dict(num_pairs=2, num_queries=2, distance=4))
+    cfg = synth_config({"batch_size": 4, "schedule": {"stages": [{"step": 3, "length": 8}, {"step": 5, "length": 16}]}})
+    rows = FreshRows("mqar", p, cfg, set())
+    assert [rows.length(s) for s in range(7)] == [4, 4, 4, 8, 8, 16, 16]
+    assert rows.batch(4).inputs.shape == (4, 2 * 2 + 8 + 2 * 2 - 1)
+    doubling = FreshRows("mqar", p, synth_config({"schedule": {"double_every": 2, "double": {"length": 16}}}), set())
+    assert [doubling.length(s) for s in range(8)] == [4, 4, 8, 8, 16, 16, 16, 16]
+    mixed = FreshRows("mqar", p, synth_config({"train_lengths": [3, 9], "batch_size": 4}), set())
+    lengths = [mixed.length(s) for s in range(200)]
+    assert set(lengths) == set(range(3, 10)) and lengths == [mixed.length(s) for s in range(200)]  # every length, seeded
+    held = make_split("mqar", 4, 10**9 + 0 * 10**6 + 1, TASKS["mqar"].at_length(p, mixed.length(1)))  # what batch 1 would draw first
+    again = FreshRows("mqar", p, synth_config({"train_lengths": [3, 9], "batch_size": 4}), held.row_keys()).batch(1)
+    assert not (again.row_keys() & held.row_keys()) and len(again.row_keys()) == 4
+
+
+@pytest.mark.parametrize(
+    "name, synth",
+    [
+        ("memory_attention", {"schedule": {"double_every": 2, "double": {"length": 16}}, "truncation": 2, "state_init": "passing"}),
+        ("block_recurrent", {"train_lengths": [4, 12], "state_init": "noise"}),
+        ("transformer_xl", {"fresh_data": True, "truncation": 1}),
+    ],
+)
+def test_recipes_end_to_end(name: str, synth: dict) -> None:
+    cfg = synth_config({"steps": 6, "batch_size": 4, "n_val": 8, "n_test": 8, "lrs": [1e-3], "context": 4, "chunk": 8,
+                        "eval_lengths": [4, 64], "n_length_test": 8, **synth})
+    r = run_synth("mqar", name, TINY, {"num_pairs": 2, "num_queries": 2, "distance": 4}, cfg)
+    assert math.isfinite(r.sweep[0]["train_loss"]) and set(r.by_length) == {4, 64} and r.test.rows == 8
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["synth.schedule={stages: [{step: 5, length: 8}, {step: 2, length: 4}]}"], "'synth.schedule.stages' must start at increasing steps, got step 2 after step 5"),
+        (["synth.truncation=3"], "synth key 'truncation' = 3: more segments of 4 tokens (synth.context) than the shortest training row (10 tokens) has"),
+        (["synth.state_init=warm"], "config key 'synth.state_init' must be one of ['zero', 'noise', 'passing'], got 'warm'"),
+        (["synth.train_lengths=[4, 8]", "synth.schedule={stages: [{step: 1, length: 8}]}"], "give either synth.train_lengths"),
+        (["task.distance=100", "task.seq_len=50"], "task parameter 'distance' = 100 does not fit in seq_len 50"),
+        (["synth.schedule={double_every: 2, double: {length: 9}}"], "'synth.schedule.double.length' must be 3 (the base value) times a power of two, got 9"),
+    ],
+)
+def test_bad_recipes_are_one_line_errors(capsys, sets, message) -> None:
+    args = ["synth", "--task", "mqar", "--model", "memory_attention", "--steps", "2", "--set", "dim=16", "--set", "n_heads=2",
+            "--set", "synth.context=4", "--set", "task.num_pairs=2", "--set", "task.num_queries=2", "--set", "task.distance=3"]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("recurformer: error: ") and "\n" not in err and message in err, err
+
+
+def test_synth_train_lengths_need_a_task_with_a_length() -> None:
+    from recurformer.config import RecurformerError
+
+    with pytest.raises(RecurformerError, match="'train_lengths' needs a task with a length"):
+        run_synth("in_context_recall", "llama", TINY, {"seq_len": 16}, SynthConfig(steps=1, train_lengths=[4, 8]))
+
+
+# -- the read-out ---------------------------------------------------------------------------------
+
+
+def memory_model(C: int = 4, **extra):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    m = build_model("memory_attention", {**TINY, "vocab_size": 64, "n_layers": 2, "chunk_size": C, **extra})
+    randomize_params(m)
+    return m
+
+
+def test_memory_share_of_uniform_attention_is_known() -> None:
+    """With W_q = 0 every score is 0, so a token at chunk offset j spreads its attention evenly
+    over the C memory slots and the j + 1 chunk tokens it sees: share C / (C + j + 1)."""
+    C = 4
+    m = memory_model(C)
+    for block in m.layers:
+        torch.nn.init.zeros_(block.attn.wq.weight)
+    x = torch.randint(0, 64, (3, 5 * C))
+    share = memory_share(m, x, C)
+    want = sum(C / (C + j + 1) for j in range(C)) / C
+    assert set(share) == {0, 1} and all(abs(v - want) < 1e-6 for s in share.values() for v in s) and len(share[0]) == 5
+    m2 = memory_model(C)  # random weights: a different share, and it depends on the layer
+    s2 = memory_share(m2, x, C)
+    assert all(0 < v < 1 for s in s2.values() for v in s) and abs(s2[0][2] - want) > 1e-3
+
+
+def test_block_recurrent_share_is_zero_or_one_when_a_path_is_cut() -> None:
+    torch.manual_seed(0)
+    m = build_model("block_recurrent", {**TINY, "vocab_size": 64, "n_layers": 1, "block_size": 4, "recurrent_layers": [-1]})
+    randomize_params(m)
+    x = torch.randint(0, 64, (2, 12))
+    attn = m.layers[0].attn
+    D = TINY["dim"]
+    with torch.no_grad():
+        attn.wo.weight[:, D:] = 0  # the state's half of Wo: nothing comes from the state
+    assert all(v == 0 for v in memory_share(m, x, 4)[0])
+    randomize_params(m)
+    with torch.no_grad():
+        attn.wo.weight[:, :D] = 0  # the tokens' half: everything comes from the state
+    assert all(abs(v - 1) < 1e-6 for v in memory_share(m, x, 4)[0])
+
+
+def test_state_gradient_is_zero_where_the_state_cannot_matter() -> None:
+    """Memory attention whose memory keys and values are constant (W_km = W_vm = 0) cannot use
+    its memory: the gradient reaching it is exactly 0, while the same model with random W_km,
+    W_vm gets one from every later segment. A two-layer sliding window of W = 4 (reach 2W - 1)
+    gets a gradient from the two next segments, and exactly none from the third, out of reach."""
+    C = 4
+    m = memory_model(C, memory_qkv="separate")
+    x = torch.randint(0, 64, (2, 4 * C + 1))
+    norms = state_gradient(m, x[:, :-1], x[:, 1:], C, 3)
+    assert all(g > 0 for g in norms)
+    for block in m.layers:
+        torch.nn.init.zeros_(block.attn.wkm.weight)
+        torch.nn.init.zeros_(block.attn.wvm.weight)
+    assert state_gradient(m, x[:, :-1], x[:, 1:], C, 3) == [0.0, 0.0, 0.0]
+
+    torch.manual_seed(0)
+    sw = build_model("sliding_window", {**TINY, "vocab_size": 64, "n_layers": 2, "window": 4})
+    randomize_params(sw)
+    norms = state_gradient(sw, x[:, :-1], x[:, 1:], 4, 3)  # segment 0 (positions 0..3) reaches up to 3 + 2 (W - 1) = 9
+    assert norms[0] > 0 and norms[1] > 0 and norms[2] == 0.0
+    y = torch.full_like(x[:, 1:], IGNORE_INDEX)
+    assert all(math.isnan(g) for g in state_gradient(sw, x[:, :-1], y, 4, 2))  # nothing scored: no number
+
+
+def test_readout_cli_on_a_saved_synth_model(tmp_path, capsys) -> None:
+    cfg = SynthConfig(steps=2, batch_size=4, n_train=8, n_val=4, n_test=4, lrs=[1e-3], context=4)
+    run_synth("mqar", "memory_attention", TINY, {"num_pairs": 2, "num_queries": 2, "distance": 12}, cfg, save=str(tmp_path / "m"))
+    capsys.readouterr()
+    out = tmp_path / "r.json"
+    args = ["readout", "--checkpoint", str(tmp_path / "m"), "--task", "mqar", "--set", "task.num_pairs=2", "--set", "task.num_queries=2",
+            "--set", "task.distance=12", "--segments", "3", "--rows", "4", "--json", str(out)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "| 0 | memory |" in text and "| 3 |" in text
+    r = json.loads(out.read_text())
+    assert r["segment"] == 4 and len(r["share"]["0"]) == 5 and len(r["grad_norm"]) == 3
+    assert main(args[:-4] + ["--segments", "9"]) == 2
+    assert "the read-out needs 40 (10 segments of 4); lengthen the task" in capsys.readouterr().err
+    m = build_model("memory_attention", {**TINY, "vocab_size": 64, "chunk_size": 4})
+    assert readout(m, torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long), k=1).segment == 4
+
+
+def test_synth_config_files(tmp_path, capsys) -> None:
+    """--config: model / task / synth sections, later files and --set winning; every bundled
+    memory config is a valid synth config of its task."""
+    from recurformer.config import bundled_configs, load_yaml
+
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("model: {dim: 16, n_heads: 2, ffn_hidden: 32}\ntask: {num_pairs: 2, num_queries: 2, distance: 3}\n"
+                 "synth: {steps: 2, batch_size: 4, n_train: 8, n_val: 4, n_test: 4, lrs: [1e-3], context: 4}\n")
+    b.write_text("task: {distance: 5}\n")
+    out = tmp_path / "r.json"
+    assert main(["synth", "--task", "mqar", "--model", "llama", "--config", str(a), "--config", str(b), "--set", "task.num_queries=1",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["task_params"]["distance"] == 5 and r["task_params"]["num_queries"] == 1 and r["model_config"]["dim"] == 16
+    b.write_text("train: {steps: 3}\n")
+    assert main(["synth", "--task", "mqar", "--model", "llama", "--config", str(b)]) == 2
+    assert "has section 'train'; valid sections: model, task, synth" in capsys.readouterr().err
+    memory = [n for n in bundled_configs() if n.startswith("memory/")]
+    assert len(memory) == 12
+    for name in memory:
+        raw = load_yaml(name)
+        task = name.split("/")[1].split("-")[0]
+        cfg = synth_config(raw["synth"])
+        from recurformer.synth import check_recipe
+
+        check_recipe(TASKS[task], TASKS[task].params(raw["task"]), cfg)
