@@ -1,0 +1,138 @@
+"""The two standard pictures of multi-query associative recall (Arora et al., "Zoology: Measuring
+and Improving Recall in Efficient Language Models", 2023, Fig. 2 and §4), and a passkey table,
+from ``recurformer synth --json`` results (e.g. those ``experiments/memory/run_grid.sh`` writes):
+
+- ``<out>_distance.png``: test accuracy vs the distance between the pairs and the queries
+  (MQAR's ``eval_lengths``), one line per model and recipe, mean over seeds with min-max bars;
+- ``<out>_state.png``: accuracy vs the state's size in bytes per row at one distance, measured
+  as ``recurformer info`` does, from the state itself after reading a row of that length;
+- ``<out>.md`` / ``<out>.json``: the table behind both (every number with its seeds).
+
+    python benchmarks/memory_plots.py runs/memory/*.json --distance 128 --out docs/memory/mqar
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from recurformer.config import RecurformerError  # noqa: E402
+from recurformer.data.synthetic import get_task, make_split  # noqa: E402
+from recurformer.models import build_model  # noqa: E402
+
+
+def state_bytes(name: str, config: dict[str, Any], length: int) -> int:
+    """Bytes per row of the state after reading ``length`` tokens (floating-point tensors of the
+    state, as ``info``'s measured state size; fp32 weights give fp32 states)."""
+    model = build_model(name, {k: v for k, v in config.items() if k != "name"})
+    with torch.no_grad():
+        state = model(torch.zeros(1, length, dtype=torch.long)).state
+    return sum(t.numel() * t.element_size() for t in state.to_flat().values() if t.is_floating_point())
+
+
+def label(r: dict[str, Any]) -> str:
+    return f"{r['model']} {r.get('recipe', '')}".strip()
+
+
+def load(paths: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for p in paths:
+        r = json.loads(Path(p).read_text())
+        if "by_length" not in r:
+            raise RecurformerError(f"{p} is not a `recurformer synth --json` result")
+        r.setdefault("recipe", Path(p).stem.split(".")[1] if "." in Path(p).stem else "")
+        out.append(r)
+    return out
+
+
+def summarise(results: list[dict[str, Any]]) -> dict[str, dict[int, list[float]]]:
+    """label -> distance -> accuracies over seeds."""
+    table: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        for d, acc in r["by_length"].items():
+            table[label(r)][int(d)].append(acc)
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", help="synth --json files (named MODEL.RECIPE.seedN.json by the runner)")
+    ap.add_argument("--distance", type=int, required=True, help="the distance of the accuracy vs state size picture")
+    ap.add_argument("--out", required=True, help="output prefix: <out>_distance.png, <out>_state.png, <out>.md, <out>.json")
+    args = ap.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = load(args.results)
+    task = {r["task"] for r in results}
+    if len(task) != 1:
+        raise RecurformerError(f"give results of one task, got {sorted(task)}")
+    table = summarise(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for lab, by_d in sorted(table.items()):
+        ds = sorted(by_d)
+        mean = [statistics.fmean(by_d[d]) for d in ds]
+        lo = [m - min(by_d[d]) for m, d in zip(mean, ds)]
+        hi = [max(by_d[d]) - m for m, d in zip(mean, ds)]
+        ax.errorbar([max(d, 1) for d in ds], mean, yerr=[lo, hi], marker="o", capsize=3, label=lab)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("distance from the pairs to the queries (tokens; 0 plotted at 1)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"{task.pop()}: accuracy vs distance (mean over seeds, min-max bars)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{out}_distance.png", dpi=120)
+
+    rows = []
+    sizes: dict[str, int] = {}
+    for r in results:
+        lab = label(r)
+        if lab not in sizes:
+            p = get_task(r["task"]).at_length(r["task_params"], args.distance)
+            length = make_split(r["task"], 1, 0, p).inputs.shape[1]
+            sizes[lab] = state_bytes(r["model"], r["model_config"], length)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for lab, by_d in sorted(table.items()):
+        accs = by_d.get(args.distance)
+        if not accs:
+            continue
+        m = statistics.fmean(accs)
+        ax.errorbar([sizes[lab]], [m], yerr=[[m - min(accs)], [max(accs) - m]], marker="o", capsize=3, label=lab)
+        rows.append({"label": lab, "state_bytes": sizes[lab], "accuracy": accs, "mean": m})
+    ax.set_xscale("log")
+    ax.set_xlabel("state size per row (bytes, measured after a row at this distance)")
+    ax.set_ylabel(f"test accuracy at distance {args.distance}")
+    ax.set_title("accuracy vs state size")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{out}_state.png", dpi=120)
+
+    ds = sorted({d for by_d in table.values() for d in by_d})
+    md = ["| model recipe | state bytes @" + str(args.distance) + " | " + " | ".join(f"d={d}" for d in ds) + " |", "|---|---|" + "---|" * len(ds)]
+    for lab, by_d in sorted(table.items()):
+        cells = [f"{statistics.fmean(by_d[d]):.3f} ({len(by_d[d])})" if d in by_d else "-" for d in ds]
+        md.append(f"| {lab} | {sizes.get(lab, 0):,} | " + " | ".join(cells) + " |")
+    text = "\n".join(md) + "\n\nmean test accuracy (number of seeds)\n"
+    print(text)
+    Path(f"{out}.md").write_text(text)
+    Path(f"{out}.json").write_text(json.dumps({"by_distance": {k: {str(d): v for d, v in b.items()} for k, b in table.items()}, "state": rows}, indent=2) + "\n")
+    print(f"wrote {out}_distance.png, {out}_state.png, {out}.md, {out}.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The synthetic memory grid: passkey and MQAR x every registered model x every recipe of
+# configs/memory/ x seeds, each cell one `recurformer synth` run (1 thread), JOBS cells side by
+# side. A cell whose JSON exists is skipped, so a stopped grid continues where it was. Then the
+# MQAR pictures (accuracy vs distance, accuracy vs state size) and the tables.
+#
+#   experiments/memory/run_grid.sh controls           # first: llama (full attention) and sliding_window, fixed recipe, seed 0
+#   experiments/memory/run_grid.sh grid               # every task x model x recipe x seed
+#   experiments/memory/run_grid.sh plots              # the pictures and tables from what has finished
+#
+# Environment: OUT (runs/memory), SEEDS ("0 1 2"), JOBS (2), MODELS (every registered model),
+# RECIPES (fixed curriculum mixed noise passing tbptt), TASKS (mqar passkey), PYTHON (python).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python}
+OUT=${OUT:-runs/memory}
+SEEDS=${SEEDS:-0 1 2}
+JOBS=${JOBS:-2}
+TASKS=${TASKS:-mqar passkey}
+RECIPES=${RECIPES:-fixed curriculum mixed noise passing tbptt}
+MODELS=${MODELS:-$($PY -c 'from recurformer.models import model_names; print(" ".join(model_names()))')}
+export OMP_NUM_THREADS=1 PYTHONPATH=$PWD
+
+cells() {  # task model recipe seed, one cell per line
+  for seed in $1; do for task in $TASKS; do for recipe in $3; do for model in $2; do
+    echo "$task $model $recipe $seed"
+  done; done; done; done
+}
+
+run_cell() {  # task model recipe seed
+  local dir="$OUT/$1" name="$2.$3.seed$4"
+  [ -f "$dir/$name.json" ] && return 0
+  mkdir -p "$dir"
+  $PY -m recurformer synth --task "$1" --model "$2" --config "configs/memory/$1-$3.yaml" --set "synth.seed=$4" \
+    --json "$dir/$name.json" --save "$dir/$name.model" > "$dir/$name.log" 2>&1 || echo "failed: $1 $2 $3 seed $4 (see $dir/$name.log)"
+}
+export -f run_cell
+export OUT PY
+
+case "${1:-}" in
+  controls) cells 0 "llama sliding_window" fixed ;;
+  grid) cells "$SEEDS" "$MODELS" "$RECIPES" ;;
+  plots) ;;
+  *) echo "usage: $0 controls|grid|plots"; exit 2 ;;
+esac | xargs -P "$JOBS" -L 1 bash -c 'run_cell "$@"' _
+
+for task in $TASKS; do
+  ls "$OUT/$task"/*.json > /dev/null 2>&1 || continue
+  distance=128
+  $PY benchmarks/memory_plots.py "$OUT/$task"/*.json --distance $distance --out "$OUT/$task/summary"
+done
