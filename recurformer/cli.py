@@ -386,10 +386,10 @@ def cmd_probe(args: argparse.Namespace) -> None:
 
 
 def cmd_readout(args: argparse.Namespace) -> None:
-    from .files import atomic_write, check_writable
     from .data import eval_windows
     from .data.synthetic import get_task, make_split
     from .evaluate import eval_tokens
+    from .files import atomic_write, check_writable
     from .hub import from_pretrained
     from .readout import default_segment, readout, table
     from .synth import split_overrides

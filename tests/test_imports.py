@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "recurformer"
 # The floors, lowest first. A module may import only modules on a lower floor.
 FLOORS: list[list[str]] = [
     # 0: nothing of the package
-    ["config", "modules", "compat", "optim", "ops", "ops.recurrent_attention", "ops.reference"],
+    ["config", "modules", "compat", "optim", "ops", "ops.recurrent_attention", "ops.reference", "tap"],
     # 1: the state types, files, the registry, the recurrent cell, devices, data readers
     ["files", "state", "registry", "cells", "device", "ops.relative", "data.tokenizer", "data.streams", "data.sources"],
     # 2: file formats and helpers on the state types
@@ -24,7 +24,7 @@ FLOORS: list[list[str]] = [
     # 5: the model around a stack of layers
     ["nn"],
     # 6: what reads a model; Llama, which other architectures build on
-    ["layers", "evaluate", "probe", "models.llama", "hf", "lm_eval", "niah"],
+    ["layers", "evaluate", "probe", "models.llama", "hf", "lm_eval", "niah", "curriculum", "readout"],
     # 7: the architectures (``models.*`` files not named elsewhere live on this floor too)
     [],
     ["models", "reference"],

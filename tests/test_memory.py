@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import randomize_params
 
 from recurformer.cli import main
 from recurformer.data.synthetic import TASKS, make_split
@@ -15,7 +16,6 @@ from recurformer.models import build_model
 from recurformer.nn import IGNORE_INDEX
 from recurformer.readout import memory_share, readout, state_gradient
 from recurformer.synth import FreshRows, Learner, SynthConfig, model_values, run_synth, synth_config
-from helpers import randomize_params
 
 TINY = {"dim": 16, "n_heads": 2, "ffn_hidden": 32}
 
