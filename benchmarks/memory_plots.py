@@ -5,7 +5,8 @@ from ``recurformer synth --json`` results (e.g. those ``experiments/memory/run_g
 - ``<out>_distance.png``: test accuracy vs the distance between the pairs and the queries
   (MQAR's ``eval_lengths``), one line per model and recipe, mean over seeds with min-max bars;
 - ``<out>_state.png``: accuracy vs the state's size in bytes per row at one distance, measured
-  as ``recurformer info`` does, from the state itself after reading a row of that length;
+  as ``recurformer info`` does, from the state itself after reading a row of that length (down
+  to a chunk boundary);
 - ``<out>.md`` / ``<out>.json``: the table behind both (every number with its seeds).
 
     python benchmarks/memory_plots.py runs/memory/*.json --distance 128 --out docs/memory/mqar
@@ -32,11 +33,13 @@ from recurformer.models import build_model  # noqa: E402
 
 
 def state_bytes(name: str, config: dict[str, Any], length: int) -> int:
-    """Bytes per row of the state after reading ``length`` tokens (floating-point tensors of the
-    state, as ``info``'s measured state size; fp32 weights give fp32 states)."""
+    """Bytes per row of the state after reading ``length`` tokens, rounded down to a chunk
+    boundary as ``info`` measures it (floating-point tensors of the state; fp32 weights give fp32
+    states): constant for a bounded state, the KV cache of the row for full attention."""
     model = build_model(name, {k: v for k, v in config.items() if k != "name"})
+    P = model.reset_boundary
     with torch.no_grad():
-        state = model(torch.zeros(1, length, dtype=torch.long)).state
+        state = model(torch.zeros(1, max(P, length // P * P), dtype=torch.long)).state
     return sum(t.numel() * t.element_size() for t in state.to_flat().values() if t.is_floating_point())
 
 
@@ -135,4 +138,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RecurformerError as e:
+        sys.exit(f"memory_plots.py: error: {e}")

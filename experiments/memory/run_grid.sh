@@ -9,7 +9,8 @@
 #   experiments/memory/run_grid.sh plots              # the pictures and tables from what has finished
 #
 # Environment: OUT (runs/memory), SEEDS ("0 1 2"), JOBS (2), MODELS (every registered model),
-# RECIPES (fixed curriculum mixed noise passing tbptt), TASKS (mqar passkey), PYTHON (python).
+# RECIPES (fixed curriculum mixed noise passing tbptt), TASKS (mqar passkey), PYTHON (python),
+# EXTRA (more arguments for every cell, e.g. EXTRA="--steps 2 --set synth.eval_lengths=[128]" for a smoke run).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
@@ -32,10 +33,11 @@ run_cell() {  # task model recipe seed
   [ -f "$dir/$name.json" ] && return 0
   mkdir -p "$dir"
   $PY -m recurformer synth --task "$1" --model "$2" --config "configs/memory/$1-$3.yaml" --set "synth.seed=$4" \
-    --json "$dir/$name.json" --save "$dir/$name.model" > "$dir/$name.log" 2>&1 || echo "failed: $1 $2 $3 seed $4 (see $dir/$name.log)"
+    --json "$dir/$name.json" --save "$dir/$name.model" $EXTRA > "$dir/$name.log" 2>&1 || echo "failed: $1 $2 $3 seed $4 (see $dir/$name.log)"
 }
 export -f run_cell
-export OUT PY
+EXTRA=${EXTRA:-}
+export OUT PY EXTRA
 
 case "${1:-}" in
   controls) cells 0 "llama sliding_window" fixed ;;
@@ -45,7 +47,6 @@ case "${1:-}" in
 esac | xargs -P "$JOBS" -L 1 bash -c 'run_cell "$@"' _
 
 for task in $TASKS; do
-  ls "$OUT/$task"/*.json > /dev/null 2>&1 || continue
-  distance=128
-  $PY benchmarks/memory_plots.py "$OUT/$task"/*.json --distance $distance --out "$OUT/$task/summary"
+  ls "$OUT/$task"/*.seed*.json > /dev/null 2>&1 || continue
+  $PY benchmarks/memory_plots.py "$OUT/$task"/*.seed*.json --distance 128 --out "$OUT/$task/summary"
 done
