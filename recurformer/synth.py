@@ -9,7 +9,7 @@ with the best accuracy on a validation split is selected, and its test accuracy 
 (train, validation and test rows are disjoint). Evaluation reads every row through the streaming
 contract, ``chunk`` tokens per call with the state carried, teacher-forced argmax at the scored
 positions; so a passkey at L = 16384 costs bounded memory for a bounded-state model. Tasks with a
-length (passkey filler, copy string, copy delay) are also tested at every ``eval_lengths`` value,
+length (passkey filler, copy string, copy delay, MQAR distance) are also tested at every ``eval_lengths`` value,
 including lengths never trained. Compression is read through MAD's AutoEncoder head
 (``CompressionDecoder``): every token is decoded from the model's features at the last position.
 
@@ -25,6 +25,13 @@ the field that bounds each model's direct reach (``ModelConfig.context_field``: 
 segment or block length; llama's ``window=None`` stays full attention, the Recurrent Transformer
 has none) is set to ``context`` (32 by default), so a bounded model must use its state on tasks
 longer than that.
+
+Recipes for memory (``recurformer.curriculum``): ``schedule`` changes the task length or the
+truncation by step (a curriculum), ``train_lengths`` draws each batch's length from a range
+(mixed lengths), ``state_init`` starts each training row from a noisy state or another row's
+final state, and ``truncation`` backpropagates through that many segments of ``context`` tokens
+before detaching (``Learner.backward``). Any of the first two, or ``fresh_data``, draws the
+training rows fresh for every batch (``FreshRows``), disjoint from every held-out row.
 """
 
 from __future__ import annotations

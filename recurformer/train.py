@@ -6,7 +6,10 @@ streams (row b of segment k+1 continues row b of segment k: *data continuity*). 
 returned by segment k is the initial state of segment k+1 (*state persistence*); it is detached
 every ``truncation`` segments, where the summed loss of those segments is backpropagated. A row
 whose stream wraps to its start has its state reset. The four ablation modes of its Table 2 are
-``state: carry|reset`` x ``data_order: contiguous|shuffled``.
+``state: carry|reset`` x ``data_order: contiguous|shuffled``. ``schedule`` changes ``seq_len``
+and ``truncation`` by step (a curriculum; ``Trainer._apply_schedule``), and ``state_init`` says
+what a row that starts a document reads first: the initial state, a noisy one, or another
+stream's (``curriculum.initial_state``).
 
 Runs on one process or under ``torchrun`` (DDP): every rank owns its own streams and carried
 state, which are never broadcast or averaged; gradients are all-reduced once per optimizer step.
@@ -133,6 +136,8 @@ class TrainConfig:
                 )
         if self.state_noise < 0:
             raise RecurformerError(f"config key 'train.state_noise' must be >= 0, got {self.state_noise}")
+        if self.state_init == "passing" and self.batch_size < 2:
+            raise RecurformerError("config key 'train.state_init' = passing needs train.batch_size >= 2 (a row takes another stream's state)")
 
     def base_values(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in SCHEDULED}

@@ -170,6 +170,7 @@ def test_state_init_per_row(corpus, tmp_path) -> None:
         ("schedule", "{double_every: 2, double: {seq_len: 96}}", "'train.schedule.double.seq_len' must be 32 (the base value) times a power of two"),
         ("schedule", "{double_every: 2, stages: [{step: 1}]}", "give either 'stages' or 'double_every'"),
         ("state_init", "warm", "config key 'train.state_init' must be one of ['zero', 'noise', 'passing'], got 'warm'"),
+        ("state_init", "passing, batch_size: 1", "'train.state_init' = passing needs train.batch_size >= 2"),
     ],
 )
 def test_bad_schedules_and_state_inits_are_one_line_errors(corpus, tmp_path, capsys, key, value, message) -> None:

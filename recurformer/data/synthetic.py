@@ -1,6 +1,7 @@
 """Synthetic diagnostic tasks ("The Recurrent Transformer: Greater Effective Depth and Efficient
 Decoding", "Synthetic diagnostics": MAD + the copy task; Brenndoerfer, "Recurrent Memory: Extending
-Transformer Context with Segment-Level State Caching": the copying task with a delay; a passkey task for lengths beyond any window).
+Transformer Context with Segment-Level State Caching": the copying task with a delay; a passkey task for lengths beyond any window; multi-query
+associative recall with the pairs a controlled distance back, after Arora et al., "Zoology").
 
 Every task is a generator ``fn(rng, n, **params) -> (inputs, targets)`` of int64 arrays [n, T]
 in next-token form: the model reads ``inputs`` and is scored at position t on ``targets[t]``;
