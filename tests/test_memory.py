@@ -146,6 +146,33 @@ def test_memory_share_of_uniform_attention_is_known() -> None:
     assert all(0 < v < 1 for s in s2.values() for v in s) and abs(s2[0][2] - want) > 1e-3
 
 
+def test_rmt_share_of_uniform_attention_is_known_and_streams() -> None:
+    """RMT with W_q = 0: a token at segment offset j sees the M read slots and j + 1 tokens
+    (never the write slots), share M / (M + j + 1); reading the segments in pieces of 3 tokens
+    records the same shares for the same tokens."""
+    M, S = 3, 5
+    torch.manual_seed(0)
+    m = build_model("rmt", {**TINY, "vocab_size": 64, "n_layers": 2, "segment_len": S, "memory_size": M})
+    randomize_params(m)
+    for block in m.layers:
+        torch.nn.init.zeros_(block.attn.wq.weight)
+    x = torch.randint(0, 64, (2, 3 * S))
+    want = sum(M / (M + j + 1) for j in range(S)) / S
+    share = memory_share(m, x, S)
+    assert set(share) == {0, 1} and all(abs(v - want) < 1e-6 for s in share.values() for v in s) and len(share[0]) == 3
+    randomize_params(m)
+    whole = memory_share(m, x, S)
+    from recurformer import tap
+
+    with torch.no_grad(), tap.recording() as rec:
+        state = None
+        for a in range(0, 3 * S, 3):
+            state = m(x[:, a : a + 3], state=state).state
+    pieces = torch.cat(rec[m.layers[1].attn], dim=1)
+    assert pieces.shape == (2, 3 * S)
+    assert all(abs(float(pieces[:, a : a + S].mean()) - whole[1][a // S]) < 1e-5 for a in range(0, 3 * S, S))
+
+
 def test_block_recurrent_share_is_zero_or_one_when_a_path_is_cut() -> None:
     torch.manual_seed(0)
     m = build_model("block_recurrent", {**TINY, "vocab_size": 64, "n_layers": 1, "block_size": 4, "recurrent_layers": [-1]})

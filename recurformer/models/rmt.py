@@ -49,6 +49,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from .. import tap
 from ..config import RecurformerError
 from ..modules import RMSNorm, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
@@ -140,6 +141,12 @@ class RMTAttention(Layer):
         k = torch.cat((state.k, apply_rope(split_heads(self.wk(x), H), cos, sin)), dim=2)
         v = torch.cat((state.v, split_heads(self.wv(x), H)), dim=2)
         o = attend(q, k, v, mask, causal=c == 0)
+        if tap.active():  # the read-out: the tokens' attention mass on the M read slots
+            M, S = self.cfg.memory_size, self.cfg.segment_len
+            p = torch.arange(c, c + n, device=x.device)
+            tokens = (p >= M) & (p < M + S)
+            vis = torch.arange(c + n, device=x.device)[None, :] <= p[:, None]
+            tap.record(self, tap.attention_share(q[:, :, tokens], k, vis[tokens], M))
         return self.wo(merge_heads(o)), RMTState(k=k, v=v, memory=state.memory)
 
 
