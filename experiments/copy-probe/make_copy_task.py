@@ -1,4 +1,5 @@
-"""Write the short copy task of docs/results.md §8 as a text file for ``recurformer prepare --text``.
+"""Write the short copy task of the copy-probe experiment (docs/results/probe.md) as a text file
+for ``recurformer prepare --text``.
 
 Each document is ``sentence \\n distractor \\n Repeat above. \\n sentence``: a story's first sentence,
 the rest of the story as a distractor (topped up from a story half the corpus away when shorter than
@@ -7,7 +8,7 @@ With ~4.3 characters per BPE token on the bundled TinyStories sample, 650 charac
 sentence more than 130 tokens before its copy: beyond the receptive field of a 32-token window
 over 4 layers (124). Documents are separated by ``<|endoftext|>``.
 
-    python scripts/make_copy_task.py --out copy_sentence.txt     # also writes copy_sentence_val.txt
+    python experiments/copy-probe/make_copy_task.py --out copy_sentence.txt     # also writes copy_sentence_val.txt
     recurformer prepare --text copy_sentence.txt
     recurformer probe --checkpoint RUN --text copy_sentence_val.txt
 

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# The copy-probe experiment of docs/results.md §8: six arms on tinystories-repeat (configs/probe/),
+# The copy-probe experiment (docs/results/probe.md): six arms on tinystories-repeat (configs/*.yaml here),
 # trained two at a time with one thread each, then probed (copy_gain and swap_Δ by distance) and
 # evaluated by length (the Table-1 view, cold and warm).
 #
-#   bash benchmarks/probe_experiment.sh train   # ~45 min per arm at ~4-5k tokens/s; resumes unfinished runs
-#   bash benchmarks/probe_experiment.sh probe   # docs/probe/repeat.json/.png, l-ctrl at 2.5M/5M/10M, swap
-#   bash benchmarks/probe_experiment.sh eval    # docs/probe/table1-cold.json, table1-warm.json
+#   bash experiments/copy-probe/run.sh train   # ~45 min per arm at ~4-5k tokens/s; resumes unfinished runs
+#   bash experiments/copy-probe/run.sh probe   # out/copy-probe/repeat.json/.png, l-ctrl at 2.5M/5M/10M, swap
+#   bash experiments/copy-probe/run.sh eval    # out/copy-probe/table1-cold.json, table1-warm.json
 #
 # ARMS="l-ctrl ma-1024" limits the arms; RUNS (default runs/probe) is where the runs live.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ARMS=${ARMS:-"l-ctrl ma-1024 ma-128 sw-32 xl-16 brt-16"}
 RUNS=${RUNS:-runs/probe}
-OUT=${OUT:-docs/probe}
+OUT=${OUT:-out/copy-probe}
 export OMP_NUM_THREADS=1
 mkdir -p "$OUT"
 
@@ -21,7 +21,7 @@ train_arm() {  # a finished or started run is resumed, never overwritten
     if [ -d "$RUNS/$arm" ] && ls -d "$RUNS/$arm"/step_* >/dev/null 2>&1; then
         recurformer train --resume "$RUNS/$arm"
     else
-        recurformer train --config "configs/probe/$arm.yaml" --set "train.out_dir=$RUNS/$arm"
+        recurformer train --config "experiments/copy-probe/configs/$arm.yaml" --set "train.out_dir=$RUNS/$arm"
     fi > "$RUNS/$arm.log" 2>&1
 }
 export -f train_arm
