@@ -1,4 +1,4 @@
-"""Seed 000's Tables 1 and 2 at CPU scale: train every configuration at length 256 on the same
+"""Tables 1 and 2 of Liang, *Block-wise Recurrent Transformer* (§5.1, §5.2) at CPU scale: train every configuration at length 256 on the same
 data with the same token budget (configs/repro/base.yaml), then evaluate loss on the last 256
 tokens at lengths 256..16384 (``recurformer eval``).
 
@@ -9,14 +9,14 @@ the same budget. Table 2 rows: the four training strategies of Memory Attention.
     python benchmarks/extrapolation.py train --dataset tinystories-sample --jobs 2
     python benchmarks/extrapolation.py eval  --dataset tinystories-sample [--eval-data warpeace]
 
-``--scale seed`` trains the seed's model size instead (dim 288, 6 layers, 6 heads; 32 x 256
+``--scale paper`` trains the paper's model size instead (dim 288, 6 layers, 6 heads; 32 x 256
 tokens per step), for a GPU; ``--steps`` sets the budget of either scale:
 
-    python benchmarks/extrapolation.py train --scale seed --dataset tinystories-repeat --steps 20000 --jobs 2 --device cuda
-    python benchmarks/extrapolation.py eval  --scale seed --dataset tinystories-repeat --windows 128 --device cuda
+    python benchmarks/extrapolation.py train --scale paper --dataset tinystories-repeat --steps 20000 --jobs 2 --device cuda
+    python benchmarks/extrapolation.py eval  --scale paper --dataset tinystories-repeat --windows 128 --device cuda
 
-Runs go to runs/repro/<dataset>/<run> (runs/repro-seed/... at seed scale); evaluation
-JSON/markdown/PNG to docs/repro/ (docs/repro-seed/). Training runs are skipped when their final
+Runs go to runs/repro/<dataset>/<run> (runs/repro-paper/... at paper scale); evaluation
+JSON/markdown/PNG to out/repro/ (out/repro-paper/; ``--out`` elsewhere). Training runs are skipped when their final
 checkpoint exists.
 """
 
@@ -67,12 +67,12 @@ TABLE2 = [
 # every run of a scale gets these on top of configs/repro/base.yaml (CPU scale: dim 128, 4 layers, 8 x 256)
 SCALES: dict[str, list[str]] = {
     "cpu": [],
-    "seed": ["model.dim=288", "model.n_layers=6", "model.n_heads=6", "train.batch_size=32", "train.eval_every=1000", "train.save_every=1000", "train.keep_last=2"],
+    "paper": ["model.dim=288", "model.n_layers=6", "model.n_heads=6", "train.batch_size=32", "train.eval_every=1000", "train.save_every=1000", "train.keep_last=2"],
 }
 
 
 def repro_name(scale: str) -> str:
-    """The folder name of a scale's runs and results: repro (cpu), repro-seed, ..."""
+    """The folder name of a scale's runs and results: repro (cpu), repro-paper, ..."""
     return "repro" if scale == "cpu" else f"repro-{scale}"
 
 
@@ -116,7 +116,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from recurformer.evaluate import LengthResult, markdown_table, plot
 
-    out_dir = ROOT / "docs" / repro_name(args.scale)
+    out_dir = Path(args.out) if args.out else ROOT / "out" / repro_name(args.scale)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = args.dataset + (f"-on-{args.eval_data}" if args.eval_data else "")
     done: dict[tuple, list[LengthResult]] = {}
@@ -156,7 +156,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train")
-    p.add_argument("--scale", choices=list(SCALES), default="cpu", help="model size: cpu (dim 128, 4 layers) or seed (dim 288, 6 layers)")
+    p.add_argument("--scale", choices=list(SCALES), default="cpu", help="model size: cpu (dim 128, 4 layers) or paper (dim 288, 6 layers)")
     p.add_argument("--dataset", default="tinystories-sample")
     p.add_argument("--runs", help=f"comma-separated subset of {','.join(RUNS)}")
     p.add_argument("--jobs", type=int, default=2)
@@ -164,7 +164,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p = sub.add_parser("eval")
-    p.add_argument("--scale", choices=list(SCALES), default="cpu", help="which runs: cpu or seed scale")
+    p.add_argument("--scale", choices=list(SCALES), default="cpu", help="which runs: cpu or paper scale")
+    p.add_argument("--out", help="folder for tables, plots and raw JSON (default: out/repro, out/repro-paper)")
     p.add_argument("--dataset", default="tinystories-sample", help="the training dataset of the runs")
     p.add_argument("--eval-data", help="evaluate on another prepared dataset (e.g. warpeace)")
     p.add_argument("--lengths", default="256,512,1024,2048,4096,8192,16384")

@@ -3,7 +3,7 @@ every model in the registry (each in a fresh process, random weights, greedy dec
 the streaming contract, batch 1). Recurrent models should stay flat in memory and speed; the
 Llama baseline's KV cache (and per-token attention cost) grows with the length.
 
-    python benchmarks/generation.py [--tokens 1024,8192,65536] [--out docs/generation.json]
+    python benchmarks/generation.py [--tokens 1024,8192,65536] [--out out/generation.json]
 
 With ``--contexts``: decoding speed at a given context instead, the tokens/s of ``--decode``
 greedy tokens after reading that many random tokens (in calls of 1024, without autograd), one
@@ -13,7 +13,7 @@ of another checkout (e.g. ``git worktree add /tmp/base <commit>``), alternating 
 reports the ratio of the two:
 
     python benchmarks/generation.py --models llama,transformer_xl --contexts 1024,8192,65536 \
-        --decode 64 --against /tmp/base --out docs/decode.json
+        --decode 64 --against /tmp/base --out out/decode.json
 """
 
 from __future__ import annotations
@@ -150,14 +150,14 @@ def main() -> None:
     ap.add_argument("--against", default=None, help="another checkout's directory, to compare with")
     ap.add_argument("--repeat", type=int, default=1, help="alternating runs per context (the best is kept)")
     ap.add_argument("--config", type=json.loads, default={}, help='config values for every model, e.g. \'{"dim": 512}\'')
-    ap.add_argument("--out", default=None, help="default: docs/generation.json (docs/decode.json with --contexts)")
+    ap.add_argument("--out", default=None, help="default: out/generation.json (out/decode.json with --contexts)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N; memory is the RSS on the CPU, allocated tensors on CUDA")
     args = ap.parse_args()
     args.device = str(pick_device(args.device))
     if args.contexts:
-        args.out = args.out or "docs/decode.json"
+        args.out = args.out or "out/decode.json"
         return decode_speed(args)
-    args.out = args.out or "docs/generation.json"
+    args.out = args.out or "out/generation.json"
     results = {}
     print(f"{'model':<22}" + "".join(f"{'@' + t:>22}" for t in args.tokens.split(",")) + f"{'mem ratio':>11}")
     for name in args.models.split(","):

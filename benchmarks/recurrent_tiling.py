@@ -8,7 +8,8 @@
   keeps each step's concatenated prefix), the tiled path (its custom backward: O(N d) saved) and
   the Transformer layer (SDPA).
 
-Prints the tables and writes docs/recurrent_tiling.json and .png (like the seed's latency figure).
+Prints the tables and writes out/recurrent_tiling.json and .png (like the latency figure of *The
+Recurrent Transformer: Greater Effective Depth and Efficient Decoding*, "Exact tiling schedule").
 
     OMP_NUM_THREADS=1 python benchmarks/recurrent_tiling.py [--dim 256 --batch 8 --max-n 4096]
         [--train-ns 1024 4096 8192 --train-batch 1 --naive-train-max-n 1024] [--parts forward train]
@@ -196,7 +197,7 @@ def main() -> None:
     ap.add_argument("--train-reps", type=int, default=1)
     ap.add_argument("--naive-train-max-n", type=int, default=1024, help="naive saves O(N^2 d): ~1.1 GB at N=1024, dim 256")
     ap.add_argument("--parts", nargs="+", choices=["forward", "train"], default=["forward", "train"])
-    ap.add_argument("--out", default="docs/recurrent_tiling")
+    ap.add_argument("--out", default="out/recurrent_tiling")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (auto: CUDA when present)")
     args = ap.parse_args()
     global DEVICE

@@ -2,7 +2,7 @@
 
 ``throughput.py`` reports a training step as a fraction of this machine's n x n matmul peak. This
 script splits that fraction into its two factors with ``torch.profiler`` (one step after five,
-the median of the last three timed, fp32 or under bf16 autocast, the seeds' config and batch as in
+the median of the last three timed, fp32 or under bf16 autocast, the paper config and batch as in
 ``throughput.py``):
 
     fraction of peak  ~  (share of the step spent in matmuls) x (the matmuls' own FLOP/s / peak)
@@ -21,7 +21,7 @@ unprofiled time and the peak.
 
 So a model whose matmuls alone reach 80% of peak cannot train at 85% of it, however small the rest.
 
-    OMP_NUM_THREADS=2 python benchmarks/step_profile.py --models memory_attention,llama [--precision bf16] --out docs/step_profile.json
+    OMP_NUM_THREADS=2 python benchmarks/step_profile.py --models memory_attention,llama [--precision bf16] --out out/step_profile.json
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from recurformer import build_model
 from recurformer.flops import matmul_peak, train_flops_per_token
 from recurformer.models import model_names
 
-CONFIG = dict(vocab_size=4096, dim=288, n_layers=6, n_heads=6)  # the seeds' config, as throughput.py's "seed"
+CONFIG = dict(vocab_size=4096, dim=288, n_layers=6, n_heads=6)  # throughput.py's "paper" config
 EXTRA = {"memory_attention": dict(chunk_size=32, memory_qkv="shared"), "sliding_window": dict(window=256)}
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 ATTENTION = "aten::_scaled_dot_product"
@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: the step under CPU autocast, fractions of the bf16 peak")
-    ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--out", default="out/step_profile.json", help="write the rows as JSON here")
     args = ap.parse_args()
     names = args.models.split(",")
     if unknown := [n for n in names if n not in model_names()]:
@@ -153,6 +153,7 @@ def main() -> None:
     if args.out:
         meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), precision=args.precision, peak_flops=peak, config=CONFIG, batch=args.batch,
                     seq=args.seq, command=" ".join(sys.argv))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
         print(f"wrote {args.out}")
 

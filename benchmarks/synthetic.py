@@ -1,4 +1,5 @@
-"""Seed 003's synthetic diagnostics as a grid: every task x every registered model, trained with
+"""The synthetic diagnostics of *The Recurrent Transformer: Greater Effective Depth and Efficient
+Decoding* (appendix "Synthetic diagnostics": MAD and the copy task) as a grid: every task x every registered model, trained with
 ``recurformer.synth.run_synth`` (lr sweep selected on validation), one cell after the other.
 Writes ``<out>.json`` (every result, rewritten after each cell so a stopped run keeps what it
 finished), ``<out>.md`` (the tables) and ``<out>.png`` (bars per task; accuracy vs length).
@@ -6,7 +7,7 @@ finished), ``<out>.md`` (the tables) and ``<out>.png`` (bars per task; accuracy 
     OMP_NUM_THREADS=1 python benchmarks/synthetic.py                       # full grid (hours on CPU)
     OMP_NUM_THREADS=1 python benchmarks/synthetic.py --tasks in_context_recall,passkey \\
         --steps 200 --lrs 1e-3 --n-train 2048 --n-test 256 --set dim=64 --set n_heads=8
-    python benchmarks/synthetic.py --merge docs/synth_a.json docs/synth_b.json --out docs/synthetic
+    python benchmarks/synthetic.py --merge out/synth_a.json out/synth_b.json --out out/synthetic
 
 ``--set`` takes the keys of ``recurformer synth --set`` (bare/model.K, task.K, synth.K) and applies
 them to every cell. ``--task-set TASK:K=V`` applies to one task (bare K: a task parameter;
@@ -138,7 +139,7 @@ def plot(results: list[Result], path: Path) -> None:
 
 
 def suffixed(out: Path, suffix: str) -> Path:
-    """``out`` + suffix (not ``with_suffix``: "docs/synthetic.a" must not become "docs/synthetic.json")."""
+    """``out`` + suffix (not ``with_suffix``: "out/synthetic.a" must not become "out/synthetic.json")."""
     return out.parent / (out.name + suffix)
 
 
@@ -185,7 +186,7 @@ def main() -> None:
     ap.add_argument("--task-set", action="append", default=[], metavar="TASK:KEY=VALUE", help="a task parameter for one task")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="only build the outputs from these result files")
     ap.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "synthetic"), help="output path without suffix")
+    ap.add_argument("--out", default=str(ROOT / "out" / "synthetic"), help="output path without suffix")
     args = ap.parse_args()
     out = Path(args.out)
     try:

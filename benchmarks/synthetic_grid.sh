@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The synthetic-diagnostics grid of docs/results.md §7: every task x every registered model at a
-# CPU budget, in two single-threaded processes side by side (parts in docs/synthetic_runs/), then
-# merged into docs/synthetic.*. Budget per cell: 400 AdamW steps x batch 32 (one pass over MAD's
+# The synthetic-diagnostics grid of docs/results/synthetic.md: every task x every registered model at a
+# CPU budget, in two single-threaded processes side by side (parts in out/synthetic_runs/), then
+# merged into out/synthetic.*. Budget per cell: 400 AdamW steps x batch 32 (one pass over MAD's
 # 12,800 training rows; MAD trains 200 epochs), 600 for copy; lr 1e-3. About 1 h on 2 cores.
-# LRS="3e-4,1e-3,3e-3" sweeps every cell (about 3 h); docs/results.md §7 ran the extra lrs of the
+# LRS="3e-4,1e-3,3e-3" sweeps every cell (about 3 h); docs/results/synthetic.md ran the extra lrs of the
 # MAD tasks as separate runs and joined them with --merge (best on validation).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-OUT=${OUT:-docs/synthetic}
-PARTS=${PARTS:-docs/synthetic_runs/grid}
+OUT=${OUT:-out/synthetic}
+PARTS=${PARTS:-out/synthetic_runs/grid}
 mkdir -p "$(dirname "$PARTS")"
 common=(--lrs "${LRS:-1e-3}" --steps 400
   --set synth.n_length_test=128

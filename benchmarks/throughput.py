@@ -1,9 +1,10 @@
 """Training and evaluation throughput of every model, as tokens/s and as a fraction of this
-machine's matmul peak measured in the same run (issue 18: machines differ by ~40%, so only ratios
-and fractions of a peak measured side by side mean anything).
+machine's matmul peak measured in the same run (machines differ by ~40%, so only ratios and
+fractions of a peak measured side by side mean anything).
 
-Configurations: ``seed`` (dim 288, 6 layers, 6 heads, vocab 4096; Memory Attention chunk 32 with
-shared memory Q/K/V: the seeds' TinyStories model; RMT segments of 128 with 16 memory slots) and ``125m`` (dim 768, 12 layers, 12 heads,
+Configurations: ``paper`` (dim 288, 6 layers, 6 heads, vocab 4096; Memory Attention chunk 32 with
+shared memory Q/K/V: the TinyStories model of Liang, *Block-wise Recurrent Transformer*, §5; RMT
+segments of 128 with 16 memory slots) and ``125m`` (dim 768, 12 layers, 12 heads,
 vocab 50304: ~124M parameters, for GPUs).
 
 Training: forward + backward + AdamW step on B x T tokens (default 8 x 256). Evaluation: one
@@ -17,14 +18,14 @@ FLOP/token is counted on the model (``recurformer.flops``: every matmul, attenti
 mask shows; training = 3 forwards), and "of peak" divides the achieved FLOP/s by the best n x n
 matmul of the row's precision measured at the start and the end of this run. Two baseline rows
 carry Memory Attention's FLOP count, so extra work they do shows as a lower fraction:
-``algorithm-1`` (``reference.algorithm_1``: the seed's Algorithm 1 read literally, the
+``algorithm-1`` (``reference.algorithm_1``: the paper's Algorithm 1 (§3.3) read literally, the
 tests' reference) and, with ``--peer PATH``, the authors' code (siyuanseever/llama2Rnn, a checkout
 outside this repository: its ``model.py`` and imports, run as they are, nothing copied).
 
     python benchmarks/throughput.py [--models memory_attention,llama] [--precisions fp32,bf16,bf16+compile]
-    python benchmarks/throughput.py --peer /path/to/llama2Rnn --out docs/throughput.json
+    python benchmarks/throughput.py --peer /path/to/llama2Rnn --out out/throughput.json
     python benchmarks/throughput.py --device cuda --config 125m --batch 16 --seq 1024
-    python benchmarks/throughput.py --processes 1,2 --steps 25 --out docs/ddp_throughput.json
+    python benchmarks/throughput.py --processes 1,2 --steps 25 --out out/ddp_throughput.json
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from recurformer.reference import algorithm_1
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
-    "seed": dict(vocab_size=4096, dim=288, n_layers=6, n_heads=6),
+    "paper": dict(vocab_size=4096, dim=288, n_layers=6, n_heads=6),
     "125m": dict(vocab_size=50304, dim=768, n_layers=12, n_heads=12),
 }
 EXTRA = {
@@ -142,7 +143,7 @@ def algorithm_1_row(precision: str, args: argparse.Namespace, device: torch.devi
 
 
 def peer_row(path: str, precision: str, args: argparse.Namespace, device: torch.device, flops: float) -> Row:
-    """The authors' Memory Attention (llama2Rnn's ``Transformer``) in the seeds' configuration:
+    """The authors' Memory Attention (llama2Rnn's ``Transformer``) in the paper's configuration:
     memseqlen 32, projection FFN + norm, reused Q/K/V, learned initial memory; plain RoPE
     ("extrapolation"); their forward computes the loss itself."""
     if not (Path(path) / "model.py").is_file():
@@ -215,6 +216,7 @@ def compare_processes(args: argparse.Namespace) -> None:
             results.append(dict(processes=n, threads_per_process=cores // n, train_tokens_per_s=round(tps)))
             print(f"{label:<32}{tps:>10,.0f} tok/s", flush=True)
     meta = dict(torch=torch.__version__, precision=precision, global_batch=args.batch, seq=args.seq, steps=args.steps)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(meta=meta, results=results), indent=2))
     print(f"wrote {args.out}")
 
@@ -227,7 +229,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(model_names() + list(BASELINES)), help="models and baseline rows (algorithm-1)")
     ap.add_argument("--precisions", default="fp32,bf16")
-    ap.add_argument("--config", choices=sorted(CONFIGS), default="seed")
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="paper")
     ap.add_argument("--peer", metavar="PATH", help="a checkout of siyuanseever/llama2Rnn: adds the authors' code as a row")
     ap.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     ap.add_argument("--batch", type=int, default=8)
@@ -236,7 +238,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--processes", help="compare the trainer on these process counts (e.g. 1,2), in the first of --precisions")
     ap.add_argument("--steps", type=int, default=30, help="training steps per run of --processes")
-    ap.add_argument("--out", default="docs/throughput.json")
+    ap.add_argument("--out", default="out/throughput.json")
     args = ap.parse_args()
     if args.processes:
         return compare_processes(args)

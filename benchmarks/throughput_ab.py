@@ -4,7 +4,7 @@ two alternate within each repeat (A, B, B, A, ...), so background load hits both
 the median of each and the ratio B/A per model and measurement.
 
 Times are the worker's CPU time (``time.process_time``, one thread), which a loaded machine
-disturbs far less than wall-clock time. Measurements (fp32, the seeds' configuration of
+disturbs far less than wall-clock time. Measurements (fp32, the ``paper`` configuration of
 ``throughput.py``): ``train`` = forward + backward
 + AdamW step on B x T tokens with the state carried (tokens/s); ``eval`` = one no-grad forward
 over T_eval tokens (tokens/s); ``decode`` = token-by-token calls with the state (tokens/s).
