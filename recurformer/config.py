@@ -147,7 +147,7 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def bundled_configs() -> list[str]:
     """Names of the configs shipped inside the package (``recurformer/configs/``), e.g.
-    ``tinystories-cpu`` or ``probe/xl-16``; each is usable wherever a config path is."""
+    ``tinystories-cpu`` or ``repro/base``; each is usable wherever a config path is."""
     root = resources.files("recurformer") / "configs"
     names = [f.name[:-5] for f in root.iterdir() if f.name.endswith(".yaml")]
     names += [f"{d.name}/{f.name[:-5]}" for d in root.iterdir() if d.is_dir() for f in d.iterdir() if f.name.endswith(".yaml")]

@@ -1,8 +1,8 @@
-"""Regenerate the bundled corpora in ``recurformer/data/corpora/`` from ``/work/shared/data``.
+"""Regenerate the bundled corpora in ``recurformer/data/corpora/`` from a folder of source texts.
 
-Dev-only (the library never reads /work/shared). Usage::
+Dev-only (the library never reads the source folder). Usage::
 
-    python scripts/make_corpora.py [--src /work/shared/data]
+    python scripts/make_corpora.py --src DATA_DIR
 
 Outputs (xz-compressed UTF-8 text, documents separated by ``<|endoftext|>\\n``):
 
@@ -98,7 +98,7 @@ def write_docs(path: Path, docs: list[str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--src", type=Path, default=Path("/work/shared/data"))
+    ap.add_argument("--src", type=Path, required=True, help="folder of the source texts (see corpora/README.md)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
 

@@ -81,7 +81,7 @@ def test_python_dash_m() -> None:
 
 def test_configs_are_package_data_and_load_by_name(tmp_path, monkeypatch) -> None:
     names = bundled_configs()
-    assert {"tinystories-cpu", "seed-reference", "repro/base", "probe/ma-128"} <= set(names)
+    assert {"tinystories-cpu", "memory-attention-paper", "repro/base"} <= set(names)
     # every bundled YAML is matched by the package-data globs, so the wheel ships it
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["recurformer"]
     root = Path(str(resources.files("recurformer"))) / "configs"
@@ -90,7 +90,7 @@ def test_configs_are_package_data_and_load_by_name(tmp_path, monkeypatch) -> Non
     monkeypatch.chdir(tmp_path)  # no configs/ here: the name is found inside the package
     cfg = load_run_config("tinystories-cpu", ["train.steps=7"])
     assert cfg.model["name"] == "memory_attention" and cfg.train.steps == 7 and cfg.data.dataset == "tinystories-sample"
-    assert load_yaml("probe/ma-128.yaml") == load_yaml(root / "probe" / "ma-128.yaml")
+    assert load_yaml("repro/base.yaml") == load_yaml(root / "repro" / "base.yaml")
     (tmp_path / "tinystories-cpu").mkdir()  # a directory of that name is not a config file: the bundled one is used
     assert load_yaml("tinystories-cpu")["model"]["name"] == "memory_attention"
     with pytest.raises(RecurformerError, match=r"config file not found: nope \(bundled configs: .*tinystories-cpu"):
@@ -110,7 +110,7 @@ def test_configs_load_by_name_from_a_built_wheel(tmp_path) -> None:
     assert build.returncode == 0, build.stderr
     (wheel,) = (tmp_path / "dist").glob("recurformer-*.whl")
     code = ("import recurformer; from recurformer.config import load_yaml; from recurformer.train import load_run_config; "
-            "print(recurformer.__file__); print(load_run_config('tinystories-cpu').model['name'], load_yaml('probe/ma-128')['model']['name'])")
+            "print(recurformer.__file__); print(load_run_config('tinystories-cpu').model['name'], load_yaml('memory-attention-paper')['model']['name'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(wheel)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [str(wheel / "recurformer" / "__init__.py"), "memory_attention memory_attention"]
