@@ -11,9 +11,9 @@ of them (the peer: ``RecurrentMemoryTransformerWrapper(...)(x, return_loss=True)
 replay, no XL memories; ours: ``model(x, targets=y)`` with a fresh state). The peer is configured
 to be as close to ours as it allows: rotary positions instead of absolute ones, hyper-connections
 off (one residual stream); its null key/value, value residuals, GEGLU, untied head and separate
-write tokens stay (the layouts are compared in docs/results.md).
+write tokens stay (the layouts are compared in docs/results/rmt.md).
 
-    python benchmarks/rmt_peer.py --peer /path/to/site-packages [--threads 1] [--out docs/rmt_peer.json]
+    python benchmarks/rmt_peer.py --peer /path/to/site-packages [--threads 1] [--out out/rmt_peer.json]
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512, help="tokens per row and step (seq / segment segments)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="docs/rmt_peer.json")
+    ap.add_argument("--out", default="out/rmt_peer.json")
     args = ap.parse_args()
     if not (Path(args.peer) / "recurrent_memory_transformer_pytorch").is_dir():
         sys.exit(f"rmt_peer.py: error: --peer {args.peer} holds no recurrent_memory_transformer_pytorch package")
