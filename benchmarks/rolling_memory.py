@@ -3,7 +3,7 @@ read once through the state, ``--chunk`` tokens per call. One fresh process per 
 is that row's); a bounded-state model (Memory Attention) stays flat with the document's length,
 a full KV cache (Llama) grows with it. Random weights: memory does not depend on them.
 
-    python benchmarks/rolling_memory.py --lengths 4096,65536 --json rolling_memory.json
+    python benchmarks/rolling_memory.py --lengths 4096,65536 --json out/rolling_memory.json
 
 Needs ``recurformer[eval]``."""
 
@@ -48,7 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="4096,65536")
     ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--json", default="rolling_memory.json")
+    ap.add_argument("--json", default="out/rolling_memory.json")
     ap.add_argument("--row", nargs=3, metavar=("MODEL", "TOKENS", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.row:
@@ -64,6 +64,7 @@ def main() -> None:
     print("| model | tokens | peak RSS (MiB) | growth while scoring (MiB) |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['tokens']:,} | {r['peak_rss_mib']:.1f} | {r['growth_mib']:.1f} |")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 
 

@@ -93,3 +93,9 @@ def test_experiment_configs_load() -> None:
     assert configs
     for path in configs:
         assert load_run_config(str(path)).model["name"], path
+
+
+def test_benchmarks_readme_lists_every_script() -> None:
+    listed = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
+    assert scripts and [s for s in scripts if f"`{s}`" not in listed] == []
