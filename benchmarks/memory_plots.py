@@ -9,7 +9,7 @@ from ``recurformer synth --json`` results (e.g. those ``experiments/memory/run_g
   to a chunk boundary);
 - ``<out>.md`` / ``<out>.json``: the table behind both (every number with its seeds).
 
-    python benchmarks/memory_plots.py runs/memory/*.json --distance 128 --out docs/memory/mqar
+    python benchmarks/memory_plots.py runs/memory/*.json --distance 128 --out out/memory/mqar
 """
 
 from __future__ import annotations
