@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .config import RecurformerError, merge
+from .config import RecurformerError, check_options, merge
 from .data import Tokenizer
 from .evaluate import LengthResult, evaluate_lengths
 from .nn import StreamingLM
@@ -93,13 +93,17 @@ def _tokens(tokenizer: Tokenizer | None, dataset: str | None, text: Sequence[str
 
 def evaluate(model: StreamingLM, tokenizer: Tokenizer | None = None, *, tokens: np.ndarray | None = None,
              dataset: str | None = None, text: Sequence[str | Path] | None = None,
-             lengths: Sequence[int] = (256, 512, 1024, 2048, 4096), last: int = 256, windows: int = 16,
-             chunk: int = 256, warm_state: int = 0, batch_size: int = 8, seed: int = 0,
+             lengths: Sequence[int] = (256, 512, 1024, 2048, 4096), last: int = 256, windows: int | None = None,
+             chunk: int = 256, warm_state: int = 0, batch_size: int = 8,
              context: int | None = None) -> list[LengthResult]:
-    """Length extrapolation as ``recurformer eval``: loss and accuracy on the last ``last``
-    tokens of windows of each length, on ``tokens`` or a dataset's val split or text files."""
+    """Length extrapolation as ``recurformer eval``: loss (with a 95% bootstrap interval over
+    documents) and accuracy on the last ``last`` tokens of windows of each length, on ``tokens``
+    or a dataset's val split or text files. The windows are deterministic: all of them (the scored
+    blocks tile the text), or ``windows`` evenly spaced ones; ``evaluate.paired_differences``
+    compares two models' results on the same tokens."""
     data = np.asarray(tokens, dtype=np.int64) if tokens is not None else _tokens(tokenizer, dataset, text)
-    return evaluate_lengths(model, data, list(lengths), last, windows, chunk, warm_state, batch_size, seed, context)
+    return evaluate_lengths(model, data, list(lengths), last, windows, chunk, warm_state, batch_size, context,
+                            tokenizer.bos_id if tokenizer is not None else None)
 
 
 def probe(model: StreamingLM, tokenizer: Tokenizer, *, task: str = "repeat", dataset: str | None = None,
@@ -114,6 +118,9 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, task: str = "repeat", dat
 
     if task not in p.TASKS:
         raise RecurformerError(f"unknown probe task '{task}'; valid tasks: {', '.join(p.TASKS)}")
+    check_options(docs=docs, passage=passage, span=span, chunk=chunk, batch_size=batch_size, warm_min=warm[0])
+    if warm[0] > warm[1]:
+        raise RecurformerError(f"warm must be (min, max) with min <= max, got {warm}")
     if dataset is None and not text:
         if task != "repeat":
             raise RecurformerError("the swap probe needs dataset=NAME or text=[FILE, ...]")

@@ -41,7 +41,11 @@ def cmd_info(args: argparse.Namespace) -> None:
     if not name:
         raise RecurformerError("give --model NAME (or a --config with model.name)")
     model = build_model(name, values)
-    print(f"model: {name}")
+    if args.config:
+        print(f"model: {name}, the model section of {args.config}" + (" with --set overrides" if args.set else ""))
+    else:
+        print(f"model: {name}, its defaults (the size of its paper)" + (" with --set overrides" if args.set else "")
+              + "; --config tinystories-cpu shows the model the bundled default run trains")
     for k, v in vars(model.config).items():
         print(f"  {k}: {v}")
     n = model.num_params()
@@ -54,29 +58,46 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def state_size_line(model) -> str:  # type: ignore[no-untyped-def]
-    """The state's size per batch row, measured from the state itself (every model alike): after
-    reading 2C - 1 and 4C - 1 tokens, C the model's context field (chunk, window, segment, ...)."""
+    """The state's size per batch row, measured from the state itself (every model alike) past
+    every layer's reach: c is the longest span a layer reads directly (its window, segment and
+    memory, block, ...; at least 64, the reset period and the model's context field), rounded up to
+    the reset period P; sizes after c + P - 1 and c + 2P - 1 tokens (the same chunk phase,
+    partial-chunk buffers at their fullest) differ only when a state grows with the text. Measured on a copy
+    with a 2-token vocabulary: the state does not depend on it, and the output head is most of
+    the work."""
+    import dataclasses
+
     import torch
 
+    from .models import build_model, model_name
+
+    P, big = model.reset_boundary, 1 << 40
+    spans = [big + j - r + 1 for layer in model.layers for j in range(P) if (r := layer.reach(big + j)) is not None]
     field = model.config.context_field
-    c = max(int(getattr(model.config, field) or 1) if field else 1, model.reset_boundary)
+    c = max([64, P, int(getattr(model.config, field) or 1) if field else 1, *spans])
+    c = -(-c // P) * P
+    probe = build_model(model_name(model.config), {**dataclasses.asdict(model.config), "vocab_size": 2}).eval()
     sizes = []
-    with torch.no_grad():
-        state = model.init_state(1, "cpu")
-        for n in (2 * c - 1, 2 * c):
-            state = model(torch.zeros(1, n, dtype=torch.long), state=state).state
+    with torch.inference_mode():
+        state = probe.init_state(1, "cpu")
+        for n in (c + P - 1, P):
+            state = probe(torch.zeros(1, n, dtype=torch.long), state=state).state
             sizes.append(sum(t.numel() for t in state.to_flat().values() if t.is_floating_point()))
     if sizes[1] > sizes[0]:
-        return f"state size per row (measured): grows with the text, {sizes[1]:,} numbers after {4 * c - 1:,} tokens ({(sizes[1] - sizes[0]) / (2 * c):,.0f} per token)"
-    return f"state size per row (measured): {sizes[1]:,} numbers ({4 * sizes[1] / 2**20:.2f} MiB at fp32), the same at any length"
+        return f"state size per row (measured): grows with the text, {sizes[1]:,} numbers after {c + 2 * P - 1:,} tokens ({(sizes[1] - sizes[0]) / P:,.0f} per token)"
+    return (f"state size per row (measured): {sizes[1]:,} numbers ({4 * sizes[1] / 2**20:.2f} MiB at fp32), the same at any length "
+            f"(measured after {c + P - 1:,} and {c + 2 * P - 1:,} tokens, past every layer's reach)")
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
+    from .config import check_options
     from .data import prepare
     from .train import DataConfig
 
     if not args.dataset and not args.text:
         raise RecurformerError("give --dataset NAME or --text FILE ...")
+    if args.tokenizer == "bpe":
+        check_options("cli", vocab_size=args.vocab_size)
     dc = DataConfig(dataset=args.dataset, text_files=args.text or [], tokenizer=args.tokenizer, vocab_size=args.vocab_size)
     out = args.out or dc.resolved_dir()
     if not args.out and args.text_field != "text":  # the same files read through another field: another directory
@@ -93,15 +114,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise RecurformerError("give --config FILE (see configs/) or --resume DIR")
     sets = args.set + (["train.compile=true"] if args.compile else []) + ([f"train.device={args.device}"] if args.device else [])
     last = train(args.config, resume=args.resume, overwrite=args.overwrite, **parse_overrides(sets)).metrics
-    if last:
-        print("done: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()))
-
-
-def _check_at_least(args: argparse.Namespace, minimum: int, *names: str) -> None:
-    for name in names:
-        value = getattr(args, name)
-        if value is not None and value < minimum:
-            raise RecurformerError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+    if last:  # the run's mean speed first; the last log interval's rate named as such
+        names = {"tok_per_s": "last_interval_tok_per_s"}
+        last = {k: last[k] for k in ("step", "loss", "val_loss", "mean_tok_per_s", "mfu") if k in last} | last
+        print("done: " + ", ".join(f"{names.get(k, k)}={v:.4g}" if isinstance(v, float) else f"{names.get(k, k)}={v}" for k, v in last.items()))
 
 
 def eval_labels(paths: list[str]) -> list[str]:
@@ -120,11 +136,25 @@ def eval_labels(paths: list[str]) -> list[str]:
     return [str(d) if labels.count(lab) > 1 else lab for lab, d in zip(labels, dirs)]
 
 
+def default_output(given: str | None, checkpoint: str, name: str) -> Path:
+    """``given``, or ``name`` in the run directory of ``checkpoint`` (the directory that holds its
+    step_* checkpoints, or the checkpoint / pretrained directory itself)."""
+    from .checkpoint import resolve
+
+    if given:
+        return Path(given)
+    d = resolve(checkpoint)
+    return (d.parent if d.name.startswith("step_") else d) / name
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     import math
 
+    from tqdm import tqdm
+
+    from .config import check_options
     from .device import memory_kind, pick_device
-    from .evaluate import eval_tokens, evaluate_lengths, markdown_table, plot, save_json
+    from .evaluate import eval_tokens, evaluate_lengths, markdown_table, plot, save_json, window_ends
     from .files import check_writable
     from .hub import load_model
 
@@ -134,12 +164,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
         raise RecurformerError(f"--lengths must be comma-separated integers, got '{args.lengths}'") from None
     if not lengths or min(lengths) < 1:
         raise RecurformerError(f"--lengths must be positive integers, got '{args.lengths}'")
-    _check_at_least(args, 1, "last", "windows", "chunk", "batch_size", "window", "context")
-    _check_at_least(args, 0, "warm_state")
-    out = Path(args.json)
+    check_options("cli", last=args.last, windows=args.windows, chunk=args.chunk, batch_size=args.batch_size, window=args.window,
+                  context=args.context, warm_state=args.warm_state)
+    shortest = min(lengths)
+    if shortest < args.last:
+        raise RecurformerError(f"--lengths: {shortest} is shorter than --last {args.last}")
+    labels = eval_labels(args.checkpoint)
+    out = default_output(args.json, args.checkpoint[0], "eval.json")
     check_writable(out, "--json file")  # before the work, not after it
     check_writable(out.with_suffix(".png"), "plot")
-    labels = eval_labels(args.checkpoint)
     device = pick_device(args.device)
     results: dict[str, Any] = {}
     cache: dict[Any, Any] = {}
@@ -152,10 +185,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
             model.set_window(args.window)
             label += f" (window {args.window})"
         tokens = eval_tokens(tok, config, data=args.data, dataset=args.dataset, text=args.text, cache=cache)
-        print(f"evaluating {label} ({name}) at lengths {lengths}, {args.windows} windows each, loss on the last {args.last} tokens")
-        rs = evaluate_lengths(
-            model, tokens, lengths, args.last, args.windows, args.chunk, args.warm_state, args.batch_size, args.seed, args.context
-        )
+        context = args.context or args.warm_state + max(lengths)
+        n = len(window_ends(len(tokens), context, args.last, args.windows)) if len(tokens) > context else 0
+        how = "every window of the evaluation text" if args.windows is None else "evenly spaced windows"
+        print(f"evaluating {label} ({name}) at lengths {lengths}: {n:,} windows ({how}), loss on the last {args.last} tokens of each, "
+              f"{n * sum(args.warm_state + L for L in lengths):,} tokens to read" + (" (--windows K for a quicker look)" if args.windows is None else ""))
+        with tqdm(total=n * len(lengths), desc=label, unit="window", leave=False, disable=not sys.stderr.isatty()) as bar:
+            rs = evaluate_lengths(model, tokens, lengths, args.last, args.windows, args.chunk, args.warm_state, args.batch_size,
+                                  args.context, tok.bos_id if tok is not None else None, style="cli", progress=bar.update)
         bad = next((r for r in rs if not math.isfinite(r.loss)), None)
         if bad is not None:
             raise RecurformerError(
@@ -163,7 +200,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
                 f"nothing written"
             )
         for r in rs:
-            print(f"  L={r.length:>6}: loss {r.loss:.4f}  acc {r.accuracy:.3f}  {r.tokens_per_s:,.0f} tok/s  peak {memory_kind(device)} {r.peak_memory_mb:,.0f} MB")
+            print(f"  L={r.length:>6}: loss {r.loss:.4f} [{r.loss_low:.4f}, {r.loss_high:.4f}]  acc {r.accuracy:.3f}  "
+                  f"{r.windows} windows, bootstrap over {r.units} {r.unit}  {r.tokens_per_s:,.0f} tok/s  peak {memory_kind(device)} {r.peak_memory_mb:,.0f} MB")
         results[label] = rs
         trained[label] = config.get("train", {}).get("seq_len")
     print()
@@ -171,7 +209,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     meta = {k: v for k, v in vars(args).items() if k != "func"}
     save_json(results, out, meta)
     png = out.with_suffix(".png")
-    plot(results, png, f"loss on the last {args.last} tokens", args.last, trained)
+    plot(results, png, f"loss on the last {args.last} tokens", args.last, trained, args.warm_state)
     print(f"wrote {out} and {png}")
 
 
@@ -180,11 +218,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     import torch
 
+    from .config import check_options
     from .device import memory_kind, peak_memory_mb, pick_device, reset_peak_memory, synchronize
     from .files import check_writable
     from .generate import load_session, new_session, save_session, stream
     from .hub import load_model
 
+    check_options("cli", max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.save_state:
         check_writable(Path(args.save_state), "--save-state file")  # before generating, not after
     device = pick_device(args.device)
@@ -321,12 +361,13 @@ def cmd_probe(args: argparse.Namespace) -> None:
 
     from . import probe
     from .checkpoint import resolve
+    from .config import check_options
     from .device import pick_device, slow_bf16_warning
     from .files import atomic_write, check_writable
     from .hub import load_model
 
-    out = Path(args.json)
     if args.merge:
+        out = Path(args.json) if args.json else Path(args.merge[0]).with_name("probe-merged.json")
         check_writable(out, "--json file")
         check_writable(out.with_suffix(".png"), "plot")
         results, meta = probe.merge([Path(f) for f in args.merge])
@@ -337,14 +378,15 @@ def cmd_probe(args: argparse.Namespace) -> None:
         return
     if args.task not in probe.TASKS:
         raise RecurformerError(f"unknown probe task '{args.task}'; valid tasks: {', '.join(probe.TASKS)}")
-    _check_at_least(args, 1, "docs", "batch_size", "chunk")
-    if not 0 <= args.warm_min <= args.warm_max:
+    check_options("cli", docs=args.docs, batch_size=args.batch_size, chunk=args.chunk, passage=args.passage, span=args.span,
+                  warm_min=args.warm_min)
+    if not args.warm_min <= args.warm_max:
         raise RecurformerError(f"need 0 <= --warm-min <= --warm-max, got {args.warm_min} and {args.warm_max}")
     try:
         distances = [int(x) for x in args.distances.split(",") if x.strip()]
     except ValueError:
         raise RecurformerError(f"--distances must be comma-separated integers, got '{args.distances}'") from None
-    out = Path(args.json)
+    out = default_output(args.json, args.checkpoint[0], "probe.json")
     check_writable(out, "--json file")  # before the work, not after it
     check_writable(out.with_suffix(".png"), "plot")
     device = pick_device(args.device)
@@ -386,6 +428,7 @@ def cmd_probe(args: argparse.Namespace) -> None:
 
 
 def cmd_readout(args: argparse.Namespace) -> None:
+    from .config import check_options
     from .data import eval_windows
     from .data.synthetic import get_task, make_split
     from .evaluate import eval_tokens
@@ -394,7 +437,7 @@ def cmd_readout(args: argparse.Namespace) -> None:
     from .readout import default_segment, readout, table
     from .synth import split_overrides
 
-    _check_at_least(args, 1, "segments", "rows")
+    check_options("cli", segments=args.segments, rows=args.rows, segment=args.segment)
     if args.json:
         check_writable(Path(args.json), "--json file")
     model, tok, config = from_pretrained(args.checkpoint)
@@ -430,25 +473,26 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .models import model_names
+    from .probe import TASKS as PROBE_TASKS
 
-    ap = argparse.ArgumentParser(prog="recurformer", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="recurformer", description=__doc__.splitlines()[0].replace("``", ""))
     ap.add_argument("--version", action="version", version=f"recurformer {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", help="print a model's configuration and parameter counts")
+    p = sub.add_parser("info", formatter_class=_Help, help="print a model's configuration and parameter counts")
     p.add_argument("--model", help=f"one of: {', '.join(model_names())}")
     p.add_argument("--config", help="a YAML config file (its model section is used)")
     _add_set(p)
 
-    p = sub.add_parser("prepare", help="tokenize a corpus into train/val token files")
+    p = sub.add_parser("prepare", formatter_class=_Help, help="tokenize a corpus into train/val token files")
     p.add_argument("--dataset", help="tinystories-sample, tinystories-repeat, tinystories-cased, warpeace, books, tinystories (hub)")
     p.add_argument("--text", nargs="+", metavar="FILE", help="your own corpus instead of a dataset: text files, JSONL, "
                    "Parquet or datasets directories (save_to_disk), streamed")
     p.add_argument("--text-field", default="text", help="the field / column holding the text in JSONL, Parquet and datasets inputs")
-    p.add_argument("--tokenizer", choices=["bpe", "byte"], default="bpe")
-    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--tokenizer", choices=["bpe", "byte"], default="bpe", help="byte-level BPE (learned on the train split) or raw bytes")
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size, special tokens included")
     p.add_argument("--out", help="output directory (default: prepared/<dataset>-<tokenizer><vocab>)")
 
-    p = sub.add_parser("train", help="train a model (stateful TBPTT) from a YAML config")
+    p = sub.add_parser("train", formatter_class=_Help, help="train a model (stateful TBPTT) from a YAML config")
     p.add_argument("--config", help="YAML file with model/data/train sections (see configs/)")
     p.add_argument("--resume", help="a run or checkpoint directory to continue exactly (written into that run "
                    "directory unless --set train.out_dir=... is given)")
@@ -458,33 +502,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto (CUDA when present; the default), cpu, cuda or cuda:N (same as --set train.device=...)")
     _add_set(p)
 
-    p = sub.add_parser("eval", help="length-extrapolation evaluation (loss on the last tokens at several lengths)")
+    p = sub.add_parser("eval", formatter_class=_Help, help="length-extrapolation evaluation (loss on the last tokens at several lengths)")
     p.add_argument("--checkpoint", nargs="+", required=True, help="run or checkpoint directories (one line each in the plot)")
-    p.add_argument("--lengths", default="256,512,1024,2048,4096")
+    p.add_argument("--lengths", default="256,512,1024,2048,4096", help="comma-separated window lengths L")
     p.add_argument("--last", type=int, default=256, help="score only the last N tokens of each window")
-    p.add_argument("--windows", type=int, default=16, help="windows per length")
+    p.add_argument("--windows", type=int, help="windows per length, evenly spaced over the evaluation text "
+                   "(default: all of them, so the scored blocks tile the whole text after the first --context tokens)")
     p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="windows read side by side")
     p.add_argument("--warm-state", type=int, default=0, metavar="N", help="read N tokens before each window, unscored")
     p.add_argument("--window", type=int, help="evaluate a dense model with a sliding-window mask of this size")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--data", help="a prepared dataset directory (default: the checkpoint's own)")
     src.add_argument("--dataset", help="a bundled dataset's val split, encoded with the checkpoint's tokenizer")
     src.add_argument("--text", nargs="+", help="text files, encoded with the checkpoint's tokenizer")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--context", type=int, help="windows end where this many tokens fit before them (default: warm-up + the "
                    "longest length); give the same value to compare runs with different lengths on the same tokens")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.add_argument("--json", default="eval.json", help="output JSON (a PNG plot is written beside it)")
+    p.add_argument("--json", metavar="FILE", help="output JSON, a PNG plot beside it (default: eval.json in the first "
+                   "checkpoint's run directory)")
 
-    p = sub.add_parser("generate", help="stream text from a checkpoint")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--prompt", default="")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("generate", formatter_class=_Help, help="stream text from a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="a run, checkpoint or pretrained directory, or a Hub repo id")
+    p.add_argument("--prompt", default="", help="text to continue (lower-cased for a lower-case tokenizer)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens only (default: all)")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens whose probability reaches p, in (0, 1] (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True, help="stop at the end of a document")
     p.add_argument("--save-state", metavar="FILE", help="save the generation state (safetensors) to continue later")
     p.add_argument("--load-state", metavar="FILE", help="continue a saved generation (the prompt is appended)")
@@ -493,8 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .data.synthetic import TASKS
 
-    p = sub.add_parser("synth", help="train a small model on a synthetic diagnostic task and report its accuracy")
-    p.add_argument("--task", required=True, choices=sorted(TASKS))
+    p = sub.add_parser("synth", formatter_class=_Help, help="train a small model on a synthetic diagnostic task and report its accuracy")
+    p.add_argument("--task", required=True, choices=sorted(TASKS), help="the diagnostic task (MAD tasks, copy, delayed copy, passkey)")
     p.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}")
     p.add_argument("--config", action="append", metavar="FILE", help="YAML with model/task/synth sections (repeatable; --set wins)")
     _add_set(p)
@@ -506,22 +551,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the full result as JSON here")
     p.add_argument("--save", metavar="DIR", help="save the selected model (pretrained layout) for `recurformer readout`")
 
-    p = sub.add_parser("readout", help="does a model read its memory, and does a later loss reach it: attention share and gradient norms")
+    p = sub.add_parser("readout", formatter_class=_Help, help="does a model read its memory, and does a later loss reach it: attention share and gradient norms")
     p.add_argument("--checkpoint", required=True, help="a run, checkpoint or pretrained directory (e.g. from synth --save)")
     p.add_argument("--task", help="read synthetic task rows (see synth) instead of the checkpoint's validation text")
     _add_set(p)
     p.add_argument("--segment", type=int, help="tokens per segment (default: the model's chunk / segment / block length)")
     p.add_argument("--segments", type=int, default=4, help="K: gradient norms from the losses of segments 1..K (default 4)")
     p.add_argument("--rows", type=int, default=16, help="rows to read (default 16)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="which rows are read")
     p.add_argument("--json", help="write the read-out as JSON here")
 
-    p = sub.add_parser("probe", help="how far back the state carries information: copy and swap probes with bootstrap intervals")
+    p = sub.add_parser("probe", formatter_class=_Help, help="how far back the state carries information: copy and swap probes with bootstrap intervals")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", nargs="+", help="run or checkpoint directories (one line each in the plot)")
     what.add_argument("--merge", nargs="+", metavar="JSON", help="instead: one table, JSON and plot from earlier probe "
                       "results run with the same documents and settings")
-    p.add_argument("--task", default="repeat", help="repeat (copy: s1, marker, s2 = s1) or swap (replace the history older than d)")
+    p.add_argument("--task", default="repeat", metavar="{" + ",".join(PROBE_TASKS) + "}",  # checked in cmd_probe: one line
+                   help="repeat (copy: s1, marker, s2 = s1) or swap (replace the history older than d)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--dataset", help="a bundled dataset's val split (default: tinystories-repeat for repeat, the checkpoint's own for swap)")
     src.add_argument("--text", nargs="+", metavar="FILE", help="UTF-8 text files, encoded with the checkpoint's tokenizer")
@@ -529,15 +575,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passage", type=int, default=128, help="repeat on a corpus other than tinystories-repeat: passage length n")
     p.add_argument("--distances", default="1,4,16,64,256,1024", help="swap: replace the history older than each of these")
     p.add_argument("--span", type=int, default=32, help="swap: target tokens scored after the history")
-    p.add_argument("--warm-min", type=int, default=32, help="each document is read after a random prefix of stream text of")
-    p.add_argument("--warm-max", type=int, default=288, help="... between warm-min and warm-max tokens (varies chunk phases)")
+    p.add_argument("--warm-min", type=int, default=32, help="fewest tokens of stream text read before each document (a random "
+                   "prefix length between --warm-min and --warm-max varies the chunk phases)")
+    p.add_argument("--warm-max", type=int, default=288, help="most tokens of stream text read before each document")
     p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=16, help="documents read side by side")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: CPU/CUDA autocast")
+    p.add_argument("--seed", type=int, default=0, help="which documents and warm-up prefixes, and the bootstrap")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.add_argument("--json", default="probe.json", help="output JSON (a PNG plot is written beside it)")
-    p = sub.add_parser("niah", help="needle in a haystack: a passkey at depth d%% of a context of length L, retrieved at the end "
+    p.add_argument("--json", metavar="FILE", help="output JSON, a PNG plot beside it (default: probe.json in the first "
+                   "checkpoint's run directory; with --merge, probe-merged.json beside the first merged file)")
+    p = sub.add_parser("niah", formatter_class=_Help, help="needle in a haystack: a passkey at depth d%% of a context of length L, retrieved at the end "
                        "(exact match and answer log-likelihood; a depth x length heatmap)")
     p.add_argument("--checkpoint", required=True, help="a run, checkpoint or pretrained directory")
     p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths in tokens")
@@ -547,13 +595,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", nargs="+", metavar="FILE", help="haystack text files (default: the bundled books, val split)")
     p.add_argument("--via", choices=["recurformer", "transformers"], default="recurformer",
                    help="transformers: load and run the model through AutoModelForCausalLM (needs recurformer[hf])")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="passkeys and haystack offsets")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.add_argument("--json", default="niah.json", help="output JSON (the heatmap PNG is written beside it)")
     p = sub.add_parser("lm-eval", add_help=False, help="EleutherAI's lm-evaluation-harness with the 'recurformer' model "
                        "(needs recurformer[eval]); every argument is lm-eval's own, e.g. --model_args pretrained=DIR --tasks NAME")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p = sub.add_parser("export", help="write a run's checkpoint in Hugging Face Hub layout with a model card")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="lm-eval's own arguments")
+    p = sub.add_parser("export", formatter_class=_Help, help="write a run's checkpoint in Hugging Face Hub layout with a model card")
     p.add_argument("--checkpoint", required=True, help="a run or checkpoint directory")
     p.add_argument("--out", required=True, help="the directory to write (model.safetensors, config.json, tokenizer.json, README.md)")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload it to this Hub repo (needs a network and a token)")
@@ -574,6 +622,16 @@ def _run_lm_eval(argv: list[str]) -> int:
     except SystemExit as e:  # lm-eval's argparse and its own exits
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     return 0
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default where it has one (not None, not a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        empty = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
+        if empty or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action) or ""
 
 
 class _Terminated(BaseException):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from importlib import resources
@@ -169,3 +170,51 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RecurformerError(f"config file {p} must hold a mapping at the top level")
     return data
+
+
+# Numeric options, checked once for the command line, the Python API and config files alike:
+# name -> (lowest, is the lowest allowed, highest or None, is the highest allowed).
+RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
+    "lr": (0.0, False, None, False), "min_lr": (0.0, True, None, False), "weight_decay": (0.0, True, None, False),
+    "beta1": (0.0, True, 1.0, False), "beta2": (0.0, True, 1.0, False), "grad_clip": (0.0, True, None, False),
+    "warmup": (0, True, None, False), "eval_batches": (1, True, None, False), "keep_last": (0, True, None, False),
+    "max_new_tokens": (0, True, None, False), "temperature": (0.0, True, None, False), "top_k": (1, True, None, False),
+    "top_p": (0.0, False, 1.0, True), "last": (1, True, None, False), "windows": (1, True, None, False),
+    "chunk": (1, True, None, False), "batch_size": (1, True, None, False), "window": (1, True, None, False),
+    "context": (1, True, None, False), "warm_state": (0, True, None, False), "docs": (1, True, None, False),
+    "passage": (1, True, None, False), "span": (1, True, None, False), "warm_min": (0, True, None, False),
+    "length": (1, True, None, False), "distance": (1, True, None, False), "vocab_size": (258, True, 2**20, True),
+    "segments": (1, True, None, False), "rows": (1, True, None, False), "segment": (1, True, None, False),
+}
+
+
+def _range_text(low: float, low_ok: bool, high: float | None, high_ok: bool) -> str:
+    num = lambda x: str(int(x)) if float(x).is_integer() else f"{x:g}"  # noqa: E731
+    if high is None:
+        return f"{'>=' if low_ok else '>'} {num(low)}"
+    return f"in {'[' if low_ok else '('}{num(low)}, {num(high)}{']' if high_ok else ')'}"
+
+
+def check_options(style: str = "python", **values: Any) -> None:
+    """Raise ``RecurformerError`` naming the first option of ``values`` outside its range in
+    ``RANGES`` (None = not given). ``style`` names it as the caller knows it: ``"cli"`` gives
+    ``--top-p``, ``"python"`` gives ``top_p``, and any other string is a config section
+    (``"train"`` gives ``config key 'train.lr'``)."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        low, low_ok, high, high_ok = RANGES[name]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+        ok = ok and (value >= low if low_ok else value > low)
+        ok = ok and (high is None or (value <= high if high_ok else value < high))
+        if not ok:
+            raise RecurformerError(f"{option_name(name, style)} must be {_range_text(low, low_ok, high, high_ok)}, got {value!r}")
+
+
+def option_name(name: str, style: str = "python") -> str:
+    """How the option ``name`` is spelled for ``style`` (see ``check_options``)."""
+    if style == "cli":
+        return "--" + name.replace("_", "-")
+    if style == "python":
+        return name
+    return f"config key '{style}.{name}'"

@@ -1,50 +1,83 @@
-"""Length-extrapolation evaluation (Liang, "Block-wise Recurrent Transformer", §5.1): for each
-length L, K windows of L tokens; the model reads each window chunk by chunk through the streaming
-contract (so memory stays bounded for recurrent models at any L) and the loss / accuracy is taken on
-the last ``last`` tokens only. The windows of every length end at the same K positions (as in the
-authors' evaluation), so all lengths score the same tokens and differ only in how much history the
-model read. Windows start from the initial state, or after reading a warm-up prefix."""
+"""Length-extrapolation evaluation (Liang, "Block-wise Recurrent Transformer",
+§5.1): for each length L the model reads windows of L tokens chunk by chunk through the streaming
+contract (so memory stays bounded for recurrent models at any L) and the loss / accuracy is taken
+on the last ``last`` tokens of each window only.
+
+The scored set is deterministic and shared by every model and length: the windows end at fixed
+positions, ``last`` tokens apart, so their scored blocks tile the evaluation text after the first
+``context`` tokens (the whole validation split by default; ``windows=K`` keeps K of them, evenly
+spaced). Lengths therefore differ only in how much history the model read, and two checkpoints
+evaluated on the same text score the same tokens. The 95% interval is a percentile bootstrap over
+documents (the text's BOS-separated documents; over the windows instead when no BOS is known or
+the scored tokens lie in fewer than ``MIN_DOCUMENTS`` documents, as in one long book) with a fixed
+bootstrap seed: the mean loss is the total loss over the total token count of the resampled
+units; a paired difference resamples the same units for both models."""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import RecurformerError
+from .config import RecurformerError, check_options, option_name
 from .device import peak_memory_mb, reset_peak_memory, synchronize
 from .files import atomic_write
 from .nn import StreamingLM
+
+BOOTSTRAP_SAMPLES = 2000
+BOOTSTRAP_SEED = 0
+MIN_DOCUMENTS = 20  # fewer documents: the bootstrap resamples windows
 
 
 @dataclass
 class LengthResult:
     length: int
     loss: float  # mean cross-entropy over the last `last` tokens of every window
+    loss_low: float  # 95% bootstrap interval of `loss` over documents
+    loss_high: float
     accuracy: float  # argmax accuracy on the same tokens
     scored_tokens: int
     windows: int
+    units: int  # how many bootstrap units (documents, or windows) the scored tokens fall in
+    unit: str  # "documents" or "windows"
     tokens_per_s: float  # tokens read (windows x (warm + L)) per second
     peak_memory_mb: float  # peak memory while evaluating this length (device.peak_memory_mb: RSS on CPU, allocated on CUDA)
+    doc_loss: np.ndarray = field(repr=False, compare=False, default_factory=lambda: np.zeros(0))  # summed loss per document
+    doc_tokens: np.ndarray = field(repr=False, compare=False, default_factory=lambda: np.zeros(0))  # scored tokens per document
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items() if k not in ("doc_loss", "doc_tokens")}
+
+
+@dataclass
+class PairedDifference:
+    length: int
+    diff: float  # loss(model) - loss(reference) on the same tokens
+    low: float  # 95% bootstrap interval, the same documents resampled for both
+    high: float
 
 
 @torch.no_grad()
-def score_windows(model: StreamingLM, windows: torch.Tensor, last: int, chunk: int, batch_size: int = 8) -> tuple[float, float, int]:
-    """windows: [K, N + 1], read ``chunk`` tokens per call. Returns (summed loss, summed correct,
-    scored tokens) over the last ``last`` targets of each window."""
-    total_loss, correct, count = 0.0, 0.0, 0
+def score_rows(model: StreamingLM, windows: torch.Tensor, last: int, chunk: int, batch_size: int = 8,
+               progress: Callable[[int], object] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """windows: [K, N + 1], read ``chunk`` tokens per call. Returns the cross-entropy and the
+    argmax hits of the last ``last`` targets of each window, both [K, last] (float64);
+    ``progress(n)`` is called after each batch of n windows."""
     device = model.tok_emb.weight.device
+    losses, hits = [], []
     for rows in windows.split(batch_size):
         rows = rows.to(device)
         x, y = rows[:, :-1], rows[:, 1:]
         T = x.shape[1]
         first_scored = T - last
         state = None
+        row_loss, row_hits = [], []
         for a in range(0, T, chunk):
             b = min(a + chunk, T)
             out = model(x[:, a:b], state=state)
@@ -54,10 +87,19 @@ def score_windows(model: StreamingLM, windows: torch.Tensor, last: int, chunk: i
                 logits = out.logits[:, lo - a :]
                 logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
                 tgt = y[:, lo:b]
-                total_loss += float(F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="sum"))
-                correct += float((logits.argmax(-1) == tgt).sum())
-                count += tgt.numel()
-    return total_loss, correct, count
+                row_loss.append(F.cross_entropy(logits.transpose(1, 2), tgt, reduction="none").double().cpu())
+                row_hits.append((logits.argmax(-1) == tgt).double().cpu())
+        losses.append(torch.cat(row_loss, 1))
+        hits.append(torch.cat(row_hits, 1))
+        if progress is not None:
+            progress(rows.shape[0])
+    return torch.cat(losses), torch.cat(hits)
+
+
+def score_windows(model: StreamingLM, windows: torch.Tensor, last: int, chunk: int, batch_size: int = 8) -> tuple[float, float, int]:
+    """(summed loss, summed correct, scored tokens) over the last ``last`` targets of each window."""
+    loss, hits = score_rows(model, windows, last, chunk, batch_size)
+    return float(loss.sum()), float(hits.sum()), loss.numel()
 
 
 def eval_tokens(tok, config: dict, *, data: str | None = None, dataset: str | None = None,  # type: ignore[no-untyped-def]
@@ -90,64 +132,180 @@ def eval_tokens(tok, config: dict, *, data: str | None = None, dataset: str | No
     return val
 
 
+def window_ends(n_tokens: int, context: int, last: int, windows: int | None = None) -> np.ndarray:
+    """Where the evaluation windows end (exclusive indices into the token stream): every
+    ``last``-th position from ``context + 1`` on, so the scored blocks of ``last`` targets tile the
+    text after the first ``context`` tokens; ``windows`` keeps that many of them, evenly spaced."""
+    if n_tokens < context + 1:
+        raise RecurformerError(f"{n_tokens} evaluation tokens are too few for windows of {context} tokens (+1)")
+    ends = np.arange(context + 1, n_tokens + 1, last)
+    if windows is not None and windows < len(ends):
+        ends = ends[np.unique(np.linspace(0, len(ends) - 1, windows).round().astype(np.int64))]
+    return ends
+
+
+def document_ids(tokens: np.ndarray, bos: int | None) -> np.ndarray:
+    """For every position of ``tokens``, the index of the document it belongs to (documents
+    start at a BOS token); all zeros when ``bos`` is None."""
+    if bos is None:
+        return np.zeros(len(tokens), dtype=np.int64)
+    return np.cumsum(np.asarray(tokens) == bos)
+
+
+def bootstrap_weights(units: int, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> np.ndarray:
+    """[samples, units]: how often each unit is drawn in each bootstrap resample (a fixed seed)."""
+    return np.random.default_rng(seed).multinomial(units, np.full(units, 1.0 / units), size=samples).astype(np.float64)
+
+
+def ratio_interval(sums: np.ndarray, counts: np.ndarray, weights: np.ndarray) -> tuple[float, float]:
+    """95% percentile interval of sum(w * sums) / sum(w * counts) over the resamples ``weights``."""
+    means = (weights @ sums) / np.maximum(weights @ counts, 1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return float(low), float(high)
+
+
 def evaluate_lengths(
     model: StreamingLM,
     tokens: np.ndarray,
     lengths: list[int],
     last: int = 256,
-    windows: int = 16,
+    windows: int | None = None,
     chunk: int = 256,
     warm: int = 0,
     batch_size: int = 8,
-    seed: int = 0,
     context: int | None = None,
+    bos: int | None = None,
+    style: str = "python",
+    progress: Callable[[int], object] | None = None,
 ) -> list[LengthResult]:
-    """``context`` (default: warm + the longest length) fixes where the windows end; runs that
-    use the same context and seed score the same tokens, whatever their lengths or warm-up."""
-    from .data import eval_windows
-
+    """Loss on the last ``last`` tokens of windows of each length in ``lengths``, after reading
+    ``warm`` unscored tokens first. ``context`` (default: warm + the longest length) fixes where
+    the windows end (``window_ends``); ``bos`` marks the documents the bootstrap resamples (None:
+    each window is a unit). ``style`` names the options in errors (``"cli"``: ``--last``);
+    ``progress(n)`` is called after each batch of n windows read."""
     if int(tokens.max()) >= model.config.vocab_size:
         raise RecurformerError(f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}")
+    check_options(style, last=last, windows=windows, chunk=chunk, warm_state=warm, batch_size=batch_size, context=context)
+    if not lengths:
+        raise RecurformerError(f"{option_name('lengths', style)} is empty")
+    for L in lengths:
+        check_options(style, length=L)
+        if L < last:
+            raise RecurformerError(f"{option_name('lengths', style)}: {L} is shorter than {option_name('last', style)} {last}")
+    span = warm + max(lengths)
+    context = span if context is None else context
+    if context < span:
+        raise RecurformerError(f"{option_name('context', style)} {context} is shorter than warm-up + the longest length ({span})")
+    ends = window_ends(len(tokens), context, last, windows)
+    targets = ends[:, None] - last + np.arange(last)  # stream positions of the scored tokens
+    by_window = np.repeat(np.arange(len(ends)), last)
+    kind, unit = "windows", by_window
+    if bos is not None:
+        _, by_doc = np.unique(document_ids(tokens, bos)[targets], return_inverse=True)
+        if by_doc.max() + 1 >= MIN_DOCUMENTS:
+            kind, unit = "documents", by_doc.reshape(-1)
+    n_units = int(unit.max()) + 1
+    weights = bootstrap_weights(n_units)
+    doc_tokens = np.bincount(unit, minlength=n_units).astype(np.float64)
+    device = model.tok_emb.weight.device
     model.eval()
     out = []
     for L in lengths:
-        if L < last:
-            raise RecurformerError(f"length {L} is shorter than --last {last}")
-        # windows end at the same positions for every L: each length scores the same targets
-        w = eval_windows(tokens, warm + L, windows, seed=seed, context=context or warm + max(lengths))
-        device = model.tok_emb.weight.device
+        n = warm + L + 1
+        w = torch.from_numpy(np.stack([np.asarray(tokens[e - n : e], dtype=np.int64) for e in ends]))
         reset_peak_memory(device)
         t0 = time.perf_counter()
-        loss, corr, n = score_windows(model, w, last, chunk, batch_size)
+        loss, hits = score_rows(model, w, last, chunk, batch_size, progress)
         synchronize(device)
         dt = time.perf_counter() - t0
-        out.append(LengthResult(L, loss / n, corr / n, n, windows, windows * (warm + L) / dt, peak_memory_mb(device)))
+        doc_loss = np.bincount(unit, weights=loss.numpy().reshape(-1), minlength=n_units)
+        low, high = ratio_interval(doc_loss, doc_tokens, weights)
+        out.append(LengthResult(L, float(loss.mean()), low, high, float(hits.mean()), loss.numel(), len(ends), n_units, kind,
+                                len(ends) * (n - 1) / dt, peak_memory_mb(device), doc_loss, doc_tokens))
     return out
 
 
+def paired_differences(model: list[LengthResult], reference: list[LengthResult]) -> list[PairedDifference]:
+    """loss(model) - loss(reference) at every length both measured, with a 95% bootstrap interval
+    that resamples the same documents for both (they must have scored the same tokens)."""
+    ref = {r.length: r for r in reference}
+    out = []
+    for r in model:
+        b = ref.get(r.length)
+        if b is None:
+            continue
+        if not np.array_equal(r.doc_tokens, b.doc_tokens):
+            raise RecurformerError(f"paired difference at length {r.length}: the two results did not score the same tokens")
+        d = r.doc_loss - b.doc_loss
+        low, high = ratio_interval(d, r.doc_tokens, bootstrap_weights(len(d)))
+        out.append(PairedDifference(r.length, float(d.sum() / r.doc_tokens.sum()), low, high))
+    return out
+
+
+def comparable(results: dict[str, list[LengthResult]]) -> bool:
+    """Whether every model scored the same tokens (same evaluation text and settings)."""
+    firsts = [rs[0] for rs in results.values() if rs]
+    return all(np.array_equal(f.doc_tokens, firsts[0].doc_tokens) for f in firsts)
+
+
 def markdown_table(results: dict[str, list[LengthResult]]) -> str:
+    """Mean loss [95% interval] per model and length; with several models scored on the same
+    tokens, a second table of paired differences from the first model."""
     lengths = sorted({r.length for rs in results.values() for r in rs})
     head = "| model | " + " | ".join(str(L) for L in lengths) + " |"
     sep = "|---|" + "---|" * len(lengths)
     rows = []
     for label, rs in results.items():
         by = {r.length: r for r in rs}
-        rows.append(f"| {label} | " + " | ".join(f"{by[L].loss:.3f}" if L in by else "" for L in lengths) + " |")
-    return "\n".join([head, sep, *rows])
+        rows.append(f"| {label} | " + " | ".join(f"{by[L].loss:.3f} [{by[L].loss_low:.3f}, {by[L].loss_high:.3f}]" if L in by else ""
+                                                 for L in lengths) + " |")
+    units = sorted({r.unit for rs in results.values() for r in rs})
+    table = [f"loss on the last tokens, mean [95% bootstrap interval over {' / '.join(units)}]", "", head, sep, *rows]
+    labels = list(results)
+    if len(labels) > 1 and comparable(results):
+        ref = labels[0]
+        table += ["", f"paired difference from {ref} (negative: lower loss than {ref}), mean [95% interval]", "", head, sep]
+        for label in labels[1:]:
+            diffs = {d.length: d for d in paired_differences(results[label], results[ref])}
+            table.append(f"| {label} | " + " | ".join(f"{diffs[L].diff:+.3f} [{diffs[L].low:+.3f}, {diffs[L].high:+.3f}]" if L in diffs else ""
+                                                       for L in lengths) + " |")
+    return "\n".join(table)
 
 
-def figure(results: dict[str, list[LengthResult]], title: str, last: int, trained: dict[str, int | None] | None = None):  # type: ignore[no-untyped-def]
-    """Loss against length, one line per model; the y label names ``last``, the x label each
-    model's training length (``trained``: label -> train.seq_len, None where unknown)."""
+MIN_Y_SPAN = 0.5  # nats: the loss axis spans at least this much, so a 0.03-nat gap looks like one
+
+
+def figure(results: dict[str, list[LengthResult]], title: str, last: int, trained: dict[str, int | None] | None = None,
+           warm: int = 0):  # type: ignore[no-untyped-def]
+    """Loss against length, one series of points with 95% error bars per model (no lines: only
+    the lengths measured are drawn); a point with no history before its scored tokens (L = last,
+    no warm-up) is drawn hollow and labelled cold start. The y axis spans at least MIN_Y_SPAN."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for label, rs in results.items():
-        ax.plot([r.length for r in rs], [r.loss for r in rs], marker="o", label=label)
+    n = len(results)
+    for i, (label, rs) in enumerate(results.items()):
+        shift = 2 ** (0.06 * (i - (n - 1) / 2))  # side by side, not on top of each other
+        xs = np.array([r.length * shift for r in rs], dtype=float)
+        ys = np.array([r.loss for r in rs])
+        err = np.array([[r.loss - r.loss_low for r in rs], [r.loss_high - r.loss for r in rs]])
+        cold = np.array([warm == 0 and r.length == last for r in rs])
+        bars = ax.errorbar(xs[~cold], ys[~cold], yerr=err[:, ~cold], fmt="o", capsize=3, label=label)
+        if cold.any():
+            ax.errorbar(xs[cold], ys[cold], yerr=err[:, cold], fmt="o", mfc="white", capsize=3, color=bars[0].get_color())
+    if any(warm == 0 and r.length == last for rs in results.values() for r in rs):
+        ax.annotate("hollow: cold start (no history)", xy=(0.02, 0.02), xycoords="axes fraction", fontsize=8)
     ax.set_xscale("log", base=2)
+    lengths = sorted({r.length for rs in results.values() for r in rs})
+    ax.set_xticks(lengths, [str(L) for L in lengths])
+    lows = [r.loss_low for rs in results.values() for r in rs]
+    highs = [r.loss_high for rs in results.values() for r in rs]
+    if lows:
+        mid, span = (min(lows) + max(highs)) / 2, max(max(highs) - min(lows), MIN_Y_SPAN) * 1.1
+        ax.set_ylim(mid - span / 2, mid + span / 2)
     known = {k: v for k, v in (trained or {}).items() if v is not None}
     if known and len(set(known.values())) == 1 and len(known) == len(results):
         ax.set_xlabel(f"sequence length L (trained at {next(iter(known.values()))})")
@@ -155,7 +313,7 @@ def figure(results: dict[str, list[LengthResult]], title: str, last: int, traine
         ax.set_xlabel("sequence length L (trained at: " + ", ".join(f"{k} {v}" for k, v in known.items()) + ")")
     else:
         ax.set_xlabel("sequence length L")
-    ax.set_ylabel(f"loss on the last {last} tokens")
+    ax.set_ylabel(f"loss on the last {last} tokens (95% interval)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -163,11 +321,12 @@ def figure(results: dict[str, list[LengthResult]], title: str, last: int, traine
     return fig
 
 
-def plot(results: dict[str, list[LengthResult]], path: Path, title: str, last: int, trained: dict[str, int | None] | None = None) -> None:
+def plot(results: dict[str, list[LengthResult]], path: Path, title: str, last: int, trained: dict[str, int | None] | None = None,
+         warm: int = 0) -> None:
     """``figure`` saved as a PNG at ``path``."""
     import matplotlib.pyplot as plt
 
-    fig = figure(results, title, last, trained)
+    fig = figure(results, title, last, trained, warm)
     try:
         atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))
     finally:
@@ -175,5 +334,12 @@ def plot(results: dict[str, list[LengthResult]], path: Path, title: str, last: i
 
 
 def save_json(results: dict[str, list[LengthResult]], path: Path, meta: dict) -> None:
-    text = json.dumps({"meta": meta, "results": {k: [asdict(r) for r in v] for k, v in results.items()}}, indent=2)
+    """Results, and paired differences from the first model when every model scored the same tokens."""
+    labels = list(results)
+    paired = {}
+    if len(labels) > 1 and comparable(results):
+        paired = {lab: [vars(d) for d in paired_differences(results[lab], results[labels[0]])] for lab in labels[1:]}
+    doc = {"meta": meta, "results": {k: [r.to_dict() for r in v] for k, v in results.items()},
+           "paired_differences": {"reference": labels[0], "models": paired} if paired else None}
+    text = json.dumps(doc, indent=2)
     atomic_write(path, lambda tmp: tmp.write_text(text))

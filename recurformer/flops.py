@@ -1,6 +1,11 @@
 """FLOPs per token and the machine's matmul peak, for tokens/s reported as a fraction of a peak
-measured on the same machine in the same run (machines of one type differ by ~40%, so only
-ratios mean anything).
+measured on the same machine (machines of one type differ by ~40%, so only ratios mean anything).
+
+The peak a training run divides by (``reference_peak``) is measured once per machine, torch
+version, dtype and thread count, over a few seconds, and cached in the user's cache directory
+(``$RECURFORMER_CACHE/matmul_peak.json``, by default ``~/.cache/recurformer``, under
+``$XDG_CACHE_HOME`` when set): two runs on one machine divide by the same number, so their
+fractions compare. Delete the file to re-measure.
 
 FLOPs are counted, not derived by hand: one no-grad forward of the real model over ``T`` tokens
 runs under ``torch.utils.flop_counter.FlopCounterMode`` (every matmul, attention included, 2 FLOPs
@@ -15,7 +20,11 @@ paper's TinyStories configuration (dim 288, 6 layers) this gives ~73 MFLOP/token
 from __future__ import annotations
 
 import functools
+import json
+import os
+import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,3 +114,51 @@ def matmul_peak(dtype: torch.dtype, device: str = "cpu", n: int | None = None, s
         if time.perf_counter() > t_end:
             break
     return 2 * n**3 / best
+
+
+PEAK_SECONDS = 3.0  # the cached reference: best of ~3 s of repetitions
+
+
+def machine_name(device: torch.device | str = "cpu") -> str:
+    """The CPU model (``/proc/cpuinfo``) or the GPU name, for keying the cached peak."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def peak_cache_file() -> Path:
+    root = os.environ.get("RECURFORMER_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "recurformer"
+    return Path(root) / "matmul_peak.json"
+
+
+def reference_peak(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[float, str]:
+    """(FLOP/s, where it comes from): the matmul peak for this machine, torch version, dtype and
+    thread count, read from the cache or measured now (``PEAK_SECONDS``) and cached."""
+    dev = torch.device(device)
+    key = f"{machine_name(dev)} | torch {torch.__version__} | {str(dtype).removeprefix('torch.')}"
+    key += f" | {torch.get_num_threads()} threads" if dev.type == "cpu" else ""
+    path = peak_cache_file()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if isinstance(cache.get(key), (int, float)):
+        return float(cache[key]), f"cached in {path} for {key}"
+    peak = matmul_peak.__wrapped__(dtype, str(dev), seconds=PEAK_SECONDS)  # type: ignore[attr-defined]
+    cache = {**(cache if isinstance(cache, dict) else {}), key: peak}
+    try:  # atomic, so two runs starting together never leave half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+        where = f"measured now and cached in {path} for {key}"
+    except OSError:
+        where = f"measured now for {key} (cache {path} not writable)"
+    return peak, where

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from .config import RecurformerError
+from .config import RecurformerError, check_options
 from .files import atomic_write
 from .state import State, StreamingModel
 
@@ -61,8 +61,7 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
 
 def sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator) -> Tensor:
     """[B, V] -> [B]. ``temperature == 0`` is greedy (argmax)."""
-    if temperature < 0:
-        raise RecurformerError(f"temperature must be >= 0, got {temperature}")
+    check_options(temperature=temperature, top_k=top_k, top_p=top_p)
     if temperature == 0:
         return logits.argmax(-1)
     probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
@@ -96,6 +95,7 @@ def stream(
     """Yield new tokens [B] one step at a time. Rows that produced a stop token yield -1 from then
     on; the iterator ends when every row has stopped or after ``max_new_tokens``. ``session``
     continues an earlier generation (and is updated in place)."""
+    check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     was_training = model.training
     model.eval()
     try:

@@ -57,6 +57,20 @@ def run_config_of(model: Any, config: dict[str, Any] | None = None) -> dict[str,
     return out
 
 
+def shareable(config: dict[str, Any]) -> dict[str, Any]:
+    """A run config without this machine's paths: the prepared-data and run directories are
+    dropped, text files keep their names only."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    data, train = out.get("data"), out.get("train")
+    if isinstance(data, dict):
+        data.pop("dir", None)
+        if data.get("text_files"):
+            data["text_files"] = [Path(f).name for f in data["text_files"]]
+    if isinstance(train, dict):
+        train.pop("out_dir", None)
+    return out
+
+
 def results_row(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     """The last logged metrics of a run (``metrics.jsonl``) up to ``step``: train loss, val loss,
     tokens. Empty when the run has no metrics file."""
@@ -75,8 +89,10 @@ def results_row(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     return row
 
 
-def model_card(model: Any, config: dict[str, Any], results: dict[str, Any] | None = None) -> ModelCard:
-    """A Hub model card: metadata header, architecture, config, training data, results row."""
+def model_card(model: Any, config: dict[str, Any], results: dict[str, Any] | None = None,
+               lower_case: bool = False) -> ModelCard:
+    """A Hub model card: metadata header, architecture, config, training data (``lower_case``:
+    the tokenizer lower-cases its input), results row."""
     name = config["model"]["name"]
     data = config.get("data") or {}
     train = config.get("train") or {}
@@ -105,6 +121,9 @@ def model_card(model: Any, config: dict[str, Any], results: dict[str, Any] | Non
     ]
     if dataset:
         lines.append(f"{dataset}, {data.get('tokenizer', '?')} tokenizer (vocabulary {model.config.vocab_size}).")
+        if lower_case:
+            lines.append("The tokenizer was learned from lower-case text: `tokenizer.json` lower-cases its input (a "
+                         "`Lowercase` normalizer), so write prompts in any case.")
         if train:
             per_step = train.get("batch_size", 0) * train.get("seq_len", 0) * train.get("grad_accum", 1)
             lines.append(f"{train.get('steps')} steps of {per_step:,} tokens per rank (train.state={train.get('state')}, "
@@ -127,12 +146,17 @@ def save_pretrained(
     config: dict[str, Any] | None = None,
     results: dict[str, Any] | None = None,
 ) -> Path:
-    """Write weights, config, tokenizer and model card to ``directory``; returns it."""
+    """Write weights, config, tokenizer and model card to ``directory``; returns it. Nothing
+    written holds a path of this machine (``shareable``); a tokenizer learned from lower-case
+    text is saved with a lower-case normalizer (``Tokenizer.lowercasing``)."""
     out = Path(directory)
     if out.exists() and not out.is_dir():
         raise RecurformerError(f"{out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    cfg = run_config_of(model, config)
+    cfg = shareable(run_config_of(model, config))
+    lower = tokenizer is not None and tokenizer.lowercase
+    if tokenizer is not None and lower:
+        tokenizer = tokenizer.lowercasing()
     with tempfile.TemporaryDirectory(dir=out, prefix=".tmp_") as tmp:  # every file whole, or not at all
         t = Path(tmp)
         tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -140,7 +164,7 @@ def save_pretrained(
         (t / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(t)
-        model_card(model, cfg, results).save(t / CARD)
+        model_card(model, cfg, results, lower).save(t / CARD)
         written = move_files(t, out)
     for name in set(FILES) - set(written):  # e.g. the tokenizer of an earlier save: it would not fit
         (out / name).unlink(missing_ok=True)

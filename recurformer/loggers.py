@@ -125,13 +125,13 @@ def run_header(trainer: Any, notes: list[str]) -> list[str]:
         f"data: {source} ({data.tokenizer}, vocabulary {trainer.meta['vocab_size']:,}) from {trainer.data_dir}, "
         f"{trainer.meta['train_tokens']:,} train tokens",
         f"checkpoints: {trainer.out_dir}/step_XXXXXX every {t.save_every} steps (keeping the last {t.keep_last})",
-        f"speed: {trainer.flops_per_token / 1e6:,.1f} MFLOP per training token (counted, flops.py); matmul peak "
-        f"{trainer.peak_flops / 1e9:,.0f} GFLOP/s in {resolve_precision(t.precision, trainer.device)} measured now; "
-        f"mfu = tokens/s x FLOP per token / peak",
+        f"speed: {trainer.flops_per_token / 1e6:,.1f} MFLOP per training token (counted, flops.py); mfu = mean tokens/s x "
+        f"FLOP per token / the matmul peak, {trainer.peak_flops / 1e9:,.0f} GFLOP/s {trainer.peak_source}",
         *notes,
     ]
     warning = slow_bf16_warning(t.precision, trainer.device)
     if warning:
         fp32 = matmul_peak(torch.float32, str(trainer.device), seconds=0.2)
-        lines.append(f"{warning} (matmul peak measured now: bf16 {trainer.peak_flops / 1e9:,.1f}, fp32 {fp32 / 1e9:,.1f} GFLOP/s)")
+        lines.append(f"{warning} (matmul peaks: bf16 {trainer.peak_flops / 1e9:,.1f} GFLOP/s, the mfu reference; fp32 "
+                     f"{fp32 / 1e9:,.1f} GFLOP/s measured now)")
     return lines

@@ -507,8 +507,18 @@ def text_sha256(files: Sequence[str] | None) -> str | None:
 
 
 def plot(results: Sequence[ProbeResult], path: Path, title: str) -> None:
+    """``figure`` saved as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(results, title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(results: Sequence[ProbeResult], title: str):  # type: ignore[no-untyped-def]
     """One panel per metric: value vs distance (log), one line per checkpoint with its interval
-    shaded and each bounded model's receptive field R marked."""
+    shaded and each bounded model's receptive field R marked by a dotted line (the legend says R,
+    or that it is unbounded); a bin at distance 0 is drawn at 1/2 and its tick labelled 0."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -517,23 +527,31 @@ def plot(results: Sequence[ProbeResult], path: Path, title: str) -> None:
     metrics = list(dict.fromkeys(m for r in results for m in r.metrics))
     fig, axes = plt.subplots(1, len(metrics), figsize=(6.4 * len(metrics), 4.4), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
+        xs: list[float] = []
         for i, r in enumerate(results):
             bs = r.metrics.get(metric, [])
             if not bs:
                 continue
             color = f"C{i % 10}"
             x = [max(b.lo, 0.5) * (np.sqrt(2) if b.hi - b.lo > 1 else 1) for b in bs]  # bin centre (geometric)
-            ax.plot(x, [b.mean for b in bs], marker="o", ms=3, color=color, label=r.label)
+            xs += x
+            reach = "R unbounded" if r.receptive_field is None else f"R = {r.receptive_field:,}"
+            ax.plot(x, [b.mean for b in bs], marker="o", ms=3, color=color, label=f"{r.label} ({reach})")
             ax.fill_between(x, [b.ci_lo for b in bs], [b.ci_hi for b in bs], color=color, alpha=0.2, lw=0)
             if r.receptive_field is not None:
                 ax.axvline(r.receptive_field, color=color, ls=":", lw=1.2)
         ax.axhline(0, color="k", lw=0.6)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("distance back (tokens); dotted: receptive field R")
+        if xs:
+            top = int(np.log2(max(xs))) + 1
+            ticks = [2.0**k for k in range(0, top + 1, 1 if top <= 8 else 2)]
+            ticks = ([0.5] if min(xs) < 1 else []) + ticks
+            ax.set_xticks(ticks, ["0" if t < 1 else f"{int(t):,}" for t in ticks])
+        bounded = any(r.receptive_field is not None for r in results)
+        ax.set_xlabel("distance back (tokens)" + ("; dotted: receptive field R" if bounded else ""))
         ax.set_ylabel(f"{metric} (nats)")
         ax.set_title(f"{title}: {metric}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig

@@ -37,10 +37,10 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import loggers
-from .config import RecurformerError, from_dict, load_yaml, merge, parse_overrides
+from .config import RecurformerError, check_options, from_dict, load_yaml, merge, parse_overrides
 from .curriculum import Schedule, initial_state, schedule_from
 from .device import autocast_context, configure, pick_device, resolve_precision, to_device
-from .flops import matmul_peak, train_flops_per_token
+from .flops import reference_peak, train_flops_per_token
 from .models import build_model, make_config
 from .nn import State, StreamingLM
 from .optim import lr_at, make_optimizer, optimizer_from_flat, optimizer_to_flat
@@ -66,6 +66,8 @@ class DataConfig:
             )
         if not self.dataset and not self.text_files and not self.dir:
             self.dataset = DEFAULT_DATASET
+        if self.tokenizer == "bpe":
+            check_options("data", vocab_size=self.vocab_size)
 
     def source_key(self) -> str | None:
         """A hash of what the prepared data is made of (dataset name or text file contents,
@@ -126,6 +128,8 @@ class TrainConfig:
                 raise RecurformerError(f"config key 'train.{k}' must be >= 1, got {getattr(self, k)}")
         if self.grad_accum % self.truncation:
             raise RecurformerError(f"train.grad_accum ({self.grad_accum}) must be a multiple of train.truncation ({self.truncation})")
+        check_options("train", lr=self.lr, min_lr=self.min_lr, warmup=self.warmup, weight_decay=self.weight_decay, beta1=self.beta1,
+                      beta2=self.beta2, grad_clip=self.grad_clip, eval_batches=self.eval_batches, keep_last=self.keep_last)
         sched = self.curriculum()
         sched.check("train.schedule", SCHEDULED, self.base_values())
         for v in sched.values("truncation", self.base_values()):
@@ -358,10 +362,10 @@ class Trainer:
                 f"{cfg.model['name']} carries a KV cache that grows without bound; train it with train.state=reset"
             )
         self.opt = make_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), fused=self.device.type == "cuda")
-        # tokens/s as a fraction of this machine's matmul peak, measured now (flops.py)
+        # tokens/s as a fraction of this machine's matmul peak, measured once and cached (flops.py)
         self.flops_per_token = train_flops_per_token(self.model, t.seq_len, self.device)
         bf16 = resolve_precision(t.precision, self.device) == "bf16"
-        self.peak_flops = matmul_peak(torch.bfloat16 if bf16 else torch.float32, str(self.device), seconds=0.2)
+        self.peak_flops, self.peak_source = reference_peak(torch.bfloat16 if bf16 else torch.float32, self.device)
         if t.compile:
             self.model.compile_layers()
         self.ddp: torch.nn.Module = self.model
@@ -613,18 +617,24 @@ class Trainer:
         t = self.cfg.train
         last: dict[str, Any] = {}
         t0, tok0 = time.perf_counter(), self.tokens_seen
+        run_time, run_tokens = 0.0, 0  # training time (no eval, no saving) and tokens of this process's steps
         while self.step < t.steps:
             loss = self.train_step()
             bar.update(1)
             if self.step % t.log_every == 0 or self.step == t.steps:
                 dt = time.perf_counter() - t0
-                tps = (self.tokens_seen - tok0) / max(dt, 1e-9)
+                tps = (self.tokens_seen - tok0) / max(dt, 1e-9)  # over the steps since the previous log line
+                run_time, run_tokens = run_time + dt, run_tokens + self.tokens_seen - tok0
+                mean_tps = run_tokens / max(run_time, 1e-9)
                 t0, tok0 = time.perf_counter(), self.tokens_seen
-                mfu = tps * self.flops_per_token / (self.peak_flops * self.world)
+                mfu = mean_tps * self.flops_per_token / (self.peak_flops * self.world)
                 lr = lr_at(self.step - 1, t.lr, t.min_lr, t.warmup, t.steps)
-                last = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen, "tok_per_s": tps, "mfu": mfu}
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.0%}")
+                # tok_per_s: the last log interval's rate; mean_tok_per_s and mfu: the run so far
+                last = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen, "tok_per_s": tps,
+                        "mean_tok_per_s": mean_tps, "mfu": mfu}
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mean_tok_s=f"{mean_tps:,.0f}", mfu=f"{mfu:.0%}")
                 self.log(last)
+            paused = time.perf_counter()  # tokens/s counts training time only
             if self.step % t.eval_every == 0 or self.step == t.steps:
                 val = self.evaluate()
                 last = {**last, "step": self.step, "val_loss": val}
@@ -637,8 +647,7 @@ class Trainer:
                     self._say(f"saved {path}")
             if stop:
                 raise TrainingInterrupted(stop, self.step, self.out_dir / f"step_{self.step:06d}", self.out_dir)
-            if self.step % t.eval_every == 0 or self.step % t.save_every == 0:
-                t0, tok0 = time.perf_counter(), self.tokens_seen  # tokens/s counts training time only
+            t0 += time.perf_counter() - paused
         return last
 
 

@@ -2,12 +2,21 @@
 (transformers, lm-eval, datasets) off the network: no Hub access (``HF_HUB_OFFLINE``,
 ``HF_DATASETS_OFFLINE``), ``HF_HOME`` in a temporary directory, and any socket connection fails."""
 
+import os
 import random
 import socket
 import sys
 
-import pytest
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see recurformer/__init__.py
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache(tmp_path_factory) -> None:
+    """The cached matmul peak (flops.reference_peak) of a test session stays out of the user's cache."""
+    os.environ["RECURFORMER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(autouse=True)

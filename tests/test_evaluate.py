@@ -14,7 +14,18 @@ import torch.nn.functional as F
 from helpers import TEST_CONFIGS, randomize_params
 
 from recurformer import build_model
-from recurformer.evaluate import evaluate_lengths, score_windows
+from recurformer.config import RecurformerError
+from recurformer.evaluate import (
+    bootstrap_weights,
+    evaluate_lengths,
+    figure,
+    markdown_table,
+    paired_differences,
+    ratio_interval,
+    save_json,
+    score_windows,
+    window_ends,
+)
 
 
 @pytest.mark.parametrize("name", ["memory_attention", "llama", "transformer_xl", "block_recurrent"])
@@ -36,12 +47,93 @@ def test_last_k_counts_exactly_k_tokens() -> None:
     tokens = np.random.default_rng(0).integers(0, 61, 5000)
     rs = evaluate_lengths(model, tokens, [64, 300], last=50, windows=3, chunk=32)
     assert [r.scored_tokens for r in rs] == [150, 150]
-    from recurformer.data import eval_windows
-
-    short, long = (eval_windows(tokens, L, 4, seed=1, context=300) for L in (64, 300))
-    assert torch.equal(short, long[:, -65:])  # every length scores the same targets
-    with pytest.raises(Exception, match="shorter than --last"):
+    with pytest.raises(RecurformerError, match="lengths: 20 is shorter than last 50"):
         evaluate_lengths(model, tokens, [20], last=50, windows=1)
+
+
+def test_scored_blocks_tile_the_text_after_the_context() -> None:
+    ends = window_ends(1000, 300, 50)
+    assert ends[0] == 301 and ends[-1] <= 1000 and set(np.diff(ends)) == {50}
+    assert len(ends) == (1000 - 301) // 50 + 1  # every block of 50 targets after the context, none twice
+    picked = window_ends(1000, 300, 50, windows=4)
+    assert len(picked) == 4 and set(picked) <= set(ends) and picked[0] == ends[0] and picked[-1] == ends[-1]
+
+
+def test_eval_is_deterministic_and_shared_by_lengths() -> None:
+    """No seed anywhere: the same numbers whatever the global RNG state; every length scores the
+    same documents; the interval covers the mean."""
+    model = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0]).eval()
+    tokens = np.random.default_rng(0).integers(1, 61, 3000)
+    tokens[::97] = 0  # BOS: documents of 97 tokens
+    runs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        runs.append(evaluate_lengths(model, tokens, [40, 120], last=40, windows=None, chunk=16, bos=0))
+    for a, b in zip(*runs):
+        assert (a.loss, a.loss_low, a.loss_high, a.accuracy) == (b.loss, b.loss_low, b.loss_high, b.accuracy)
+    short, long = runs[0]
+    assert np.array_equal(short.doc_tokens, long.doc_tokens) and short.units == long.units and short.unit == "documents"
+    assert short.windows == len(window_ends(3000, 120, 40)) and short.units == len(np.unique(np.cumsum(tokens == 0)[81:2961]))
+    one_doc = evaluate_lengths(model, np.where(tokens == 0, 1, tokens), [40], last=40, chunk=16, bos=0)[0]
+    assert one_doc.unit == "windows" and one_doc.units == one_doc.windows and one_doc.loss_low < one_doc.loss_high
+    for r in runs[0]:
+        assert r.loss_low < r.loss < r.loss_high
+        assert abs(r.doc_loss.sum() / r.doc_tokens.sum() - r.loss) < 1e-9
+
+
+def test_interval_covers_the_population_mean() -> None:
+    """The bootstrap interval's width is right: with documents of known per-token losses drawn
+    at random, the 95% interval covers the population mean in roughly 95% of 200 draws."""
+    rng = np.random.default_rng(0)
+    weights = bootstrap_weights(60, samples=500)
+    hits = 0
+    for _ in range(200):
+        counts = rng.integers(20, 80, 60).astype(float)
+        sums = counts * rng.normal(3.0, 0.3, 60)
+        low, high = ratio_interval(sums, counts, weights)
+        hits += low <= 3.0 <= high
+    assert 170 <= hits <= 200
+
+
+def test_paired_difference_with_itself_is_zero_and_detects_a_worse_model() -> None:
+    model = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0]).eval()
+    torch.manual_seed(0)
+    other = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0]).eval()
+    randomize_params(other, 0.5)
+    tokens = np.random.default_rng(1).integers(1, 61, 2000)
+    tokens[::50] = 0
+    a = evaluate_lengths(model, tokens, [60], last=30, chunk=16, bos=0)
+    a2 = evaluate_lengths(model, tokens, [60], last=30, chunk=16, bos=0)
+    (same,) = paired_differences(a2, a)
+    assert (same.diff, same.low, same.high) == (0.0, 0.0, 0.0)
+    b = evaluate_lengths(other, tokens, [60], last=30, chunk=16, bos=0)
+    (d,) = paired_differences(b, a)
+    assert abs(d.diff - (b[0].loss - a[0].loss)) < 1e-9 and d.low <= d.diff <= d.high
+    c = evaluate_lengths(model, tokens[:1500], [60], last=30, chunk=16, bos=0)
+    with pytest.raises(RecurformerError, match="same tokens"):
+        paired_differences(c, a)
+
+
+def test_table_json_and_plot_show_intervals(tmp_path) -> None:
+    model = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0]).eval()
+    tokens = np.random.default_rng(1).integers(1, 61, 1500)
+    tokens[::50] = 0
+    results = {"a": evaluate_lengths(model, tokens, [30, 60, 90], last=30, chunk=16, bos=0)}
+    results["b"] = results["a"]
+    table = markdown_table(results)
+    r = results["a"][0]
+    assert f"{r.loss:.3f} [{r.loss_low:.3f}, {r.loss_high:.3f}]" in table and "paired difference from a" in table
+    save_json(results, tmp_path / "e.json", {})
+    doc = json.loads((tmp_path / "e.json").read_text())
+    assert doc["results"]["a"][0]["loss_low"] == r.loss_low
+    assert doc["paired_differences"]["models"]["b"][0]["diff"] == 0.0
+    fig = figure(results, "t", 30)
+    ax = fig.axes[0]
+    low, high = ax.get_ylim()
+    assert high - low >= 0.5  # nats: a small gap is drawn small
+    assert all(line.get_linestyle() in ("None", "") for line in ax.lines if len(line.get_xdata()) > 1)  # no line between lengths
+    assert "cold start" in " ".join(t.get_text() for t in ax.texts)
 
 
 PROBE = """

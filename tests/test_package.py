@@ -150,6 +150,7 @@ def test_evaluate_matches_the_cli(run, corpus, tmp_path, capsys) -> None:
     model, tok = recurformer.load(run.checkpoint)
     rs = recurformer.evaluate(model, tok, text=[corpus], lengths=[64, 128], last=32, windows=3, chunk=24)
     assert [r.loss for r in rs] == [r["loss"] for r in cli_rows] and [r.accuracy for r in rs] == [r["accuracy"] for r in cli_rows]
+    assert [r.loss_low for r in rs] == [r["loss_low"] for r in cli_rows]
     with pytest.raises(RecurformerError, match="exactly one of dataset"):
         recurformer.evaluate(model, tok)
 
@@ -178,7 +179,7 @@ def test_save_pretrained_round_trip_and_card(run, tmp_path) -> None:
     assert torch.equal(model(x).logits, run.model(x).logits)
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: recurformer\n")
-    assert "Memory Attention" in card and "chunk_size: 8" in card and str(run.config["data"]["text_files"][0]) in card
+    assert "Memory Attention" in card and "chunk_size: 8" in card and "text files: corpus.txt" in card
     assert "| val_loss |" in card and "| 1.2500 |" in card
     run.model.save_pretrained(out)  # saved again without a tokenizer: the old one must not stay beside it
     assert not (out / "tokenizer.json").exists() and recurformer.load(out)[1] is None
@@ -213,6 +214,32 @@ def test_export_writes_the_runs_weights_and_tokenizer(corpus, tmp_path) -> None:
     text = "the big dog sat on a red mat."
     assert tok.kind == "bpe" and tok.encode(text) == run.tokenizer.encode(text) != Tokenizer.byte().encode(text)
     assert not torch.equal(step1(x).logits, run.model(x).logits)  # the two checkpoints differ
+
+
+def test_export_holds_no_path_of_this_machine(run, tmp_path) -> None:
+    out = recurformer.export(run.dir, tmp_path / "x")
+    assert str(run.dir) in json.dumps(run.config)  # the run's own config does name its paths
+    for f in out.iterdir():
+        if f.suffix != ".safetensors":
+            text = f.read_text()
+            assert str(tmp_path.anchor + tmp_path.parts[1]) not in text, f.name  # e.g. no /tmp/... anywhere
+    config = json.loads((out / "config.json").read_text())
+    assert "dir" not in config["data"] and "out_dir" not in config["train"] and config["data"]["text_files"] == ["corpus.txt"]
+
+
+def test_exported_tokenizer_file_lower_cases_as_we_do(tmp_path) -> None:
+    """Through HF ``tokenizers`` alone, the exported file encodes cased text as recurformer does
+    (lower-cased first, as ``generate`` does for such a model); the card says so."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    lower = Tokenizer.train_bpe([" ".join(random.Random(i).choices(WORDS, k=50)) for i in range(50)], 300)
+    model = build_model("memory_attention", {**{k: v for k, v in MODEL.items() if k != "name"}, "vocab_size": lower.vocab_size})
+    out = model.save_pretrained(tmp_path / "lc", tokenizer=lower, config={"data": {"dataset": "tinystories-sample"}})
+    text = "The Cat SAT on the mat. A Big red Tree"
+    hf = HFTokenizer.from_file(str(out / "tokenizer.json"))
+    assert hf.encode(text, add_special_tokens=False).ids == lower.encode(text.lower()) != lower.encode(text)
+    assert recurformer.load(out)[1].encode(text) == lower.encode(text.lower())
+    assert "lower-case" in (out / "README.md").read_text()
 
 
 def test_from_pretrained_repo_id_downloads_offline(run, tmp_path, monkeypatch) -> None:
@@ -270,6 +297,7 @@ def test_run_header(corpus, tmp_path, capsys) -> None:
     assert f"data: {corpus} (byte, vocabulary 258) from {tmp_path / 'prepared'}" in head
     assert f"checkpoints: {tmp_path / 'run'}/step_XXXXXX every 2 steps (keeping the last 3)" in head
     assert f"metrics: {tmp_path / 'run' / 'metrics.jsonl'}" in head
+    assert re.search(r"the matmul peak, [\d,]+ GFLOP/s (measured now and cached|cached) in \S+matmul_peak.json for ", head)
 
 
 @pytest.mark.parametrize("has_bf16", [False, True])
@@ -287,7 +315,7 @@ def test_run_header_warns_of_emulated_bf16(corpus, tmp_path, capsys, monkeypatch
         assert warned == []
     else:
         assert len(warned) == 1 and "this CPU has no avx512_bf16/AMX" in warned[0] and "precision auto picks fp32" in warned[0]
-        assert re.search(r"matmul peak measured now: bf16 [\d.,]+, fp32 [\d.,]+ GFLOP/s\)$", warned[0])
+        assert re.search(r"matmul peaks: bf16 [\d.,]+ GFLOP/s, the mfu reference; fp32 [\d.,]+ GFLOP/s measured now\)$", warned[0])
     assert recurformer.device.slow_bf16_warning("auto", torch.device("cpu")) is None
     assert recurformer.device.slow_bf16_warning("fp32", torch.device("cpu")) is None
 
@@ -385,7 +413,7 @@ def test_synth_shows_progress(capsys) -> None:
 def _results(*lengths: int):
     from recurformer.evaluate import LengthResult
 
-    return [LengthResult(L, 3.0 - 0.1 * i, 0.3, 100, 4, 1000.0, 10.0) for i, L in enumerate(lengths)]
+    return [LengthResult(L, 3.0 - 0.1 * i, 2.9 - 0.1 * i, 3.1 - 0.1 * i, 0.3, 100, 4, 4, "windows", 1000.0, 10.0) for i, L in enumerate(lengths)]
 
 
 def test_eval_plot_labels_follow_last_and_training_lengths() -> None:
@@ -395,11 +423,11 @@ def test_eval_plot_labels_follow_last_and_training_lengths() -> None:
 
     fig = figure({"a": _results(128, 512), "b": _results(128, 512)}, "t", last=128, trained={"a": 256, "b": 1024})
     ax = fig.axes[0]
-    assert ax.get_ylabel() == "loss on the last 128 tokens"
+    assert ax.get_ylabel() == "loss on the last 128 tokens (95% interval)"
     assert ax.get_xlabel() == "sequence length L (trained at: a 256, b 1024)"
     plt.close(fig)
     fig = figure({"a": _results(256)}, "t", last=64, trained={"a": 512})
-    assert fig.axes[0].get_xlabel() == "sequence length L (trained at 512)" and fig.axes[0].get_ylabel() == "loss on the last 64 tokens"
+    assert fig.axes[0].get_xlabel() == "sequence length L (trained at 512)" and fig.axes[0].get_ylabel() == "loss on the last 64 tokens (95% interval)"
     plt.close(fig)
     fig = figure({"a": _results(256)}, "t", last=64)
     assert fig.axes[0].get_xlabel() == "sequence length L"
@@ -464,7 +492,7 @@ def test_info_gives_the_state_size_for_every_model(name, capsys) -> None:
     (line,) = [ln for ln in out.splitlines() if ln.startswith("state size per row (measured): ")]
     size = line.split(": ", 1)[1]
     grows = name in ("llama", "recurrent_transformer")  # a KV cache of every token read (persistent for the RT)
-    assert size.startswith("grows with the text") == grows and size.endswith("the same at any length") != grows
+    assert size.startswith("grows with the text") == grows and ("the same at any length" in size) != grows
     if name == "memory_attention":  # per layer: memory, its K and V (C x D each) + a partial chunk's K, V, output ((C-1) x D)
         C, D, N = cfg["chunk_size"], cfg["dim"], cfg["n_layers"]
         assert size.startswith(f"{N * (3 * C * D + 3 * (C - 1) * D):,} numbers")
@@ -481,10 +509,10 @@ def test_info_takes_the_model_from_a_config_and_needs_one(tmp_path, capsys) -> N
     cfg.write_text("model:\n  name: transformer_xl\n  dim: 48\n  n_heads: 4\n  n_layers: 2\n")
     assert cli_main(["info", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("model: transformer_xl\n") and "  dim: 48\n" in out
+    assert out.startswith(f"model: transformer_xl, the model section of {cfg}\n") and "  dim: 48\n" in out
     assert cli_main(["info", "--set", "model.name=llama", "--set", "dim=96"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("model: llama\n") and "  dim: 96\n" in out
+    assert out.startswith("model: llama, its defaults (the size of its paper) with --set overrides;") and "  dim: 96\n" in out
     assert cli_main(["info"]) == 2
     assert capsys.readouterr().err.splitlines() == ["recurformer: error: give --model NAME (or a --config with model.name)"]
 
@@ -494,6 +522,22 @@ def test_prepare_needs_a_dataset_or_text(tmp_path, capsys, monkeypatch) -> None:
     assert cli_main(["prepare"]) == 2
     assert capsys.readouterr().err.splitlines() == ["recurformer: error: give --dataset NAME or --text FILE ..."]
     assert list(tmp_path.iterdir()) == []  # nothing prepared, nothing half-written
+
+
+def test_info_measures_a_hybrid_stack_past_every_layers_reach(capsys) -> None:
+    """Window layers of 256 tokens beside a memory layer with chunks of 32: the state stops
+    growing once every window is full, and info says so with the size a long text leaves."""
+    cfg = {"vocab_size": 61, "dim": 16, "n_layers": 4, "n_heads": 2, "chunk_size": 32, "window": 256,
+           "layers": "[window,window,memory,window]"}
+    assert cli_main(["info", "--model", "memory_attention"] + [f"--set={k}={v}" for k, v in cfg.items()]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: memory_attention, its defaults (the size of its paper) with --set overrides")
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("state size per row (measured): ")]
+    model = build_model("memory_attention", {**cfg, "layers": ["window", "window", "memory", "window"]}).eval()
+    with torch.no_grad():
+        state = model(torch.zeros(1, 32 * 40 - 1, dtype=torch.long)).state  # far past every reach, chunk phase 31
+    long = sum(t.numel() for t in state.to_flat().values() if t.is_floating_point())
+    assert line.split(": ", 1)[1].startswith(f"{long:,} numbers") and "the same at any length" in line
 
 
 def test_lowercase_tokenizer_lowercases_the_prompt(run, tmp_path, capsys) -> None:

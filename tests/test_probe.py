@@ -317,3 +317,24 @@ def test_cli_merge_equals_one_run_and_refuses_other_settings(trained, tmp_path, 
     assert cli_main(["probe", "--merge", str(tmp_path / "a.json"), str(tmp_path / "d.json"), "--json", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "same names but other contents" in err and err.count("\n") == 1 and not bad.exists()
+
+
+def test_plot_marks_receptive_fields_and_labels_distance_zero() -> None:
+    """The dotted R line is promised only when one is drawn; an unbounded model says so in the
+    legend; the bin at distance 0 (drawn at 1/2 on the log axis) has its tick labelled 0."""
+    import matplotlib.pyplot as plt
+
+    from recurformer.probe import BinStat, ProbeResult, figure
+
+    bins = [BinStat(0, 1, 0.5, 0.4, 0.6, 10, 10), BinStat(1, 2, 0.3, 0.2, 0.4, 10, 10), BinStat(16, 64, 0.1, 0.0, 0.2, 10, 10)]
+    facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
+    unbounded = ProbeResult("ma", "", "memory_attention", None, metrics={"copy_gain": bins}, **facts)
+    bounded = ProbeResult("sw", "", "sliding_window", 31, metrics={"copy_gain": bins}, **facts)
+    ax = figure([unbounded], "t").axes[0]
+    assert "dotted" not in ax.get_xlabel() and "ma (R unbounded)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert ax.get_xticks()[0] == 0.5 and ax.get_xticklabels()[0].get_text() == "0"
+    plt.close("all")
+    ax = figure([unbounded, bounded], "t").axes[0]
+    assert "dotted: receptive field R" in ax.get_xlabel() and "sw (R = 31)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(list(line.get_xdata()) == [31, 31] and line.get_linestyle() == ":" for line in ax.lines)
+    plt.close("all")

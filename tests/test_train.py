@@ -3,6 +3,7 @@ and one-line errors for bad input."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -197,8 +198,25 @@ def test_metrics_give_tokens_per_s_and_fraction_of_peak(corpus, tmp_path) -> Non
     logged = [r for r in rows if "mfu" in r]
     assert [r["step"] for r in logged] == [2, 4]
     for r in logged:
-        assert r["mfu"] == pytest.approx(r["tok_per_s"] * tr.flops_per_token / tr.peak_flops)
+        assert r["mfu"] == pytest.approx(r["mean_tok_per_s"] * tr.flops_per_token / tr.peak_flops)
         assert 0 < r["mfu"] < 1.5
+    a, b = logged  # the run's mean: tokens over training time, the intervals weighted by their time
+    want = b["tokens"] / (a["tokens"] / a["tok_per_s"] + (b["tokens"] - a["tokens"]) / b["tok_per_s"])
+    assert a["mean_tok_per_s"] == pytest.approx(a["tok_per_s"]) and b["mean_tok_per_s"] == pytest.approx(want, rel=1e-6)
+
+
+def test_mfu_reference_is_cached_per_machine(corpus, tmp_path, monkeypatch) -> None:
+    """The peak the mfu divides by is measured by the first run and read from the cache by the
+    next one, so two runs on one machine compare; the header says where it comes from."""
+    from recurformer import flops
+
+    monkeypatch.setenv("RECURFORMER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(flops, "PEAK_SECONDS", 0.05)
+    first = Trainer(run_config(corpus, tmp_path, steps=1, loggers="[]"), show_progress=False)
+    assert "measured now and cached" in first.peak_source and flops.peak_cache_file().is_file()
+    second = Trainer(run_config(corpus, tmp_path / "b", steps=1, loggers="[]"), show_progress=False)
+    assert second.peak_flops == first.peak_flops and second.peak_source.startswith("cached in")
+    assert any(second.peak_source in line for line in second.header)
 
 
 @pytest.mark.parametrize("order", ["contiguous", "shuffled"])
@@ -313,6 +331,10 @@ def test_cli_train_end_to_end(corpus, tmp_path, capsys) -> None:
     lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
     assert any("val_loss" in ln for ln in lines) and len(lines) >= 4
     assert (ckpt.resolve(tmp_path / "r") / "tokenizer.json").is_file()
+    (done,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("done: ")]
+    last = [json.loads(ln) for ln in lines if "mean_tok_per_s" in ln][-1]
+    assert done.startswith("done: step=4, ") and f"mean_tok_per_s={last['mean_tok_per_s']:.4g}" in done  # the run's mean
+    assert f"last_interval_tok_per_s={last['tok_per_s']:.4g}" in done and " tok_per_s=" not in done
 
 
 def test_cli_eval_and_generate_on_a_trained_checkpoint(corpus, tmp_path, capsys) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from recurformer.config import RecurformerError
 
@@ -92,6 +92,16 @@ class Tokenizer:
         merged = [t for t in self._hf.get_vocab() if len(t) > 1]
         capital = sum(any("A" <= c <= "Z" for c in t) for t in merged)
         return capital < 0.01 * len(merged)
+
+    def lowercasing(self) -> Tokenizer:
+        """This tokenizer with a lower-case normalizer in front (a BPE; a byte tokenizer is
+        returned as it is): ``encode(text)`` then equals this one's ``encode(text.lower())``, in
+        the saved ``tokenizer.json`` too, for users of the file through HF ``tokenizers``."""
+        if self._hf is None:
+            return self
+        hf = HFTokenizer.from_str(self._hf.to_str())
+        hf.normalizer = normalizers.Lowercase()
+        return Tokenizer("bpe", hf)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]

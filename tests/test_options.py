@@ -1,0 +1,116 @@
+"""Bad numeric options: one line naming the option and its value, from the command line and from
+Python alike (one shared check, ``config.check_options``), before anything is printed or written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import TEST_CONFIGS
+
+import recurformer
+from recurformer import RecurformerError, build_model
+from recurformer.cli import main as cli_main
+from recurformer.data import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    model = build_model("memory_attention", {**TEST_CONFIGS["memory_attention"][0], "vocab_size": 260}).eval()
+    return model.save_pretrained(tmp_path_factory.mktemp("m") / "pre", tokenizer=Tokenizer.byte())
+
+
+def files(root) -> set:
+    return {p for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--config", "tinystories-cpu", "--set", "train.lr=-1"], "config key 'train.lr' must be > 0, got -1.0"),
+    (["generate", "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+    (["generate", "--top-k", "0"], "--top-k must be >= 1, got 0"),
+    (["generate", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 0, got -3"),
+    (["generate", "--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
+    (["eval", "--lengths", "100"], "--lengths: 100 is shorter than --last 256"),
+    (["eval", "--windows", "0"], "--windows must be >= 1, got 0"),
+    (["probe", "--docs", "0"], "--docs must be >= 1, got 0"),
+    (["prepare", "--dataset", "tinystories-sample", "--vocab-size", "10"], "--vocab-size must be in [258, 1048576], got 10"),
+    (["train", "--config", "tinystories-cpu", "--set", "data.vocab_size=10"], "config key 'data.vocab_size' must be in [258, 1048576], got 10"),
+])
+def test_cli_bad_number_is_one_line_and_nothing_is_written(argv, message, pretrained, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    if argv[0] not in ("train", "prepare"):
+        argv = [argv[0], "--checkpoint", str(pretrained), *argv[1:]]
+    if argv[0] == "generate":  # a prompt that would show if it were printed before the check
+        argv += ["--prompt", "once upon a time"]
+    before = files(pretrained.parent)
+    assert cli_main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"recurformer: error: {message}\n"
+    assert files(tmp_path) == set() and files(pretrained.parent) == before
+
+
+def test_python_train_bad_lr_is_a_recurformer_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecurformerError, match=r"^config key 'train.lr' must be > 0, got -1.0$"):
+        recurformer.train("tinystories-cpu", progress=False, train={"lr": -1})
+    assert files(tmp_path) == set()
+
+
+def test_python_evaluate_names_its_own_arguments() -> None:
+    model = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0])
+    tokens = np.zeros(2000, dtype=np.int64)
+    with pytest.raises(RecurformerError, match=r"^lengths: 100 is shorter than last 256$"):
+        recurformer.evaluate(model, tokens=tokens, lengths=[100])
+    with pytest.raises(RecurformerError, match=r"^windows must be >= 1, got 0$"):
+        recurformer.evaluate(model, tokens=tokens, lengths=[256], windows=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"top_p": 2.0}, "top_p must be in (0, 1], got 2.0"), ({"top_k": 0}, "top_k must be >= 1, got 0"),
+    ({"max_new_tokens": -3}, "max_new_tokens must be >= 0, got -3"), ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+    ({"temperature": float("nan")}, "temperature must be >= 0, got nan"),
+])
+def test_python_generate_bad_number(kwargs, message) -> None:
+    model = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0])
+    args = {"max_new_tokens": 3, "temperature": 0.8, **kwargs}
+    with pytest.raises(RecurformerError, match="^" + message.replace("(", r"\(").replace("]", r"\]") + "$"):
+        model.generate([1, 2], **args)
+
+
+def test_every_option_has_help_and_top_level_help_is_plain(capsys, monkeypatch) -> None:
+    from recurformer.cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "300")  # one line per option
+    ap = build_parser()
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--help"])
+    assert "``" not in capsys.readouterr().out
+    (sub,) = [a for a in ap._actions if a.__class__.__name__ == "_SubParsersAction"]
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            assert action.help, f"{name} {action.option_strings} has no help"
+        text = p.format_help()
+        if name == "generate":
+            assert "(default: 200)" in text and "(default: 0.8)" in text
+        if name == "eval":
+            assert "(default: 256,512,1024,2048,4096)" in text and "(default: 8)" in text
+        if name == "probe":
+            assert "{repeat,swap}" in text
+
+
+def test_eval_and_probe_write_beside_the_checkpoint(pretrained, tmp_path, monkeypatch, capsys) -> None:
+    import shutil
+
+    model_dir = shutil.copytree(pretrained, tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text("once upon a time there was a cat. " * 40)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    argv = ["eval", "--checkpoint", str(model_dir), "--text", str(text), "--lengths", "64", "--last", "32", "--windows", "2",
+            "--chunk", "16"]
+    assert cli_main(argv) == 0
+    assert f"wrote {model_dir / 'eval.json'} and {model_dir / 'eval.png'}" in capsys.readouterr().out
+    argv = ["probe", "--checkpoint", str(model_dir), "--task", "swap", "--text", str(text), "--docs", "2", "--distances", "1,8",
+            "--span", "8", "--warm-min", "4", "--warm-max", "20", "--chunk", "16"]
+    assert cli_main(argv) == 0
+    assert (model_dir / "probe.json").is_file() and (model_dir / "probe.png").is_file()
+    assert list((tmp_path / "cwd").iterdir()) == []
