@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -276,7 +277,7 @@ MIN_Y_SPAN = 0.5  # nats: the loss axis spans at least this much, so a 0.03-nat 
 
 
 def figure(results: dict[str, list[LengthResult]], title: str, last: int, trained: dict[str, int | None] | None = None,
-           warm: int = 0):  # type: ignore[no-untyped-def]
+           warm: int = 0) -> Any:
     """Loss against length, one series of points with 95% error bars per model (no lines: only
     the lengths measured are drawn); a point with no history before its scored tokens (L = last,
     no warm-up) is drawn hollow and labelled cold start. The y axis spans at least MIN_Y_SPAN."""

@@ -151,7 +151,7 @@ def reference_peak(dtype: torch.dtype, device: torch.device | str = "cpu") -> tu
         cache = {}
     if isinstance(cache.get(key), (int, float)):
         return float(cache[key]), f"cached in {path} for {key}"
-    peak = matmul_peak.__wrapped__(dtype, str(dev), seconds=PEAK_SECONDS)  # type: ignore[attr-defined]
+    peak = matmul_peak.__wrapped__(dtype, str(dev), seconds=PEAK_SECONDS)
     cache = {**(cache if isinstance(cache, dict) else {}), key: peak}
     try:  # atomic, so two runs starting together never leave half a file
         path.parent.mkdir(parents=True, exist_ok=True)
