@@ -114,3 +114,19 @@ def test_eval_and_probe_write_beside_the_checkpoint(pretrained, tmp_path, monkey
     assert cli_main(argv) == 0
     assert (model_dir / "probe.json").is_file() and (model_dir / "probe.png").is_file()
     assert list((tmp_path / "cwd").iterdir()) == []
+
+
+def test_openmp_waits_passively_unless_the_user_says_otherwise() -> None:
+    """Importing recurformer (as the command line does, before torch) sets OMP_WAIT_POLICY=PASSIVE
+    for the OpenMP runtime torch loads next; a policy the user set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, recurformer; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "PASSIVE"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "ACTIVE"
