@@ -128,7 +128,8 @@ def eval_tokens(tok, config: dict, *, data: str | None = None, dataset: str | No
     if not data_dir:
         raise RecurformerError("the checkpoint does not name its data; give --data DIR, --dataset NAME or --text FILE")
     _, _, val, data_tok = load_prepared(data_dir)
-    if tok is not None and data_tok.encode("The quick brown fox, 1984.") != tok.encode("The quick brown fox, 1984."):
+    probe = "the quick brown fox, 1984."  # lower case: an exported tokenizer may lower-case its input (hub.save_pretrained)
+    if tok is not None and data_tok.encode(probe) != tok.encode(probe):
         raise RecurformerError(f"{data_dir} was tokenized with another tokenizer than the checkpoint's; use --dataset or --text")
     return val
 

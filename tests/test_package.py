@@ -242,6 +242,23 @@ def test_exported_tokenizer_file_lower_cases_as_we_do(tmp_path) -> None:
     assert "lower-case" in (out / "README.md").read_text()
 
 
+def test_exported_lower_case_model_evaluates_on_its_prepared_data(corpus, tmp_path, capsys) -> None:
+    """The lower-case normalizer of an exported tokenizer does not make eval take the model's own
+    prepared data for another tokenizer's; another tokenizer's data is still refused."""
+    from recurformer.data import prepare
+
+    prepare(tmp_path / "bpe", text_files=[str(corpus)], tokenizer="bpe", vocab_size=300)
+    prepare(tmp_path / "byte", text_files=[str(corpus)], tokenizer="byte")
+    lower = Tokenizer.load(tmp_path / "bpe")
+    assert lower.lowercase
+    model = build_model("memory_attention", {**{k: v for k, v in MODEL.items() if k != "name"}, "vocab_size": 300})
+    out = model.save_pretrained(tmp_path / "x", tokenizer=lower)
+    argv = ["eval", "--checkpoint", str(out), "--lengths", "32", "--last", "32", "--windows", "2", "--chunk", "16"]
+    assert cli_main([*argv, "--data", str(tmp_path / "bpe")]) == 0
+    assert cli_main([*argv, "--data", str(tmp_path / "byte")]) == 2
+    assert "was tokenized with another tokenizer" in capsys.readouterr().err
+
+
 def test_from_pretrained_repo_id_downloads_offline(run, tmp_path, monkeypatch) -> None:
     """A repo id goes through ``snapshot_download`` (mocked: no network here) and loads the same."""
     from huggingface_hub.errors import LocalEntryNotFoundError
