@@ -4,8 +4,11 @@ fractions of a peak measured side by side mean anything).
 
 Configurations: ``paper`` (dim 288, 6 layers, 6 heads, vocab 4096; Memory Attention chunk 32 with
 shared memory Q/K/V: the TinyStories model of Liang, *Block-wise Recurrent Transformer*, §5; RMT
-segments of 128 with 16 memory slots) and ``125m`` (dim 768, 12 layers, 12 heads,
-vocab 50304: ~124M parameters, for GPUs).
+segments of 128 with 16 memory slots), ``125m`` (dim 768, 12 layers, 12 heads, vocab 50304: ~124M
+parameters, for GPUs) and ``toy`` (a smoke test). On CUDA each row also reports
+``train_step_mem_mb``: the allocator's peak over its two warm-up training steps above what was
+allocated before them (the row's activations, gradients and optimizer state; the weights of every
+row are built beforehand).
 
 Training: forward + backward + AdamW step on B x T tokens (default 8 x 256). Evaluation: one
 no-grad forward at T = 4096 (batch 1). Each row in fp32 and under bf16 autocast; "+compile"
@@ -59,6 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
     "paper": dict(vocab_size=4096, dim=288, n_layers=6, n_heads=6),
     "125m": dict(vocab_size=50304, dim=768, n_layers=12, n_heads=12),
+    "toy": dict(vocab_size=256, dim=32, n_layers=3, n_heads=2),  # gpu_suite.py --dry-run
 }
 EXTRA = {
     "memory_attention": dict(chunk_size=32, memory_qkv="shared"),
@@ -262,9 +266,15 @@ def main() -> None:
                 rows.append(ours(n, p, args, device))
         if args.peer and not p.endswith("+compile"):
             rows.append(peer_row(args.peer, p, args, device, ma_flops))
+    peak_mem: list[float | None] = []
     for r in rows:  # warm-up: two training steps, the first without a state and the second with one
-        timed(r.train, device)  # (a compiled layer compiles once for each), so no timed step compiles
+        base = 0
+        if device.type == "cuda":  # (a compiled layer compiles once for each), so no timed step compiles
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
         timed(r.train, device)
+        timed(r.train, device)
+        peak_mem.append((torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None)
         timed(r.eval, device)
     times: dict[int, dict[str, list[float]]] = {i: {"train": [], "eval": []} for i in range(len(rows))}
     for _ in range(args.repeats):  # interleaved, so machine noise hits every row alike
@@ -289,6 +299,7 @@ def main() -> None:
             model=r.label, precision=r.precision, train_mflop_per_token=round(r.train_flops / 1e6, 2), train_tokens_per_s=round(tps),
             train_fraction_of_peak=round(frac, 4), eval_tokens_per_s=None if etps is None else round(etps),
             eval_seconds=None if ev != ev else round(ev, 3), eval_fraction_of_peak=None if efrac is None else round(efrac, 4),
+            train_step_mem_mb=None if peak_mem[i] is None else round(peak_mem[i], 1),
         ))
         cells = f"{etps:>12,.0f}{efrac:>9.1%}" if efrac is not None else f"{'-':>12}{'-':>9}"
         print(f"{r.label:<22}{r.precision:<14}{r.train_flops / 1e6:>10.1f}{tps:>13,.0f}{frac:>9.1%}{cells}")

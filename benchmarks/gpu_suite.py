@@ -1,0 +1,573 @@
+"""Every GPU check and measurement in one command, planned within a time budget.
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu_suite.py                  # all stages, 25 minutes
+    PYTHONPATH=$PWD python3 benchmarks/gpu_suite.py --dry-run        # toy sizes on the CPU (~1 minute; a CI test)
+
+Stages, in this order (``--stages`` picks some; each writes ``<stage>.json`` atomically as soon as
+it finishes, so a run that is cut off keeps what it finished, and a later run in the same output
+folder skips the stages already there unless ``--redo``):
+
+* ``env``: GPU name, memory, driver, torch / CUDA / Triton versions; the best bf16 and fp32
+  n x n matmul (``recurformer.flops.matmul_peak``), device-to-device and pinned host-to-device
+  copy bandwidth.
+* ``tests``: the test suite's CUDA rows (``pytest -k cuda``), counted from its JUnit XML.
+* ``throughput``: training tokens/s, fraction of the measured bf16 peak and step memory of every
+  registered model at the ~125M-parameter config (dim 768, 12 layers, batch 16 x 1024, bf16),
+  eager (all models side by side, ``benchmarks/throughput.py``) and compiled (one process per
+  model, so a slow compile costs only its own row).
+* ``tiling``: one Recurrent Transformer layer, naive vs tiled, forward (N = 1k..16k) and forward +
+  backward (time, bytes saved for backward), ``benchmarks/recurrent_tiling.py``.
+* ``streaming``: per model, the allocator's peak while reading 64k tokens in calls of 1024 (the
+  streaming evaluation) and while generating token by token to 1k..64k tokens (the generation
+  child of ``benchmarks/generation.py``; a model that runs out of its time share keeps the marks
+  it reached).
+* ``seed``: the minutes left train Memory Attention at the seed's size (dim 288, 6 layers, 6 heads,
+  chunk 32, shared memory Q/K/V, stateful carry over contiguous streams: the ``--scale seed``
+  runs of ``benchmarks/extrapolation.py``) on tinystories-repeat; with at least 6 minutes, the
+  Llama and sliding-window baselines train beside it to the same step count; then ``recurformer
+  eval`` at 256..4096 tokens. A run is stopped by SIGTERM at its time (the trainer saves).
+
+Planning: each stage has an estimated cost and a smallest useful cost (minutes); stages that do not
+fit shrink (fewer compiled rows, shorter generation, a shorter training run) or are skipped, and
+every stage is stopped at the deadline. ``summary.md`` is rewritten from every stage JSON in the
+output folder after each run (``--summarize DIR`` only rewrites it).
+
+Output: ``docs/results/data/gpu/<gpu>-<date>/`` (``--out`` to choose). A device that allows at
+most 10 minutes per command: run the stages in three calls of ``--budget-min 9`` into one folder,
+
+    python3 benchmarks/gpu_suite.py --stages env,tests,throughput --budget-min 9 --out DIR
+    python3 benchmarks/gpu_suite.py --stages tiling,streaming --budget-min 9 --out DIR
+    python3 benchmarks/gpu_suite.py --stages seed --budget-min 9 --out DIR
+
+(with the files of each call copied back into one folder, ``--summarize DIR`` writes the summary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(BENCH))
+
+import torch  # noqa: E402
+
+from recurformer.flops import matmul_peak  # noqa: E402
+from recurformer.models import model_names  # noqa: E402
+
+PY = sys.executable
+RESULTS = ROOT / "docs" / "results" / "data" / "gpu"
+SEED_RUNS = ("memory_attention", "llama", "sliding_window")  # extrapolation.py's RUNS
+EVAL_LENGTHS = "256,512,1024,2048,4096"
+GEN_MARKS = (1024, 4096, 16384, 65536)
+TOY = dict(vocab_size=256, dim=32, n_layers=3, n_heads=2)  # 3 layers: Block-Recurrent's recurrent layer is -3
+
+
+class Budget:
+    """The run's deadline; a stage gets ``min(its plan, what is left)`` seconds."""
+
+    def __init__(self, minutes: float) -> None:
+        self.end = time.monotonic() + 60 * minutes
+
+    def left(self) -> float:
+        return max(0.0, self.end - time.monotonic())
+
+
+@dataclass
+class Ctx:
+    out: Path
+    dry: bool
+    device: torch.device
+    seconds: float  # this stage's allowance
+    scratch: Path  # runs and prepared data
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.seconds
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Atomic: a temporary file in the same folder, then renamed over the target."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(obj, indent=1) if path.suffix == ".json" else obj)
+    os.replace(tmp, path)
+
+
+def run(cmd: list[str], timeout: float, log: Path | None = None, env: dict | None = None) -> dict:
+    """A child process with a time limit: its exit code, whether it timed out, its output's tail
+    (everything it printed before a timeout is kept)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep), **(env or {}))
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(1.0, timeout))
+        out, rc, timed_out = done.stdout + done.stderr, done.returncode, False
+    except subprocess.TimeoutExpired as e:
+        parts = [p.decode() if isinstance(p, bytes) else (p or "") for p in (e.stdout, e.stderr)]
+        out, rc, timed_out = "".join(parts), None, True
+    if log is not None:
+        log.write_text(out)
+    return dict(rc=rc, timed_out=timed_out, tail=out[-1500:])
+
+
+def device_kw(ctx: Ctx) -> list[str]:
+    return ["--device", str(ctx.device)]
+
+
+# -- stages --------------------------------------------------------------------------------------
+def stage_env(ctx: Ctx) -> dict:
+    dev = ctx.device
+    info: dict[str, Any] = dict(
+        python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None, host=platform.node(),
+    )
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count)
+        if shutil.which("nvidia-smi"):
+            q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,power.limit,clocks.max.sm", "--format=csv,noheader"],
+                               capture_output=True, text=True)
+            info["nvidia_smi"] = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else None
+            info["driver"] = info["nvidia_smi"].split(",")[0].strip() if info["nvidia_smi"] else None
+    else:
+        info.update(gpu=None, cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    n = 256 if ctx.dry else None
+    secs = 0.1 if ctx.dry else 1.0
+    info["bf16_matmul_tflops"] = round(matmul_peak.__wrapped__(torch.bfloat16, str(dev), n, secs) / 1e12, 3)
+    info["fp32_matmul_tflops"] = round(matmul_peak.__wrapped__(torch.float32, str(dev), n, secs) / 1e12, 3)
+    nbytes = (8 if ctx.dry else 1024) * 2**20
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    info["d2d_copy_gb_s"] = round(2 * nbytes / best_time(lambda: b.copy_(a), dev) / 1e9, 1)  # read + write
+    if dev.type == "cuda":
+        h = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        info["h2d_pinned_gb_s"] = round(nbytes / best_time(lambda: a.copy_(h, non_blocking=True), dev) / 1e9, 1)
+    return info
+
+
+def best_time(fn: Callable[[], Any], dev: torch.device, reps: int = 10) -> float:
+    from recurformer.device import synchronize
+
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(dev)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def stage_tests(ctx: Ctx) -> dict:
+    xml = ctx.scratch / "tests.xml"
+    target = ["tests/test_devices.py"] if ctx.dry else ["tests"]
+    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda", f"--junitxml={xml}", *target]
+    r = run(cmd, ctx.seconds - 5, log=ctx.out / "tests.log")
+    res: dict[str, Any] = dict(command=" ".join(cmd[1:]), rc=r["rc"], timed_out=r["timed_out"])
+    if not xml.is_file():
+        return dict(res, error="no JUnit XML (pytest did not finish)", tail=r["tail"])
+    cases = ET.parse(xml).getroot().iter("testcase")
+    counts = dict(passed=0, failed=0, skipped=0)
+    failures = []
+    for c in cases:
+        kind = next((ch.tag for ch in c if ch.tag in ("failure", "error", "skipped")), None)
+        if kind == "skipped":
+            counts["skipped"] += 1
+        elif kind:
+            counts["failed"] += 1
+            msg = (c.find(kind).get("message") or "").splitlines()  # type: ignore[union-attr]
+            failures.append(f"{c.get('classname')}::{c.get('name')}: {msg[0][:200] if msg else kind}")
+        else:
+            counts["passed"] += 1
+    return dict(res, **counts, failures=failures)
+
+
+def stage_throughput(ctx: Ctx) -> dict:
+    names = model_names()
+    size = (["--config", "toy", "--batch", "2", "--seq", "64", "--eval-len", "128", "--repeats", "1"] if ctx.dry
+            else ["--config", "125m", "--batch", "16", "--seq", "1024", "--eval-len", "4096", "--repeats", "3"])
+    end = ctx.deadline()
+    eager_json = ctx.scratch / "throughput_eager.json"
+    cmd = [PY, "benchmarks/throughput.py", "--models", ",".join(names), "--precisions", "bf16", *size,
+           *device_kw(ctx), "--out", str(eager_json)]
+    # eager gets at most half when compiled rows follow (those are the ones that may not fit)
+    r = run(cmd, (end - time.monotonic()) * (1.0 if ctx.dry else 0.5), log=ctx.out / "throughput_eager.log")
+    res: dict[str, Any] = dict(command=" ".join(cmd[1:]), eager=r if r["rc"] != 0 else None, rows=[])
+    if eager_json.is_file():
+        got = json.loads(eager_json.read_text())
+        res["meta"] = got["meta"]
+        res["rows"] += got["results"]
+    compiled: dict[str, Any] = {}
+    if ctx.dry:
+        compiled["all"] = "skipped in --dry-run (a CPU compile of every model takes minutes)"
+    for i, n in enumerate(names if not ctx.dry else []):
+        share = (end - time.monotonic()) / (len(names) - i)
+        if share < 45:
+            compiled[n] = "skipped: the budget ran out"
+            continue
+        out = ctx.scratch / f"throughput_{n}_compile.json"
+        c = [PY, "benchmarks/throughput.py", "--models", n, "--precisions", "bf16+compile", *size, *device_kw(ctx), "--out", str(out)]
+        rc = run(c, share, log=ctx.out / f"throughput_{n}_compile.log")
+        if out.is_file():
+            res["rows"] += json.loads(out.read_text())["results"]
+            compiled[n] = "ok"
+        else:
+            compiled[n] = "timed out" if rc["timed_out"] else f"failed: {rc['tail'].strip().splitlines()[-1:] or rc['rc']}"
+    res["compiled"] = compiled
+    return res
+
+
+def stage_tiling(ctx: Ctx) -> dict:
+    if ctx.dry:
+        fwd = ["--dim", "32", "--heads", "2", "--batch", "1", "--min-n", "32", "--max-n", "64", "--naive-max-n", "64", "--blocks", "4", "--reps", "1"]
+        train = ["--dim", "32", "--heads", "2", "--blocks", "4", "--train-ns", "32", "64", "--naive-train-max-n", "64"]
+    else:  # naive training saves O(N^2 d): ~18 GB at N = 4096, dim 256
+        fwd = ["--min-n", "1024", "--max-n", "16384", "--naive-max-n", "16384", "--blocks", "16", "--reps", "3"]
+        train = ["--blocks", "16", "--train-ns", "1024", "2048", "4096", "8192", "16384", "--naive-train-max-n", "4096"]
+    end, res = ctx.deadline(), {}
+    for part, args, share in (("forward", fwd, 0.5), ("train", train, 1.0)):
+        out = ctx.scratch / f"tiling_{part}"
+        cmd = [PY, "benchmarks/recurrent_tiling.py", "--parts", part, *args, *device_kw(ctx), "--out", str(out)]
+        r = run(cmd, (end - time.monotonic()) * share, log=ctx.out / f"tiling_{part}.log")
+        js = out.with_suffix(".json")
+        res[part] = json.loads(js.read_text()) if js.is_file() else dict(r, command=" ".join(cmd[1:]))
+    return res
+
+
+STREAM_CHILD = """
+import json, sys, torch
+from recurformer import build_model
+from recurformer.generate import new_session, read, stream
+name, marks, cfg, mode = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], json.loads(sys.argv[3]), sys.argv[4]
+""" + "{device_code}" + """
+torch.manual_seed(0)
+model = build_model(name, cfg).eval().to(dev)
+s = new_session(model, 1, seed=0)
+if mode == "eval":  # the streaming evaluation: calls of up to 1024 tokens, the state carried
+    step = min(1024, marks[0])
+    tokens = torch.randint(0, cfg["vocab_size"], (1, marks[-1]))
+    for a in range(0, marks[-1], step):
+        read(model, s, tokens[:, a : a + step])
+        if a + step in marks:
+            sync()
+            print(json.dumps(dict(tokens=a + step, mem_mb=round(mem_mb(), 1))), flush=True)
+else:
+    for n, _ in enumerate(stream(model, [1, 2, 3], marks[-1], temperature=0.0, session=s), 1):
+        if n in marks:
+            sync()
+            print(json.dumps(dict(tokens=n, mem_mb=round(mem_mb(), 1))), flush=True)
+"""
+
+
+def stage_streaming(ctx: Ctx) -> dict:
+    import generation
+
+    child = STREAM_CHILD.replace("{device_code}", generation.DEVICE_CODE)
+    names = ["llama", "memory_attention"] if ctx.dry else model_names()  # dry: two models, 4 processes
+    end = ctx.deadline()
+    res: dict[str, Any] = {"note": "mem_mb: CUDA allocator peak since the start (CPU: resident set)", "models": {}}
+    for i, name in enumerate(names):
+        cfg = {**(TOY if ctx.dry else generation.SMALL), **generation.EXTRA.get(name, {})}
+        if ctx.dry:
+            cfg = {k: (16 if k in ("chunk_size", "segment_len", "block_size", "window") else v) for k, v in cfg.items()}
+        row: dict[str, Any] = {"config": cfg}
+        for mode, marks in (("eval", (1024, 4096, 16384, 65536)), ("generate", GEN_MARKS)):
+            marks = (64, 128, 256) if ctx.dry else marks
+            share = (end - time.monotonic()) / ((len(names) - i) * 2 - (mode == "generate"))
+            r = run([PY, "-c", child, name, ",".join(map(str, marks)), json.dumps(cfg), mode, str(ctx.device)], share)
+            lines = [json.loads(x) for x in r["tail"].splitlines() if x.startswith("{")] if r["rc"] in (0, None) else []
+            row[mode] = lines
+            if r["timed_out"]:
+                row[f"{mode}_note"] = f"stopped after {share:.0f} s (its share of the budget)"
+            elif r["rc"] != 0:
+                row[f"{mode}_note"] = "failed: " + (r["tail"].strip().splitlines() or [""])[-1][:200]
+        res["models"][name] = row
+    return res
+
+
+def stage_seed(ctx: Ctx) -> dict:
+    import extrapolation
+
+    dataset = "tinystories-sample" if ctx.dry else "tinystories-repeat"
+    runs_dir = ctx.scratch / "runs"
+    base = [PY, "-m", "recurformer.cli", "train", "--config", str(extrapolation.BASE), *device_kw(ctx),
+            "--set", f"data.dataset={dataset}"]
+    if ctx.dry:
+        sets = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.vocab_size=512", "data.tokenizer=byte",
+                f"data.dir={ctx.scratch / 'prepared'}", "train.batch_size=2", "train.seq_len=64", "train.steps=2",
+                "train.eval_every=2", "train.eval_batches=1", "train.save_every=2", "train.log_every=1"]
+    else:  # "the minutes left": a step count no run reaches, stopped by SIGTERM at its time
+        sets = extrapolation.SCALES["seed"] + ["train.steps=100000", "train.save_every=500", "train.eval_every=1000", "train.log_every=50"]
+    eval_reserve = 20 if ctx.dry else 75
+    train_s = ctx.seconds - eval_reserve
+    with_baselines = ctx.dry or train_s >= 5 * 60
+    res: dict[str, Any] = dict(dataset=dataset, sets=sets, runs={})
+
+    def train(run_name: str, extra: list[str], seconds: float) -> subprocess.Popen:
+        out = runs_dir / run_name
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = base + [a for s in sets + extrapolation.RUNS[run_name] + extra + [f"train.out_dir={out}"] for a in ("--set", s)]
+        log = open(out / "train.log", "w")
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        p.deadline = time.monotonic() + seconds  # type: ignore[attr-defined]
+        return p
+
+    def finish(procs: dict[str, subprocess.Popen]) -> None:
+        for name, p in procs.items():
+            stopped = False
+            try:
+                p.wait(timeout=max(0.0, p.deadline - time.monotonic()))  # type: ignore[attr-defined]
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGTERM)  # the trainer finishes its step and saves
+                stopped = True
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            res["runs"][name] = dict(rc=p.returncode, stopped_at_time=stopped, **last_metrics(runs_dir / name))
+
+    end = ctx.deadline()
+    finish({"memory_attention": train("memory_attention", [], train_s / 2 if with_baselines and not ctx.dry else train_s)})
+    steps = res["runs"]["memory_attention"].get("step")
+    if with_baselines and steps:  # to the same step count, side by side, in the training time left
+        left = max(30.0, end - eval_reserve - time.monotonic())
+        finish({n: train(n, [f"train.steps={steps}"], left) for n in SEED_RUNS[1:]})
+    elif not with_baselines:
+        res["baselines"] = f"skipped: {train_s / 60:.1f} minutes of training time (they need 5)"
+    ckpts = [str(runs_dir / n) for n in SEED_RUNS if res["runs"].get(n, {}).get("step")]
+    if ckpts:
+        js = ctx.out / "seed_eval.json"
+        lengths, last, windows = ("64,128", "32", "2") if ctx.dry else (EVAL_LENGTHS, "256", "16")
+        cmd = [PY, "-m", "recurformer.cli", "eval", "--checkpoint", *ckpts, "--lengths", lengths, "--last", last,
+               "--windows", windows, "--json", str(js), *device_kw(ctx)]
+        r = run(cmd, max(10.0, eval_reserve - 5), log=ctx.out / "seed_eval.log")
+        res["eval"] = json.loads(js.read_text()) if js.is_file() else r
+    return res
+
+
+def last_metrics(run_dir: Path) -> dict:
+    """The last training and validation rows of a run's metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    train = [r for r in rows if "loss" in r]
+    val = [r for r in rows if "val_loss" in r]
+    out = dict(train[-1]) if train else {}
+    if val:
+        out["val_loss"] = val[-1]["val_loss"]
+        out["val_step"] = val[-1]["step"]
+    return out
+
+
+@dataclass
+class Stage:
+    fn: Callable[[Ctx], dict]
+    cost: float  # minutes it is planned for on a GPU
+    least: float  # the fewest minutes it is worth starting with
+    dry: float  # minutes at toy size on a CPU
+
+
+STAGES: dict[str, Stage] = {
+    "env": Stage(stage_env, 0.5, 0.25, 0.05),
+    "tests": Stage(stage_tests, 4.0, 2.0, 0.15),
+    "throughput": Stage(stage_throughput, 5.0, 2.0, 0.2),
+    "tiling": Stage(stage_tiling, 2.5, 1.0, 0.2),
+    "streaming": Stage(stage_streaming, 3.0, 1.0, 0.2),
+    "seed": Stage(stage_seed, 3.0, 3.0, 0.3),  # then every minute left
+}
+
+
+def plan(names: list[str], budget: float, dry: bool) -> dict[str, float]:
+    """Minutes per stage: its cost, shrunk towards its least when the budget is short (stages in
+    order; ``seed`` takes what is left); a stage whose least does not fit gets 0 (skipped)."""
+    cost = {n: STAGES[n].dry if dry else STAGES[n].cost for n in names}
+    least = {n: STAGES[n].dry if dry else STAGES[n].least for n in names}
+    out, left = {}, budget
+    for i, n in enumerate(names):
+        later = sum(least[m] for m in names[i + 1 :])  # what the stages after this one need at least
+        give = min(cost[n], max(least[n], left - later)) if n != "seed" or dry else left
+        out[n] = give if give <= left and give >= least[n] else 0.0
+        left -= out[n]
+    return out
+
+
+def default_out(device: torch.device, dry: bool) -> Path:
+    name = "cpu-dry-run" if dry else torch.cuda.get_device_name(device)
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return RESULTS / f"{slug}-{datetime.date.today().isoformat()}"
+
+
+# -- summary -------------------------------------------------------------------------------------
+def summarize(out: Path) -> Path:
+    """summary.md from every stage JSON in ``out``."""
+    got = {n: json.loads((out / f"{n}.json").read_text()) for n in STAGES if (out / f"{n}.json").is_file()}
+    lines = [f"# GPU suite: {out.name}", "", "Written by `benchmarks/gpu_suite.py` from the stage JSON files beside it.", ""]
+    for name, s in got.items():
+        r = s.get("result") or {}
+        lines += [f"## {name}", "", f"status: {s['status']} in {s['seconds']:.0f} s (planned {s['planned_s']:.0f} s)"
+                  + (f": {s['error']}" if s.get("error") else ""), ""]
+        lines += SUMMARIES[name](r) if s["status"] == "ok" else []
+        lines.append("")
+    path = out / "summary.md"
+    write_json(path, "\n".join(lines))
+    return path
+
+
+def sum_env(r: dict) -> list[str]:
+    keys = ("gpu", "gpu_memory_gib", "driver", "capability", "cpu", "torch", "cuda", "triton", "python",
+            "bf16_matmul_tflops", "fp32_matmul_tflops", "d2d_copy_gb_s", "h2d_pinned_gb_s")
+    return ["| | |", "|---|---|"] + [f"| {k} | {r[k]} |" for k in keys if r.get(k) is not None]
+
+
+def sum_tests(r: dict) -> list[str]:
+    return [f"`{r.get('command')}`: {r.get('passed')} passed, {r.get('failed')} failed, {r.get('skipped')} skipped"
+            + (" (timed out)" if r.get("timed_out") else "")] + [f"- {f}" for f in r.get("failures", [])]
+
+
+def sum_throughput(r: dict) -> list[str]:
+    target = {"llama": 0.45}
+    out = [f"config {r.get('meta', {}).get('config')}, batch {r.get('meta', {}).get('batch')} x {r.get('meta', {}).get('seq')}; "
+           "target: Llama >= 45% of the bf16 peak, recurrent models >= 30%", "",
+           "| model | precision | train tok/s | of bf16 peak | target | step memory MB |", "|---|---|---:|---:|---:|---:|"]
+    for x in r.get("rows", []):
+        t = target.get(x["model"], 0.30)
+        out.append(f"| {x['model']} | {x['precision']} | {x['train_tokens_per_s']:,} | {x['train_fraction_of_peak']:.1%} | "
+                   f"{t:.0%} {'met' if x['train_fraction_of_peak'] >= t else 'missed'} | {x.get('train_step_mem_mb')} |")
+    out += [f"- compiled {k}: {v}" for k, v in r.get("compiled", {}).items() if v != "ok"]
+    return out
+
+
+def sum_tiling(r: dict) -> list[str]:
+    out = []
+    if isinstance(r.get("forward"), dict) and "rows" in r["forward"]:
+        out += ["| N | naive ms | tiled ms | naive / tiled |", "|---:|---:|---:|---:|"]
+        for x in r["forward"]["rows"]:
+            ratio = x["naive_ms"] / x["tiled_ms"] if "naive_ms" in x else float("nan")
+            out.append(f"| {x['N']} | {x.get('naive_ms', float('nan')):.1f} | {x['tiled_ms']:.1f} | {ratio:.2f} |")
+        out.append("")
+    if isinstance(r.get("train"), dict) and "training" in r["train"]:
+        out += ["| N | naive fwd+bwd ms | tiled fwd+bwd ms | naive saved MB | tiled saved MB |", "|---:|---:|---:|---:|---:|"]
+        for x in r["train"]["training"]:
+            g = lambda k, d=1.0: x.get(k, float("nan")) / d  # noqa: E731
+            out.append(f"| {x['N']} | {g('naive_fwd_bwd_ms'):.0f} | {g('tiled_fwd_bwd_ms'):.0f} | {g('naive_saved_bytes', 1e6):.1f} | {g('tiled_saved_bytes', 1e6):.1f} |")
+    return out
+
+
+def sum_streaming(r: dict) -> list[str]:
+    out = [r.get("note", ""), "", "| model | eval MB at tokens | generation MB at tokens |", "|---|---|---|"]
+    for name, x in r.get("models", {}).items():
+        cell = lambda rows: ", ".join(f"{m['mem_mb']:.0f}@{m['tokens']}" for m in rows) or "-"  # noqa: E731
+        out.append(f"| {name} | {cell(x.get('eval', []))} | {cell(x.get('generate', []))} |")
+    return out
+
+
+def sum_seed(r: dict) -> list[str]:
+    out = [f"dataset {r.get('dataset')}", "", "| run | step | tokens | train loss | val loss | tok/s |", "|---|---:|---:|---:|---:|---:|"]
+    for name, x in r.get("runs", {}).items():
+        out.append(f"| {name} | {x.get('step')} | {x.get('tokens')} | {x.get('loss', float('nan')):.3f} | "
+                   f"{x.get('val_loss', float('nan')):.3f} | {x.get('tok_per_s', float('nan')):,.0f} |")
+    ev = r.get("eval", {})
+    if "results" in ev:
+        out += ["", "loss on the last tokens of each window, by window length:", ""]
+        for label, rows in ev["results"].items():
+            out.append(f"- {label}: " + ", ".join(f"{x['length']}: {x['loss']:.3f}" for x in rows))
+    if r.get("baselines"):
+        out.append(f"- baselines {r['baselines']}")
+    return out
+
+
+SUMMARIES: dict[str, Callable[[dict], list[str]]] = dict(
+    env=sum_env, tests=sum_tests, throughput=sum_throughput, tiling=sum_tiling, streaming=sum_streaming, seed=sum_seed,
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-min", type=float, default=25.0, help="minutes the whole run may take (default 25)")
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, from {','.join(STAGES)}")
+    ap.add_argument("--dry-run", action="store_true", help="every stage at toy sizes on the CPU (about a minute)")
+    ap.add_argument("--out", help="output folder (default: docs/results/data/gpu/<gpu>-<date>)")
+    ap.add_argument("--redo", action="store_true", help="run stages whose JSON the output folder already holds")
+    ap.add_argument("--summarize", metavar="DIR", help="only rewrite DIR/summary.md from its stage JSON files")
+    args = ap.parse_args()
+    err = lambda msg: sys.exit(f"gpu_suite.py: error: {msg}")  # noqa: E731
+    if args.summarize:
+        if not Path(args.summarize).is_dir():
+            err(f"--summarize {args.summarize} is not a folder")
+        print(f"wrote {summarize(Path(args.summarize))}")
+        return
+    names = [n.strip() for n in args.stages.split(",") if n.strip()]
+    bad = [n for n in names if n not in STAGES]
+    if bad or not names:
+        err(f"--stages: unknown stage '{bad[0] if bad else args.stages}'; choose from {', '.join(STAGES)}")
+    names = [n for n in STAGES if n in names]  # the suite's order
+    if not args.dry_run and not torch.cuda.is_available():
+        err("no CUDA device; run on a GPU machine, or use --dry-run for toy sizes on the CPU")
+    least = min(STAGES[n].dry if args.dry_run else STAGES[n].least for n in names)
+    if args.budget_min < least:
+        err(f"--budget-min {args.budget_min:g} is below what the cheapest chosen stage needs ({least:g} minutes)")
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda")
+    out = Path(args.out) if args.out else default_out(device, args.dry_run)
+    out.mkdir(parents=True, exist_ok=True)
+    budget = Budget(args.budget_min)
+    minutes = plan(names, args.budget_min, args.dry_run)
+    print(f"gpu_suite: {device}, budget {args.budget_min:g} min, writing to {out}")
+    print("plan: " + ", ".join(f"{n} {m:.1f} min" if m else f"{n} skipped" for n, m in minutes.items()), flush=True)
+    scratch = Path(tempfile.mkdtemp(prefix="gpu_suite_")) if args.dry_run else ROOT / "runs" / "gpu-suite" / f"{out.name}-{time.strftime('%H%M%S')}"
+    scratch.mkdir(parents=True, exist_ok=True)
+    try:
+        for n in names:
+            path = out / f"{n}.json"
+            if path.is_file() and not args.redo:
+                print(f"{n}: {path} exists, skipped (--redo runs it again)")
+                continue
+            # a stage's plan, or, at toy sizes (fixed work) and for seed, whatever is left
+            seconds = budget.left() if args.dry_run or n == "seed" else min(60 * minutes[n], budget.left())
+            least_s = 60 * (STAGES[n].dry if args.dry_run else STAGES[n].least)
+            if not minutes[n] or seconds < least_s * 0.9:
+                print(f"{n}: skipped, {seconds / 60:.1f} of the {least_s / 60:g} minutes it needs are left", flush=True)
+                continue
+            print(f"{n}: {seconds / 60:.1f} min ...", flush=True)
+            t0 = time.monotonic()
+            record: dict[str, Any] = dict(stage=n, device=str(device), dry_run=args.dry_run, planned_s=round(seconds),
+                                          started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+            try:
+                record.update(status="ok", result=STAGES[n].fn(Ctx(out, args.dry_run, device, seconds, scratch)))
+            except Exception as e:  # one failing stage (e.g. out of memory) leaves the others running
+                record.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+            record["seconds"] = round(time.monotonic() - t0, 1)
+            write_json(path, record)
+            print(f"{n}: {record['status']} in {record['seconds']:.0f} s -> {path}", flush=True)
+    finally:
+        if args.dry_run:
+            shutil.rmtree(scratch, ignore_errors=True)
+        print(f"wrote {summarize(out)}")
+
+
+if __name__ == "__main__":
+    main()

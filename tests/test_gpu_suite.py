@@ -1,0 +1,92 @@
+"""benchmarks/gpu_suite.py: the dry run (every stage at toy sizes on the CPU), its plan, and its
+one-line refusals that leave finished stages' JSON alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_suite  # noqa: E402
+
+
+def suite(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_dry_run_writes_every_stage(tmp_path: Path) -> None:
+    done = suite("--dry-run", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in gpu_suite.STAGES:
+        rec = json.loads((tmp_path / f"{name}.json").read_text())
+        assert rec["status"] == "ok", (name, rec)
+    r = {n: json.loads((tmp_path / f"{n}.json").read_text())["result"] for n in gpu_suite.STAGES}
+    assert r["env"]["bf16_matmul_tflops"] > 0 and r["env"]["d2d_copy_gb_s"] > 0
+    assert r["tests"]["failed"] == 0 and r["tests"]["passed"] + r["tests"]["skipped"] > 0
+    assert {x["model"] for x in r["throughput"]["rows"]} == set(gpu_suite.model_names())
+    assert all(x["train_tokens_per_s"] > 0 for x in r["throughput"]["rows"])
+    assert [x["N"] for x in r["tiling"]["forward"]["rows"]] == [32, 64] and len(r["tiling"]["train"]["training"]) == 2
+    for row in r["streaming"]["models"].values():
+        assert [m["tokens"] for m in row["eval"]] == [64, 128, 256] and [m["tokens"] for m in row["generate"]] == [64, 128, 256]
+    assert {n: x["step"] for n, x in r["seed"]["runs"].items()} == dict.fromkeys(gpu_suite.SEED_RUNS, 2)
+    assert set(r["seed"]["eval"]["results"]) == set(gpu_suite.SEED_RUNS)
+    summary = (tmp_path / "summary.md").read_text()
+    assert all(f"## {n}" in summary for n in gpu_suite.STAGES)
+
+
+def test_budget_runs_out_cleanly(tmp_path: Path) -> None:
+    """A 6-second budget: env finishes, throughput is stopped at the deadline, seed is skipped."""
+    done = suite("--dry-run", "--budget-min", "0.1", "--stages", "env,throughput,seed", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((tmp_path / "env.json").read_text())["status"] == "ok"
+    assert not (tmp_path / "seed.json").exists() and "seed: skipped" in done.stdout
+    assert (tmp_path / "summary.md").is_file()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dry-run", "--stages", "env,warp"], "--stages: unknown stage 'warp'"),
+        (["--dry-run", "--budget-min", "0.01"], "--budget-min 0.01 is below"),
+        (["--stages", "env"], "no CUDA device"),
+    ],
+)
+def test_bad_input_is_one_line_and_keeps_finished_json(tmp_path: Path, args: list[str], message: str) -> None:
+    if message == "no CUDA device" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    finished = tmp_path / "env.json"
+    finished.write_text('{"stage": "env", "status": "ok"}')
+    done = suite(*args, "--out", str(tmp_path), timeout=60)
+    assert done.returncode != 0
+    assert done.stderr.strip().count("\n") == 0 and message in done.stderr, done.stderr
+    assert finished.read_text() == '{"stage": "env", "status": "ok"}'
+
+
+def test_finished_stage_is_kept_unless_redo(tmp_path: Path) -> None:
+    finished = tmp_path / "env.json"
+    finished.write_text(json.dumps(dict(stage="env", status="ok", seconds=1, planned_s=1, result={"torch": "x"})))
+    done = suite("--dry-run", "--stages", "env", "--out", str(tmp_path), timeout=60)
+    assert done.returncode == 0 and "exists, skipped" in done.stdout
+    assert json.loads(finished.read_text())["result"] == {"torch": "x"}
+
+
+def test_plan_shrinks_then_skips() -> None:
+    every = list(gpu_suite.STAGES)
+    full = gpu_suite.plan(every, 25, dry=False)
+    fixed = sum(gpu_suite.STAGES[n].cost for n in every if n != "seed")
+    assert full == {**{n: gpu_suite.STAGES[n].cost for n in every if n != "seed"}, "seed": pytest.approx(25 - fixed)}
+    short = gpu_suite.plan(["env", "tests", "throughput"], 6, dry=False)  # 9.5 planned: tests shrinks to leave throughput its least
+    assert short == {"env": 0.5, "tests": 3.5, "throughput": 2.0}
+    tight = gpu_suite.plan(["env", "tests", "seed"], 4, dry=False)  # tests shrinks to its least, seed does not fit
+    assert tight["tests"] == gpu_suite.STAGES["tests"].least and tight["seed"] == 0.0
+    assert sum(gpu_suite.plan(every, 9, dry=False).values()) <= 9
