@@ -215,6 +215,7 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
 
     kind: ClassVar[str]
     layer_config: ClassVar[type[ModelConfig]] = ModelConfig  # the config a layer of this kind needs
+    check_tokens = True  # features() checks every token id, a wait for the device (the trainer checks its data once)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -255,12 +256,13 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
             start=torch.zeros(batch_size, dtype=torch.long, device=device),
             pos=0,
             layers=[layer.init_state(batch_size, device, dtype) for layer in self.layers],
+            any_fresh=True,
         )
 
     def body(self, h: Tensor, state: State) -> tuple[Tensor, State]:
         """The layers over h [B, T, D], after the lazy reset of the fresh rows."""
         layers, pos = state.layers, state.pos
-        if bool(state.fresh.any()):
+        if state.any_fresh if state.any_fresh is not None else bool(state.fresh.any()):
             P = self.reset_boundary
             if pos % P:
                 unit = max(self.layers, key=lambda layer: layer.period).unit
@@ -274,7 +276,7 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
         for layer, s in zip(self.layers, layers):
             h, s = layer(h, s, call)
             new.append(s)
-        return h, State(fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=new)
+        return h, State(fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=new, any_fresh=False)
 
     def features(self, tokens: Tensor, state: State | None = None) -> tuple[Tensor, State]:
         """Validated ``tokens`` [B, T] -> final-norm hidden states [B, T, D] (what the LM head
@@ -282,7 +284,7 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise RecurformerError(f"tokens must be an integer tensor [batch, time], got {tuple(tokens.shape)} {tokens.dtype}")
         B, T = tokens.shape
-        if T > 0:
+        if T > 0 and self.check_tokens:
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= self.config.vocab_size:
                 bad = lo if lo < 0 else hi

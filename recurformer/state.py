@@ -75,6 +75,7 @@ class State:
     start: Tensor  # [B] int64
     pos: int
     layers: list[LayerState]
+    any_fresh: bool | None = None  # whether fresh.any(), when known on the host (None: ask the device)
 
     @property
     def batch_size(self) -> int:
@@ -100,10 +101,15 @@ class State:
 
     def reset(self, mask: Tensor) -> "State":
         """Start a new document in the rows where ``mask`` ([B] bool) is true."""
+        known: bool | None = None
+        if self.any_fresh:
+            known = True
+        elif not isinstance(mask, Tensor) or mask.device.type == "cpu":  # a host mask: any() needs no wait for the device
+            known = True if bool(torch.as_tensor(mask).any()) else self.any_fresh
         mask = torch.as_tensor(mask, dtype=torch.bool, device=self.fresh.device)
         if mask.shape != self.fresh.shape:
             raise RecurformerError(f"reset mask has shape {tuple(mask.shape)}, expected ({self.batch_size},)")
-        return dataclasses.replace(self, fresh=self.fresh | mask)
+        return dataclasses.replace(self, fresh=self.fresh | mask, any_fresh=known)
 
     def to_flat(self) -> dict[str, Tensor]:
         """``{name: tensor}`` for safetensors: fresh, start, pos, layers.n, layers.<i>.<field>."""

@@ -353,6 +353,7 @@ class Trainer:
         self.model = build_from_run_config(cfg, self.meta["vocab_size"]).to(self.device)
         if self.model.config.vocab_size < self.meta["vocab_size"]:
             raise RecurformerError(f"model.vocab_size {self.model.config.vocab_size} < the data's vocabulary {self.meta['vocab_size']}")
+        self.model.check_tokens = False  # every token id of the data is < its vocabulary: no per-step check
         if t.seq_len % self.model.reset_boundary:
             raise RecurformerError(
                 f"train.seq_len ({t.seq_len}) must be a multiple of the model's chunk/segment/block length ({self.model.reset_boundary})"
@@ -378,6 +379,8 @@ class Trainer:
         self.train_tokens = train_tokens
         self.streams: Any = self._make_streams(t.seq_len, t.seed)
         self.state: State | None = None
+        self._unread: torch.Tensor | None = None  # train_step's losses not yet read (read_loss)
+        self._unread_from = 0
         self.step = 0
         self.tokens_seen = 0
         if resumed is not None:
@@ -484,20 +487,23 @@ class Trainer:
             state = initial_state(self.model, t.state_init, rows, state, t.batch_size, self.device, gen, t.state_noise)
         elif t.state == "reset" or state is None:
             state = self.model.init_state(t.batch_size, self.device)
-        elif bool(batch.wrapped.any()):
-            state = state.reset(batch.wrapped.to(self.device))
+        elif bool(batch.wrapped.any()):  # host data: no wait for the device
+            state = state.reset(batch.wrapped)  # a host mask, so the state knows on the host that a row is fresh
         x, y = to_device(batch.x, self.device), to_device(batch.y, self.device)
         with autocast_context(t.precision, self.device):
             out = self.ddp(x, state=state, targets=y)
         return out.loss, out.state
 
-    def train_step(self) -> float:
-        """One optimizer step over ``grad_accum`` consecutive segments; returns the mean loss."""
+    def train_step(self, read: bool = True) -> Any:
+        """One optimizer step over ``grad_accum`` consecutive segments; returns the mean loss: as a
+        float, read and checked to be finite (``read``), or as the 0-dim tensor on the device,
+        unread, so the step queues its work without waiting for the device (the loop reads the
+        loss once per log interval and before a checkpoint: ``read_loss``)."""
         t = self.cfg.train
         lr = lr_at(self.step, t.lr, t.min_lr, t.warmup, t.steps)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        total = 0.0
+        total: Any = 0.0
         truncation = self._apply_schedule()
         seq_len = self.streams.seq_len
         groups = t.grad_accum // truncation
@@ -514,21 +520,34 @@ class Trainer:
                 assert state is not None
                 (loss_sum / t.grad_accum).backward()
                 self.state = state.detach()  # the TBPTT boundary
-                total += float(loss_sum.detach())
+                total = total + loss_sum.detach()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += t.grad_accum * t.batch_size * seq_len * self.world
-        mean = total / t.grad_accum
-        if self.world > 1:  # one scalar, so every rank logs (and stops on) the same number
-            v = torch.tensor([mean], device=self.device)
+        mean = (total / t.grad_accum).float()
+        if self._unread is None:  # the sum of the unread steps' losses: a nan or inf in any of them shows in it
+            self._unread, self._unread_from = mean, self.step
+        else:
+            self._unread = self._unread + mean
+        return self.read_loss(mean) if read else mean
+
+    def read_loss(self, loss: torch.Tensor) -> float:
+        """The step's loss as a float: the one host read (a wait for the device) per log interval.
+        Raises if any step since the last read had a loss that is not finite; with several ranks,
+        the mean over ranks, so every rank logs (and stops on) the same number."""
+        v = torch.stack([loss, self._unread if self._unread is not None else loss])
+        if self.world > 1:
             dist.all_reduce(v)
-            mean = float(v) / self.world
-        if not math.isfinite(mean):
+            v = v / self.world
+        mean, seen = v.tolist()
+        first, self._unread = self._unread_from, None
+        if not math.isfinite(seen):
+            where = f"at step {self.step}" if first == self.step else f"at one of steps {first}..{self.step}"
             raise RecurformerError(
-                f"loss became {mean} at step {self.step}; stopped (the last good checkpoint in {self.out_dir} is kept)"
+                f"loss became {seen} {where}; stopped (the last good checkpoint in {self.out_dir} is kept)"
             )
         return mean
 
@@ -619,9 +638,10 @@ class Trainer:
         t0, tok0 = time.perf_counter(), self.tokens_seen
         run_time, run_tokens = 0.0, 0  # training time (no eval, no saving) and tokens of this process's steps
         while self.step < t.steps:
-            loss = self.train_step()
+            loss_t = self.train_step(read=False)  # no wait for the device until the log interval
             bar.update(1)
             if self.step % t.log_every == 0 or self.step == t.steps:
+                loss = self.read_loss(loss_t)  # waits for the queued steps, so the clock below counts them
                 dt = time.perf_counter() - t0
                 tps = (self.tokens_seen - tok0) / max(dt, 1e-9)  # over the steps since the previous log line
                 run_time, run_tokens = run_time + dt, run_tokens + self.tokens_seen - tok0
@@ -642,6 +662,8 @@ class Trainer:
                 self._say(f"step {self.step}: val loss {val:.4f}")
             stop = self._stop_requested() if self.step < t.steps else None  # a finished run just finishes
             if self.step % t.save_every == 0 or self.step == t.steps or stop:
+                if self._unread is not None:  # never save a model whose loss went non-finite
+                    self.read_loss(loss_t)
                 path = self.save()
                 if path is not None:
                     self._say(f"saved {path}")

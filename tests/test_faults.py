@@ -170,10 +170,10 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(corpus, tmp_path,
     assert train(*tiny(corpus, ref, tmp_path / "data")) == 0
     real = Trainer.train_step
 
-    def step_then_signal(self):  # the signal arrives in the middle of step 2
+    def step_then_signal(self, read=True):  # the signal arrives in the middle of step 2
         if self.step == 1:
             os.kill(os.getpid(), sig)
-        return real(self)
+        return real(self, read)
 
     monkeypatch.setattr(Trainer, "train_step", step_then_signal)
     run = tmp_path / "run"
