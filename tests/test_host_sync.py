@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from test_train import corpus, run_config  # noqa: F401  (the fixture)
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from recurformer.train import Trainer
-
-from test_train import corpus, run_config  # noqa: F401  (the fixture)
 
 READS = {
     "item", "tolist", "cpu", "numpy", "__array__", "__bool__", "__float__", "__int__", "__index__", "__format__",
