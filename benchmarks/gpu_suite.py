@@ -432,9 +432,9 @@ def summarize(out: Path) -> Path:
     lines = [f"# GPU suite: {out.name}", "", "Written by `benchmarks/gpu_suite.py` from the stage JSON files beside it.", ""]
     for name, s in got.items():
         r = s.get("result") or {}
-        lines += [f"## {name}", "", f"status: {s['status']} in {s['seconds']:.0f} s (planned {s['planned_s']:.0f} s)"
+        lines += [f"## {name}", "", f"status: {s.get('status')} in {s.get('seconds', 0):.0f} s (planned {s.get('planned_s', 0):.0f} s)"
                   + (f": {s['error']}" if s.get("error") else ""), ""]
-        lines += SUMMARIES[name](r) if s["status"] == "ok" else []
+        lines += SUMMARIES[name](r) if s.get("status") == "ok" else []
         lines.append("")
     path = out / "summary.md"
     write_json(path, "\n".join(lines))
