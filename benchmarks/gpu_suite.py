@@ -13,8 +13,8 @@ folder skips the stages already there unless ``--redo``):
 * ``tests``: the test suite's CUDA rows (``pytest -k cuda``), counted from its JUnit XML.
 * ``throughput``: training tokens/s, fraction of the measured bf16 peak and step memory of every
   registered model at the ~125M-parameter config (dim 768, 12 layers, batch 16 x 1024, bf16),
-  eager (all models side by side, ``benchmarks/throughput.py``) and compiled (one process per
-  model, so a slow compile costs only its own row).
+  eager, then compiled (``benchmarks/throughput.py``, one process per model and row, so a slow
+  model or compile, or one out of memory, costs only its own row).
 * ``tiling``: one Recurrent Transformer layer, naive vs tiled, forward (N = 1k..16k) and forward +
   backward (time, bytes saved for backward), ``benchmarks/recurrent_tiling.py``.
 * ``streaming``: per model, the allocator's peak while reading 64k tokens in calls of 1024 (the
@@ -212,32 +212,31 @@ def stage_throughput(ctx: Ctx) -> dict:
     size = (["--config", "toy", "--batch", "2", "--seq", "64", "--eval-len", "128", "--repeats", "1"] if ctx.dry
             else ["--config", "125m", "--batch", "16", "--seq", "1024", "--eval-len", "4096", "--repeats", "3"])
     end = ctx.deadline()
-    eager_json = ctx.scratch / "throughput_eager.json"
-    cmd = [PY, "benchmarks/throughput.py", "--models", ",".join(names), "--precisions", "bf16", *size,
-           *device_kw(ctx), "--out", str(eager_json)]
-    # eager gets at most half when compiled rows follow (those are the ones that may not fit)
-    r = run(cmd, (end - time.monotonic()) * (1.0 if ctx.dry else 0.5), log=ctx.out / "throughput_eager.log")
-    res: dict[str, Any] = dict(command=" ".join(cmd[1:]), eager=r if r["rc"] != 0 else None, rows=[])
-    if eager_json.is_file():
-        got = json.loads(eager_json.read_text())
-        res["meta"] = got["meta"]
-        res["rows"] += got["results"]
+    eager_end = time.monotonic() + ctx.seconds * (1.0 if ctx.dry else 0.6)  # compiled rows get the rest
+    res: dict[str, Any] = dict(rows=[], failed={})
     compiled: dict[str, Any] = {}
     if ctx.dry:
         compiled["all"] = "skipped in --dry-run (a CPU compile of every model takes minutes)"
-    for i, n in enumerate(names if not ctx.dry else []):
-        share = (end - time.monotonic()) / (len(names) - i)
-        if share < 45:
-            compiled[n] = "skipped: the budget ran out"
-            continue
-        out = ctx.scratch / f"throughput_{n}_compile.json"
-        c = [PY, "benchmarks/throughput.py", "--models", n, "--precisions", "bf16+compile", *size, *device_kw(ctx), "--out", str(out)]
-        rc = run(c, share, log=ctx.out / f"throughput_{n}_compile.log")
-        if out.is_file():
-            res["rows"] += json.loads(out.read_text())["results"]
-            compiled[n] = "ok"
-        else:
-            compiled[n] = "timed out" if rc["timed_out"] else f"failed: {rc['tail'].strip().splitlines()[-1:] or rc['rc']}"
+    # one process per model and row kind, so a model that is slow (or runs out of memory) costs only its own row
+    for precision, stop in (("bf16", eager_end), ("bf16+compile", end)):
+        todo = names if precision == "bf16" or not ctx.dry else []
+        for i, n in enumerate(todo):
+            share = (stop - time.monotonic()) / (len(todo) - i)
+            if share < (5 if ctx.dry else 20):
+                (compiled if precision != "bf16" else res["failed"])[n] = "skipped: the budget ran out"
+                continue
+            out = ctx.scratch / f"throughput_{n}_{precision}.json"
+            cmd = [PY, "benchmarks/throughput.py", "--models", n, "--precisions", precision, *size, *device_kw(ctx), "--out", str(out)]
+            r = run(cmd, share, log=ctx.out / f"throughput_{n}_{precision}.log")
+            if out.is_file():
+                got = json.loads(out.read_text())
+                res["rows"] += got["results"]
+                res.setdefault("meta", got["meta"])
+                if precision != "bf16":
+                    compiled[n] = "ok"
+            else:
+                why = "timed out" if r["timed_out"] else f"failed: {(r['tail'].strip().splitlines() or [str(r['rc'])])[-1][:200]}"
+                (compiled if precision != "bf16" else res["failed"])[n] = why
     res["compiled"] = compiled
     return res
 
@@ -296,9 +295,11 @@ def stage_streaming(ctx: Ctx) -> dict:
         if ctx.dry:
             cfg = {k: (16 if k in ("chunk_size", "segment_len", "block_size", "window") else v) for k, v in cfg.items()}
         row: dict[str, Any] = {"config": cfg}
+        slot = (end - time.monotonic()) / (len(names) - i)  # this model's time: reading (64 calls) a quarter, generating the rest
+        slot_end = time.monotonic() + slot
         for mode, marks in (("eval", (1024, 4096, 16384, 65536)), ("generate", GEN_MARKS)):
             marks = (64, 128, 256) if ctx.dry else marks
-            share = (end - time.monotonic()) / ((len(names) - i) * 2 - (mode == "generate"))
+            share = slot / 4 if mode == "eval" else slot_end - time.monotonic()
             r = run([PY, "-c", child, name, ",".join(map(str, marks)), json.dumps(cfg), mode, str(ctx.device)], share)
             lines = [json.loads(x) for x in r["tail"].splitlines() if x.startswith("{")] if r["rc"] in (0, None) else []
             row[mode] = lines
@@ -398,9 +399,9 @@ class Stage:
 STAGES: dict[str, Stage] = {
     "env": Stage(stage_env, 0.5, 0.25, 0.05),
     "tests": Stage(stage_tests, 4.0, 2.0, 0.15),
-    "throughput": Stage(stage_throughput, 5.0, 2.0, 0.2),
+    "throughput": Stage(stage_throughput, 6.0, 2.5, 0.3),
     "tiling": Stage(stage_tiling, 2.5, 1.0, 0.2),
-    "streaming": Stage(stage_streaming, 3.0, 1.0, 0.2),
+    "streaming": Stage(stage_streaming, 4.0, 1.5, 0.2),
     "seed": Stage(stage_seed, 3.0, 3.0, 0.3),  # then every minute left
 }
 
@@ -461,6 +462,7 @@ def sum_throughput(r: dict) -> list[str]:
         t = target.get(x["model"], 0.30)
         out.append(f"| {x['model']} | {x['precision']} | {x['train_tokens_per_s']:,} | {x['train_fraction_of_peak']:.1%} | "
                    f"{t:.0%} {'met' if x['train_fraction_of_peak'] >= t else 'missed'} | {x.get('train_step_mem_mb')} |")
+    out += [f"- eager {k}: {v}" for k, v in r.get("failed", {}).items()]
     out += [f"- compiled {k}: {v}" for k, v in r.get("compiled", {}).items() if v != "ok"]
     return out
 
