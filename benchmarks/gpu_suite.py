@@ -353,16 +353,17 @@ def stage_seed(ctx: Ctx) -> dict:
                     p.kill()
                     p.wait()
             res["runs"][name] = dict(rc=p.returncode, stopped_at_time=stopped, **last_metrics(runs_dir / name))
+            res["runs"][name]["checkpoint_step"] = saved_step(runs_dir / name)
 
     end = ctx.deadline()
     finish({"memory_attention": train("memory_attention", [], train_s / 2 if with_baselines and not ctx.dry else train_s)})
-    steps = res["runs"]["memory_attention"].get("step")
+    steps = res["runs"]["memory_attention"].get("checkpoint_step")
     if with_baselines and steps:  # to the same step count, side by side, in the training time left
         left = max(30.0, end - eval_reserve - time.monotonic())
         finish({n: train(n, [f"train.steps={steps}"], left) for n in SEED_RUNS[1:]})
     elif not with_baselines:
         res["baselines"] = f"skipped: {train_s / 60:.1f} minutes of training time (they need 5)"
-    ckpts = [str(runs_dir / n) for n in SEED_RUNS if res["runs"].get(n, {}).get("step")]
+    ckpts = [str(runs_dir / n) for n in SEED_RUNS if res["runs"].get(n, {}).get("checkpoint_step")]
     if ckpts:
         js = ctx.out / "seed_eval.json"
         lengths, last, windows = ("64,128", "32", "2") if ctx.dry else (EVAL_LENGTHS, "256", "16")
@@ -371,6 +372,14 @@ def stage_seed(ctx: Ctx) -> dict:
         r = run(cmd, max(10.0, eval_reserve - 5), log=ctx.out / "seed_eval.log")
         res["eval"] = json.loads(js.read_text()) if js.is_file() else r
     return res
+
+
+def saved_step(run_dir: Path) -> int | None:
+    """The step of a run's newest checkpoint (None without one)."""
+    from recurformer.checkpoint import step_of
+
+    steps = [s for c in run_dir.glob("step_*") if (s := step_of(c)) is not None]
+    return max(steps, default=None)
 
 
 def last_metrics(run_dir: Path) -> dict:
@@ -492,9 +501,10 @@ def sum_streaming(r: dict) -> list[str]:
 
 
 def sum_seed(r: dict) -> list[str]:
-    out = [f"dataset {r.get('dataset')}", "", "| run | step | tokens | train loss | val loss | tok/s |", "|---|---:|---:|---:|---:|---:|"]
+    out = [f"dataset {r.get('dataset')}", "", "| run | checkpoint step | last logged step | tokens | train loss | val loss | tok/s |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
     for name, x in r.get("runs", {}).items():
-        out.append(f"| {name} | {x.get('step')} | {x.get('tokens')} | {x.get('loss', float('nan')):.3f} | "
+        out.append(f"| {name} | {x.get('checkpoint_step')} | {x.get('step')} | {x.get('tokens')} | {x.get('loss', float('nan')):.3f} | "
                    f"{x.get('val_loss', float('nan')):.3f} | {x.get('tok_per_s', float('nan')):,.0f} |")
     ev = r.get("eval", {})
     if "results" in ev:

@@ -38,7 +38,7 @@ def test_dry_run_writes_every_stage(tmp_path: Path) -> None:
     assert [x["N"] for x in r["tiling"]["forward"]["rows"]] == [32, 64] and len(r["tiling"]["train"]["training"]) == 2
     for row in r["streaming"]["models"].values():
         assert [m["tokens"] for m in row["eval"]] == [64, 128, 256] and [m["tokens"] for m in row["generate"]] == [64, 128, 256]
-    assert {n: x["step"] for n, x in r["seed"]["runs"].items()} == dict.fromkeys(gpu_suite.SEED_RUNS, 2)
+    assert {n: x["checkpoint_step"] for n, x in r["seed"]["runs"].items()} == dict.fromkeys(gpu_suite.SEED_RUNS, 2)
     assert set(r["seed"]["eval"]["results"]) == set(gpu_suite.SEED_RUNS)
     summary = (tmp_path / "summary.md").read_text()
     assert all(f"## {n}" in summary for n in gpu_suite.STAGES)
