@@ -21,8 +21,8 @@ folder skips the stages already there unless ``--redo``):
   streaming evaluation) and while generating token by token to 1k..64k tokens (the generation
   child of ``benchmarks/generation.py``; a model that runs out of its time share keeps the marks
   it reached).
-* ``seed``: the minutes left train Memory Attention at the seed's size (dim 288, 6 layers, 6 heads,
-  chunk 32, shared memory Q/K/V, stateful carry over contiguous streams: the ``--scale seed``
+* ``paper``: the minutes left train Memory Attention at its paper's size (dim 288, 6 layers, 6 heads,
+  chunk 32, shared memory Q/K/V, stateful carry over contiguous streams: the ``--scale paper``
   runs of ``benchmarks/extrapolation.py``) on tinystories-repeat; with at least 6 minutes, the
   Llama and sliding-window baselines train beside it to the same step count; then ``recurformer
   eval`` at 256..4096 tokens. A run is stopped by SIGTERM at its time (the trainer saves).
@@ -32,12 +32,12 @@ fit shrink (fewer compiled rows, shorter generation, a shorter training run) or 
 every stage is stopped at the deadline. ``summary.md`` is rewritten from every stage JSON in the
 output folder after each run (``--summarize DIR`` only rewrites it).
 
-Output: ``docs/results/data/gpu/<gpu>-<date>/`` (``--out`` to choose). A device that allows at
+Output: ``docs/results/data/gpu/suite_<gpu>_<date>/`` (``--out`` to choose). A device that allows at
 most 10 minutes per command: run the stages in three calls of ``--budget-min 9`` into one folder,
 
     python3 benchmarks/gpu_suite.py --stages env,tests,throughput --budget-min 9 --out DIR
     python3 benchmarks/gpu_suite.py --stages tiling,streaming --budget-min 9 --out DIR
-    python3 benchmarks/gpu_suite.py --stages seed --budget-min 9 --out DIR
+    python3 benchmarks/gpu_suite.py --stages paper --budget-min 9 --out DIR
 
 (with the files of each call copied back into one folder, ``--summarize DIR`` writes the summary).
 """
@@ -73,7 +73,7 @@ from recurformer.models import model_names  # noqa: E402
 
 PY = sys.executable
 RESULTS = ROOT / "docs" / "results" / "data" / "gpu"
-SEED_RUNS = ("memory_attention", "llama", "sliding_window")  # extrapolation.py's RUNS
+PAPER_RUNS = ("memory_attention", "llama", "sliding_window")  # extrapolation.py's RUNS
 EVAL_LENGTHS = "256,512,1024,2048,4096"
 GEN_MARKS = (1024, 4096, 16384, 65536)
 TOY = dict(vocab_size=256, dim=32, n_layers=3, n_heads=2)  # 3 layers: Block-Recurrent's recurrent layer is -3
@@ -311,7 +311,7 @@ def stage_streaming(ctx: Ctx) -> dict:
     return res
 
 
-def stage_seed(ctx: Ctx) -> dict:
+def stage_paper(ctx: Ctx) -> dict:
     import extrapolation
 
     dataset = "tinystories-sample" if ctx.dry else "tinystories-repeat"
@@ -323,7 +323,7 @@ def stage_seed(ctx: Ctx) -> dict:
                 f"data.dir={ctx.scratch / 'prepared'}", "train.batch_size=2", "train.seq_len=64", "train.steps=2",
                 "train.eval_every=2", "train.eval_batches=1", "train.save_every=2", "train.log_every=1"]
     else:  # "the minutes left": a step count no run reaches, stopped by SIGTERM at its time
-        sets = extrapolation.SCALES["seed"] + ["train.steps=100000", "train.save_every=500", "train.eval_every=1000", "train.log_every=50"]
+        sets = extrapolation.SCALES["paper"] + ["train.steps=100000", "train.save_every=500", "train.eval_every=1000", "train.log_every=50"]
     eval_reserve = 20 if ctx.dry else 75
     train_s = ctx.seconds - eval_reserve
     with_baselines = ctx.dry or train_s >= 5 * 60
@@ -360,16 +360,16 @@ def stage_seed(ctx: Ctx) -> dict:
     steps = res["runs"]["memory_attention"].get("checkpoint_step")
     if with_baselines and steps:  # to the same step count, side by side, in the training time left
         left = max(30.0, end - eval_reserve - time.monotonic())
-        finish({n: train(n, [f"train.steps={steps}"], left) for n in SEED_RUNS[1:]})
+        finish({n: train(n, [f"train.steps={steps}"], left) for n in PAPER_RUNS[1:]})
     elif not with_baselines:
         res["baselines"] = f"skipped: {train_s / 60:.1f} minutes of training time (they need 5)"
-    ckpts = [str(runs_dir / n) for n in SEED_RUNS if res["runs"].get(n, {}).get("checkpoint_step")]
+    ckpts = [str(runs_dir / n) for n in PAPER_RUNS if res["runs"].get(n, {}).get("checkpoint_step")]
     if ckpts:
-        js = ctx.out / "seed_eval.json"
+        js = ctx.out / "paper_eval.json"
         lengths, last, windows = ("64,128", "32", "2") if ctx.dry else (EVAL_LENGTHS, "256", "16")
         cmd = [PY, "-m", "recurformer.cli", "eval", "--checkpoint", *ckpts, "--lengths", lengths, "--last", last,
                "--windows", windows, "--json", str(js), *device_kw(ctx)]
-        r = run(cmd, max(10.0, eval_reserve - 5), log=ctx.out / "seed_eval.log")
+        r = run(cmd, max(10.0, eval_reserve - 5), log=ctx.out / "paper_eval.log")
         res["eval"] = json.loads(js.read_text()) if js.is_file() else r
     return res
 
@@ -411,19 +411,19 @@ STAGES: dict[str, Stage] = {
     "throughput": Stage(stage_throughput, 6.0, 2.5, 0.3),
     "tiling": Stage(stage_tiling, 2.5, 1.0, 0.2),
     "streaming": Stage(stage_streaming, 4.0, 1.5, 0.2),
-    "seed": Stage(stage_seed, 3.0, 3.0, 0.3),  # then every minute left
+    "paper": Stage(stage_paper, 3.0, 3.0, 0.3),  # then every minute left
 }
 
 
 def plan(names: list[str], budget: float, dry: bool) -> dict[str, float]:
     """Minutes per stage: its cost, shrunk towards its least when the budget is short (stages in
-    order; ``seed`` takes what is left); a stage whose least does not fit gets 0 (skipped)."""
+    order; ``paper`` takes what is left); a stage whose least does not fit gets 0 (skipped)."""
     cost = {n: STAGES[n].dry if dry else STAGES[n].cost for n in names}
     least = {n: STAGES[n].dry if dry else STAGES[n].least for n in names}
     out, left = {}, budget
     for i, n in enumerate(names):
         later = sum(least[m] for m in names[i + 1 :])  # what the stages after this one need at least
-        give = min(cost[n], max(least[n], left - later)) if n != "seed" or dry else left
+        give = min(cost[n], max(least[n], left - later)) if n != "paper" or dry else left
         out[n] = give if give <= left and give >= least[n] else 0.0
         left -= out[n]
     return out
@@ -432,7 +432,7 @@ def plan(names: list[str], budget: float, dry: bool) -> dict[str, float]:
 def default_out(device: torch.device, dry: bool) -> Path:
     name = "cpu-dry-run" if dry else torch.cuda.get_device_name(device)
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    return RESULTS / f"{slug}-{datetime.date.today().isoformat()}"
+    return RESULTS / f"suite_{slug}_{datetime.date.today().isoformat()}"
 
 
 # -- summary -------------------------------------------------------------------------------------
@@ -500,7 +500,7 @@ def sum_streaming(r: dict) -> list[str]:
     return out
 
 
-def sum_seed(r: dict) -> list[str]:
+def sum_paper(r: dict) -> list[str]:
     out = [f"dataset {r.get('dataset')}", "", "| run | checkpoint step | last logged step | tokens | train loss | val loss | tok/s |",
            "|---|---:|---:|---:|---:|---:|---:|"]
     for name, x in r.get("runs", {}).items():
@@ -517,7 +517,7 @@ def sum_seed(r: dict) -> list[str]:
 
 
 SUMMARIES: dict[str, Callable[[dict], list[str]]] = dict(
-    env=sum_env, tests=sum_tests, throughput=sum_throughput, tiling=sum_tiling, streaming=sum_streaming, seed=sum_seed,
+    env=sum_env, tests=sum_tests, throughput=sum_throughput, tiling=sum_tiling, streaming=sum_streaming, paper=sum_paper,
 )
 
 
@@ -526,7 +526,7 @@ def main() -> None:
     ap.add_argument("--budget-min", type=float, default=25.0, help="minutes the whole run may take (default 25)")
     ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, from {','.join(STAGES)}")
     ap.add_argument("--dry-run", action="store_true", help="every stage at toy sizes on the CPU (about a minute)")
-    ap.add_argument("--out", help="output folder (default: docs/results/data/gpu/<gpu>-<date>)")
+    ap.add_argument("--out", help="output folder (default: docs/results/data/gpu/suite_<gpu>_<date>)")
     ap.add_argument("--redo", action="store_true", help="run stages whose JSON the output folder already holds")
     ap.add_argument("--summarize", metavar="DIR", help="only rewrite DIR/summary.md from its stage JSON files")
     args = ap.parse_args()
@@ -561,8 +561,8 @@ def main() -> None:
             if path.is_file() and not args.redo:
                 print(f"{n}: {path} exists, skipped (--redo runs it again)")
                 continue
-            # a stage's plan, or, at toy sizes (fixed work) and for seed, whatever is left
-            seconds = budget.left() if args.dry_run or n == "seed" else min(60 * minutes[n], budget.left())
+            # a stage's plan, or, at toy sizes (fixed work) and for paper, whatever is left
+            seconds = budget.left() if args.dry_run or n == "paper" else min(60 * minutes[n], budget.left())
             least_s = 60 * (STAGES[n].dry if args.dry_run else STAGES[n].least)
             if not minutes[n] or seconds < least_s * 0.9:
                 print(f"{n}: skipped, {seconds / 60:.1f} of the {least_s / 60:g} minutes it needs are left", flush=True)

@@ -1,7 +1,7 @@
 """Operators one training step runs, per model and per token: what a GPU pays one kernel launch
 for each (at small sizes a step is launch-bound, not FLOP-bound).
 
-One training step (forward, backward, AdamW) of every registered model at the seed's width
+One training step (forward, backward, AdamW) of every registered model at the Memory Attention paper's width
 (dim 288, 6 layers, 6 heads, vocab 4096; chunk / segment / block 32, sliding window 256), on the
 CPU under ``torch.profiler``, with the fused AdamW the trainer uses on CUDA. Counted: the ATen
 operators that would launch a kernel, in forward, backward and the optimizer step: those that
@@ -13,7 +13,7 @@ tensors (no kernel runs). Also timed: CPU tokens/s of the step (median of
 checkout as well (e.g. ``git worktree add /tmp/base main``), alternating A B A B in fresh
 processes, and the ratios are printed.
 
-    OMP_NUM_THREADS=1 python benchmarks/op_count.py [--models llama,memory_attention] [--out docs/results/data/op_count.json]
+    OMP_NUM_THREADS=1 python benchmarks/op_count.py [--models llama,memory_attention] [--out out/op_count.json]
     OMP_NUM_THREADS=1 python benchmarks/op_count.py --against /tmp/base --rounds 2
 """
 
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SEED = dict(vocab_size=4096, dim=288, n_layers=6, n_heads=6)
+PAPER = dict(vocab_size=4096, dim=288, n_layers=6, n_heads=6)
 EXTRA = {
     "memory_attention": dict(chunk_size=32, memory_qkv="shared"),
     "sliding_window": dict(window=256),
@@ -108,18 +108,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per process (the median is kept)")
     ap.add_argument("--against", help="another checkout to compare with (A B A B, fresh processes)")
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds with --against")
-    ap.add_argument("--out", default="docs/results/data/op_count.json")
+    ap.add_argument("--out", default="out/op_count.json")
     args = ap.parse_args()
     if args.against and not (Path(args.against) / "recurformer").is_dir():
         sys.exit(f"op_count.py: error: --against {args.against} is not a recurformer checkout")
     tokens = args.batch * args.seq
     codes = {"this": ROOT} | ({"against": Path(args.against).resolve()} if args.against else {})
-    print(f"one training step, B x T = {args.batch} x {args.seq}, seed width, CPU, {os.environ.get('OMP_NUM_THREADS', '?')} thread(s)")
+    print(f"one training step, B x T = {args.batch} x {args.seq}, paper width, CPU, {os.environ.get('OMP_NUM_THREADS', '?')} thread(s)")
     head = f"{'model':<24}{'ops':>7}{'ops/token':>11}{'tok/s':>9}"
     print(head + (f"{'ops before':>12}{'ops/token':>11}{'tok/s':>9}{'ops ratio':>11}{'tok/s ratio':>13}" if args.against else ""))
     rows = []
     for name in args.models.split(","):
-        cfg = dict(SEED, **EXTRA.get(name, {}))
+        cfg = dict(PAPER, **EXTRA.get(name, {}))
         runs: dict[str, list[dict]] = {k: [] for k in codes}
         for _ in range(args.rounds if args.against else 1):
             for k, code in codes.items():  # interleaved: A B A B

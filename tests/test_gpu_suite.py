@@ -38,18 +38,18 @@ def test_dry_run_writes_every_stage(tmp_path: Path) -> None:
     assert [x["N"] for x in r["tiling"]["forward"]["rows"]] == [32, 64] and len(r["tiling"]["train"]["training"]) == 2
     for row in r["streaming"]["models"].values():
         assert [m["tokens"] for m in row["eval"]] == [64, 128, 256] and [m["tokens"] for m in row["generate"]] == [64, 128, 256]
-    assert {n: x["checkpoint_step"] for n, x in r["seed"]["runs"].items()} == dict.fromkeys(gpu_suite.SEED_RUNS, 2)
-    assert set(r["seed"]["eval"]["results"]) == set(gpu_suite.SEED_RUNS)
+    assert {n: x["checkpoint_step"] for n, x in r["paper"]["runs"].items()} == dict.fromkeys(gpu_suite.PAPER_RUNS, 2)
+    assert set(r["paper"]["eval"]["results"]) == set(gpu_suite.PAPER_RUNS)
     summary = (tmp_path / "summary.md").read_text()
     assert all(f"## {n}" in summary for n in gpu_suite.STAGES)
 
 
 def test_budget_runs_out_cleanly(tmp_path: Path) -> None:
-    """A 6-second budget: env finishes, throughput is stopped at the deadline, seed is skipped."""
-    done = suite("--dry-run", "--budget-min", "0.1", "--stages", "env,throughput,seed", "--out", str(tmp_path))
+    """A 6-second budget: env finishes, throughput is stopped at the deadline, paper is skipped."""
+    done = suite("--dry-run", "--budget-min", "0.1", "--stages", "env,throughput,paper", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((tmp_path / "env.json").read_text())["status"] == "ok"
-    assert not (tmp_path / "seed.json").exists() and "seed: skipped" in done.stdout
+    assert not (tmp_path / "paper.json").exists() and "paper: skipped" in done.stdout
     assert (tmp_path / "summary.md").is_file()
 
 
@@ -83,10 +83,10 @@ def test_finished_stage_is_kept_unless_redo(tmp_path: Path) -> None:
 def test_plan_shrinks_then_skips() -> None:
     every = list(gpu_suite.STAGES)
     full = gpu_suite.plan(every, 25, dry=False)
-    fixed = sum(gpu_suite.STAGES[n].cost for n in every if n != "seed")
-    assert full == {**{n: gpu_suite.STAGES[n].cost for n in every if n != "seed"}, "seed": pytest.approx(25 - fixed)}
+    fixed = sum(gpu_suite.STAGES[n].cost for n in every if n != "paper")
+    assert full == {**{n: gpu_suite.STAGES[n].cost for n in every if n != "paper"}, "paper": pytest.approx(25 - fixed)}
     short = gpu_suite.plan(["env", "tests", "throughput"], 6, dry=False)  # 9.5 planned: tests shrinks to leave throughput its least
     assert short == {"env": 0.5, "tests": 3.0, "throughput": 2.5}
-    tight = gpu_suite.plan(["env", "tests", "seed"], 4, dry=False)  # tests shrinks to its least, seed does not fit
-    assert tight["tests"] == gpu_suite.STAGES["tests"].least and tight["seed"] == 0.0
+    tight = gpu_suite.plan(["env", "tests", "paper"], 4, dry=False)  # tests shrinks to its least, paper does not fit
+    assert tight["tests"] == gpu_suite.STAGES["tests"].least and tight["paper"] == 0.0
     assert sum(gpu_suite.plan(every, 9, dry=False).values()) <= 9
