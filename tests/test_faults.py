@@ -202,12 +202,12 @@ def test_a_second_signal_stops_at_once(corpus, tmp_path, capsys, monkeypatch, si
     real = Trainer.train_step
     ran = []
 
-    def two_signals(self):
+    def two_signals(self, read=True):
         if self.step == 2:
             os.kill(os.getpid(), sig)
             os.kill(os.getpid(), sig)  # the handler raises here, before the step
         ran.append(self.step)
-        return real(self)
+        return real(self, read)
 
     monkeypatch.setattr(Trainer, "train_step", two_signals)
     run = tmp_path / "run"
