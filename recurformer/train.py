@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -204,25 +204,114 @@ def build_from_run_config(cfg: RunConfig, vocab_size: int | None = None) -> Stre
 
 
 # ----------------------------------------------------------------------------------------------
-# RNG state <-> safetensors/JSON (no pickles)
+# the training state as named parts (as torchtitan's checkpointer holds its Stateful objects): each
+# part has ``state_dict()``/``load_state_dict()``, so saving and restoring are one loop over the
+# parts. A part's tensors go to train_state.safetensors and its other values to train_state.json
+# (model weights: model.safetensors), under keys of its own; no two parts share a key, so each
+# part reads its own back from the two files merged.
 
 
-def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    t = {"rng.torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        t["rng.cuda"] = torch.cuda.get_rng_state()
-    np_state: Any = np.random.get_state()
-    return t, {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None: ...
 
 
-def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    torch.set_rng_state(tensors["rng.torch"])
-    if "rng.cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng.cuda"])
-    py = meta["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = meta["numpy"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+def gather(obj: Any, world: int) -> list[Any]:
+    """Every rank's ``obj`` in rank order (a collective: every rank calls it)."""
+    if world == 1:
+        return [obj]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+class ModelWeights:
+    """The weights (format-1 names are upgraded on load, a misfit is a one-line error)."""
+
+    def __init__(self, model: StreamingLM, where: str) -> None:
+        self.model, self.where = model, where
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.model.state_dict())
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        ckpt.load_model_weights(self.model, sd, self.where)
+
+
+class OptimizerState:
+    """AdamW's moments as ``opt.<param>.<name>`` tensors, its param groups under ``optimizer``."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+
+    def state_dict(self) -> dict[str, Any]:
+        tensors, meta = optimizer_to_flat(self.opt)
+        return {**tensors, "optimizer": meta}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        optimizer_from_flat(self.opt, sd, sd["optimizer"])
+
+
+class RNGState:
+    """The torch (and CUDA) generators as ``rng.*`` tensors; Python's and NumPy's under ``rng``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {"rng.torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            sd["rng.cuda"] = torch.cuda.get_rng_state()
+        np_state: Any = np.random.get_state()
+        sd["rng"] = {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        torch.set_rng_state(sd["rng.torch"])
+        if "rng.cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["rng.cuda"])
+        py, n = sd["rng"]["python"], sd["rng"]["numpy"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+
+
+class StreamCursors:
+    """Every rank's data cursor, a list under ``streams`` (rank r resumes from entry r); a cursor
+    saved in another stage of the ``seq_len`` schedule gets streams of its segment length."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"streams": gather(self.trainer.streams.state_dict(), self.trainer.world)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        tr = self.trainer
+        saved = sd["streams"][tr.rank]
+        if saved.get("seq_len") != tr.streams.seq_len:
+            tr.streams = tr._make_streams(saved["seq_len"], saved.get("seed", tr.cfg.train.seed))
+        tr.streams.load_state_dict(saved)
+
+
+class CarriedState:
+    """Every rank's carried state as ``rank<r>.state.<field>`` tensors (``State.to_flat``); none
+    before the first step. Loading checks it against the model and batch size exactly."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        tr = self.trainer
+        local = tr.state.to("cpu").to_flat() if tr.state is not None else None
+        everyone = gather(local, tr.world)
+        sd: dict[str, Any] = {f"rank{r}.state.{k}": v for r, flat in enumerate(everyone) if flat for k, v in flat.items()}
+        sd["state_class"] = type(tr.model.init_state(1, "cpu")).__name__
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        tr, prefix = self.trainer, f"rank{self.trainer.rank}.state."
+        flat = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+        if flat:
+            state = tr.model.state_from_flat(flat).to(tr.device)
+            tr.state = tr.model.check_state(state, tr.cfg.train.batch_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -422,66 +511,56 @@ class Trainer:
         d["data"]["dir"] = str(self.data_dir)
         return d
 
-    def save(self) -> Path | None:
-        """Gather every rank's carried state and data cursor; rank 0 writes one checkpoint."""
-        local = {
-            "streams": self.streams.state_dict(),
-            "state": self.state.to("cpu").to_flat() if self.state is not None else None,
+    def parts(self) -> dict[str, Stateful]:
+        """The named parts of the training state; ``train`` (this trainer) holds the counters."""
+        return {
+            "train": self,
+            "model": ModelWeights(self.model, str(self.resumed_from)),
+            "optimizer": OptimizerState(self.opt),
+            "rng": RNGState(),
+            "streams": StreamCursors(self),
+            "state": CarriedState(self),
         }
-        everyone = [local]
-        if self.world > 1:
-            everyone = [None] * self.world  # type: ignore[list-item]
-            dist.all_gather_object(everyone, local)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "world_size": self.world, "data_key": self.data_key}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("world_size", 1) != self.world:
+            raise RecurformerError(f"checkpoint was written by {sd.get('world_size')} ranks; resume it on the same number (got {self.world})")
+        self.step, self.tokens_seen = sd["step"], sd["tokens_seen"]
+
+    def save(self) -> Path | None:
+        """Every rank gives its parts (carried states and data cursors are gathered); rank 0
+        writes one checkpoint."""
+        sd = {name: part.state_dict() for name, part in self.parts().items()}
         if self.rank != 0:
             dist.barrier()  # wait until rank 0 has written the checkpoint
             return None
-        tensors, opt_meta = optimizer_to_flat(self.opt)
-        rng_t, rng_meta = rng_state()
-        tensors.update(rng_t)
-        for r, loc in enumerate(everyone):
-            if loc["state"] is not None:
-                tensors.update({f"rank{r}.state.{k}": v for k, v in loc["state"].items()})
-        train_json = {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "world_size": self.world,
-            "optimizer": opt_meta,
-            "rng": rng_meta,
-            "streams": [loc["streams"] for loc in everyone],
-            "state_class": type(self.model.init_state(1, "cpu")).__name__,
-            "data_key": self.data_key,
-        }
+        weights = sd.pop("model")
+        train = {k: v for part in sd.values() for k, v in part.items()}
         path = ckpt.save_checkpoint(
-            self.out_dir, self.step, self.model.state_dict(), self._config_dict(), self.tokenizer_json,
-            tensors, train_json, keep_last=self.cfg.train.keep_last,
+            self.out_dir, self.step, weights, self._config_dict(), self.tokenizer_json,
+            {k: v for k, v in train.items() if isinstance(v, torch.Tensor)},
+            {k: v for k, v in train.items() if not isinstance(v, torch.Tensor)},
+            keep_last=self.cfg.train.keep_last,
         )
         if self.world > 1:
             dist.barrier()
         return path
 
     def _restore(self, resumed: dict[str, Any]) -> None:
-        tj, tt = resumed["train_json"], resumed["train_tensors"]
-        if tj.get("world_size", 1) != self.world:
-            raise RecurformerError(f"checkpoint was written by {tj.get('world_size')} ranks; resume it on the same number (got {self.world})")
-        ckpt.load_model_weights(self.model, resumed["model"], str(resumed["dir"]))
-        optimizer_from_flat(self.opt, tt, tj["optimizer"])
-        set_rng_state(tt, tj["rng"])
-        saved = tj["streams"][self.rank]
-        if saved.get("seq_len") != self.streams.seq_len:  # saved in another stage of the schedule
-            self.streams = self._make_streams(saved["seq_len"], saved.get("seed", self.cfg.train.seed))
-        self.streams.load_state_dict(saved)
-        prefix = f"rank{self.rank}.state."
-        flat = {k[len(prefix) :]: v for k, v in tt.items() if k.startswith(prefix)}
-        if flat:
-            state = self.model.state_from_flat(flat).to(self.device)
-            self.state = self.model.check_state(state, self.cfg.train.batch_size)
-        self.step = tj["step"]
-        self.tokens_seen = tj["tokens_seen"]
+        train = {**resumed["train_tensors"], **resumed["train_json"]}
+        for name, part in self.parts().items():
+            part.load_state_dict(resumed["model"] if name == "model" else train)
 
     # -- the loop ----------------------------------------------------------------------------------
-    def _segment(self, batch: Any, state: State | None, index: int = 0) -> tuple[torch.Tensor, State]:
+    def _segment(self, batch: Any, state: State | None, index: int = 0, evaluating: bool = False) -> tuple[torch.Tensor, State]:
+        """Loss and state after segment ``index`` of the step: a fresh state in ``reset`` mode or at
+        the start, rows whose stream wrapped reset (in training, from ``train.state_init``), the
+        forward under autocast; ``evaluating``: the model itself (no DDP), from the zero state."""
         t = self.cfg.train
-        if t.state_init != "zero":  # rows that start a document take a noisy or another stream's state
+        if t.state_init != "zero" and not evaluating:  # rows that start a document take a noisy or another stream's state
             rows = torch.ones(t.batch_size, dtype=torch.bool) if t.state == "reset" else batch.wrapped
             gen = torch.Generator().manual_seed(((t.seed * 1_000_003 + self.step) * 4099 + index) * 1031 + self.rank)
             state = initial_state(self.model, t.state_init, rows, state, t.batch_size, self.device, gen, t.state_noise)
@@ -491,8 +570,16 @@ class Trainer:
             state = state.reset(batch.wrapped)  # a host mask, so the state knows on the host that a row is fresh
         x, y = to_device(batch.x, self.device), to_device(batch.y, self.device)
         with autocast_context(t.precision, self.device):
-            out = self.ddp(x, state=state, targets=y)
+            out = (self.model if evaluating else self.ddp)(x, state=state, targets=y)
         return out.loss, out.state
+
+    def _mean_over_ranks(self, x: float) -> float:
+        """The mean of ``x`` over the ranks, so that every rank logs (and stops on) the same number."""
+        if self.world == 1:
+            return x
+        v = torch.tensor([x], device=self.device)
+        dist.all_reduce(v)
+        return float(v) / self.world
 
     def train_step(self, read: bool = True) -> Any:
         """One optimizer step over ``grad_accum`` consecutive segments; returns the mean loss: as a
@@ -562,22 +649,10 @@ class Trainer:
         streams = ContiguousStreams(self.val_tokens, t.batch_size, t.seq_len, rank=self.rank, world_size=self.world)
         state, losses = None, []
         for _ in range(t.eval_batches):
-            b = streams.next_batch()
-            if t.state == "reset" or state is None:
-                state = self.model.init_state(t.batch_size, self.device)
-            elif bool(b.wrapped.any()):
-                state = state.reset(b.wrapped.to(self.device))
-            with autocast_context(t.precision, self.device):
-                out = self.model(to_device(b.x, self.device), state=state, targets=to_device(b.y, self.device))
-            state = out.state
-            losses.append(float(out.loss))
+            loss, state = self._segment(streams.next_batch(), state, evaluating=True)
+            losses.append(float(loss))
         self.model.train()
-        loss = float(np.mean(losses))
-        if self.world > 1:
-            v = torch.tensor([loss], device=self.device)
-            dist.all_reduce(v)
-            loss = float(v) / self.world
-        return loss
+        return self._mean_over_ranks(float(np.mean(losses)))
 
     def log(self, record: dict[str, Any]) -> None:
         try:
