@@ -5,7 +5,6 @@ The Python API (see ``recurformer.api``): ``recurformer.train(config, **override
 ``recurformer.probe(model, tokenizer, ...)``, ``recurformer.export(run, out_dir)``."""
 
 import os
-import types
 
 # OpenMP's default wait policy lets idle threads spin; on a CPU shared with another busy process
 # a spinning thread holds the core the other threads wait for, and every parallel region stalls
@@ -15,28 +14,19 @@ import types
 # a value the user set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from . import evaluate, probe, train  # noqa: E402
-from .api import Run, export, load
+# the modules named like API functions are imported first, so that the functions, bound after them,
+# keep the names: ``recurformer.train(...)`` is ``api.train``, ``from recurformer.train import Trainer``
+# still reads the module
+from . import evaluate as _evaluate  # noqa: E402, F401
+from . import probe as _probe  # noqa: E402, F401
+from . import train as _train  # noqa: E402, F401
+from .api import Run, evaluate, export, load, probe, train  # noqa: E402
 from .config import RecurformerError
 from .data import Tokenizer
 from .models import build_model, make_config, model_names
 from .nn import Output, State, StreamingLM
 
 __version__ = "0.1.0"
-
-
-class _CallableModule(types.ModuleType):
-    """``recurformer.train`` (``evaluate``, ``probe``) is the module of that name, so that
-    ``from recurformer.train import Trainer`` keeps working, and also the API function."""
-
-    def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        from . import api
-
-        return getattr(api, self.__name__.rsplit(".", 1)[1])(*args, **kwargs)
-
-
-for _module in (train, evaluate, probe):
-    _module.__class__ = _CallableModule
 
 __all__ = [
     "RecurformerError", "Run", "Tokenizer", "build_model", "evaluate", "export", "load", "make_config",

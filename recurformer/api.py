@@ -113,11 +113,11 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, task: str = "repeat", dat
           label: str = "model") -> ProbeResult:
     """The copy (``repeat``) or ``swap`` probe as ``recurformer probe``: per-distance-bin means
     with bootstrap intervals. ``dataset`` defaults to ``tinystories-repeat`` for ``repeat``."""
-    from . import probe as p
     from .models import model_name
+    from .probe import METRICS, TASKS, make_samples, probe_model, receptive_field
 
-    if task not in p.TASKS:
-        raise RecurformerError(f"unknown probe task '{task}'; valid tasks: {', '.join(p.TASKS)}")
+    if task not in TASKS:
+        raise RecurformerError(f"unknown probe task '{task}'; valid tasks: {', '.join(TASKS)}")
     check_options(docs=docs, passage=passage, span=span, chunk=chunk, batch_size=batch_size, warm_min=warm[0])
     if warm[0] > warm[1]:
         raise RecurformerError(f"warm must be (min, max) with min <= max, got {warm}")
@@ -126,12 +126,12 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, task: str = "repeat", dat
             raise RecurformerError("the swap probe needs dataset=NAME or text=[FILE, ...]")
         dataset = "tinystories-repeat"
     files = [str(f) for f in text] if text else None
-    samples = p.make_samples(tokenizer, task, dataset, files, model.config.vocab_size, docs=docs, passage=passage,
+    samples = make_samples(tokenizer, task, dataset, files, model.config.vocab_size, docs=docs, passage=passage,
                              distances=distances, span=span, warm=warm, seed=seed)
     with torch.no_grad():
-        metrics = p.probe_model(model, samples, p.METRICS[task], chunk, batch_size, precision, seed)
+        metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed)
     facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
-    return p.ProbeResult(label, "", model_name(model.config), p.receptive_field(model), metrics=metrics, **facts)
+    return ProbeResult(label, "", model_name(model.config), receptive_field(model), metrics=metrics, **facts)
 
 
 def export(checkpoint: str | Path, out: str | Path, push_to_hub: str | None = None) -> Path:

@@ -359,25 +359,38 @@ def cmd_probe(args: argparse.Namespace) -> None:
     import torch
     from tqdm import tqdm
 
-    from . import probe
     from .checkpoint import resolve
     from .config import check_options
     from .device import pick_device, slow_bf16_warning
     from .files import atomic_write, check_writable
     from .hub import load_model
+    from .probe import (
+        METRICS,
+        TASKS,
+        ProbeResult,
+        make_samples,
+        markdown_tables,
+        merge,
+        plot,
+        probe_model,
+        receptive_field,
+        run_facts,
+        text_sha256,
+        to_json,
+    )
 
     if args.merge:
         out = Path(args.json) if args.json else Path(args.merge[0]).with_name("probe-merged.json")
         check_writable(out, "--json file")
         check_writable(out.with_suffix(".png"), "plot")
-        results, meta = probe.merge([Path(f) for f in args.merge])
-        print(probe.markdown_tables(results))
-        atomic_write(out, lambda p: p.write_text(json.dumps(probe.to_json(results, meta), indent=2) + "\n"))
-        atomic_write(out.with_suffix(".png"), lambda p: probe.plot(results, p, f"{meta['task']} probe"))
+        results, meta = merge([Path(f) for f in args.merge])
+        print(markdown_tables(results))
+        atomic_write(out, lambda p: p.write_text(json.dumps(to_json(results, meta), indent=2) + "\n"))
+        atomic_write(out.with_suffix(".png"), lambda p: plot(results, p, f"{meta['task']} probe"))
         print(f"wrote {out} and {out.with_suffix('.png')}")
         return
-    if args.task not in probe.TASKS:
-        raise RecurformerError(f"unknown probe task '{args.task}'; valid tasks: {', '.join(probe.TASKS)}")
+    if args.task not in TASKS:
+        raise RecurformerError(f"unknown probe task '{args.task}'; valid tasks: {', '.join(TASKS)}")
     check_options("cli", docs=args.docs, batch_size=args.batch_size, chunk=args.chunk, passage=args.passage, span=args.span,
                   warm_min=args.warm_min)
     if not args.warm_min <= args.warm_max:
@@ -402,28 +415,28 @@ def cmd_probe(args: argparse.Namespace) -> None:
             dataset = config.get("data", {}).get("dataset")
             if not dataset:
                 raise RecurformerError(f"checkpoint {path} does not name a bundled dataset; give --dataset NAME or --text FILE")
-        samples = probe.make_samples(
+        samples = make_samples(
             tok, args.task, dataset, args.text, model.config.vocab_size, docs=args.docs, passage=args.passage,
             distances=distances, span=args.span, warm=(args.warm_min, args.warm_max), seed=args.seed,
         )
-        R = probe.receptive_field(model)
+        R = receptive_field(model)
         print(f"probing {label} ({name}, receptive field {'unbounded' if R is None else R}) on {len(samples)} documents, task {args.task}")
         rows = sum(len(s.rows) for s in samples)
         with tqdm(total=rows, desc=label, unit="row", leave=False, disable=not sys.stderr.isatty()) as bar:
-            metrics = probe.probe_model(
-                model, samples, probe.METRICS[args.task], args.chunk, args.batch_size, args.precision, args.seed, bar.update
+            metrics = probe_model(
+                model, samples, METRICS[args.task], args.chunk, args.batch_size, args.precision, args.seed, bar.update
             )
-        facts = probe.run_facts(resolve(path))
-        results.append(probe.ProbeResult(label, str(resolve(path)), name, R, metrics=metrics, **facts))
+        facts = run_facts(resolve(path))
+        results.append(ProbeResult(label, str(resolve(path)), name, R, metrics=metrics, **facts))
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print()
-    print(probe.markdown_tables(results))
-    meta = {k: v for k, v in vars(args).items() if k != "func"} | {"dataset_used": dataset, "text_sha256": probe.text_sha256(args.text)}
-    atomic_write(out, lambda p: p.write_text(json.dumps(probe.to_json(results, meta), indent=2) + "\n"))
+    print(markdown_tables(results))
+    meta = {k: v for k, v in vars(args).items() if k != "func"} | {"dataset_used": dataset, "text_sha256": text_sha256(args.text)}
+    atomic_write(out, lambda p: p.write_text(json.dumps(to_json(results, meta), indent=2) + "\n"))
     png = out.with_suffix(".png")
-    atomic_write(png, lambda p: probe.plot(results, p, f"{args.task} probe"))
+    atomic_write(png, lambda p: plot(results, p, f"{args.task} probe"))
     print(f"wrote {out} and {png}")
 
 

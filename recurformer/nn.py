@@ -92,13 +92,36 @@ class Layer(nn.Module):
     ``reset``); ``reset(state, fresh)`` restores the initial state in the rows marked fresh; a row
     can be reset only when the position is a multiple of ``period`` (the chunk, segment or block
     length, called ``unit``); ``reach(q)`` is the earliest position the output at position q reads
-    directly (None: the whole document, through a cache or a recurrent state)."""
+    directly (None: the whole document, through a cache or a recurrent state).
 
-    kind: str = "layer"
-    period: int = 1
-    unit: str = "token"
-    bounded: bool = True  # the state stays the same size at any length
-    state_cls: type[LayerState] = LayerState
+    A layer class overrides the read-only properties below with class attributes or properties."""
+
+    @property
+    def kind(self) -> str:
+        """The registered kind ('memory', 'xl', ...; see ``registry.register_layer``)."""
+        return "layer"
+
+    @property
+    def period(self) -> int:
+        """Rows reset only at multiples of this many tokens (the chunk, segment or block length)."""
+        return 1
+
+    @property
+    def unit(self) -> str:
+        """What ``period`` tokens are called ('chunk', 'segment', 'block')."""
+        return "token"
+
+    @property
+    def bounded(self) -> bool:
+        """The state stays the same size at any length."""
+        return True
+
+    @property
+    def state_cls(self) -> type[LayerState]:
+        return LayerState
+
+    def init_extra(self, std: float) -> None:
+        """The layer's own initialisation, after the model's normal(0, std) of every weight."""
 
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> LayerState:
         raise NotImplementedError
@@ -162,23 +185,23 @@ class Block(Layer):
         self.ffn = MLP(cfg.dim, cfg.hidden, kind=mlp)
 
     @property
-    def kind(self) -> str:  # type: ignore[override]
+    def kind(self) -> str:
         return self.attn.kind
 
     @property
-    def period(self) -> int:  # type: ignore[override]
+    def period(self) -> int:
         return self.attn.period
 
     @property
-    def unit(self) -> str:  # type: ignore[override]
+    def unit(self) -> str:
         return self.attn.unit
 
     @property
-    def bounded(self) -> bool:  # type: ignore[override]
+    def bounded(self) -> bool:
         return self.attn.bounded
 
     @property
-    def state_cls(self) -> type[LayerState]:  # type: ignore[override]
+    def state_cls(self) -> type[LayerState]:
         return self.attn.state_cls
 
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> LayerState:
@@ -209,12 +232,11 @@ class Block(Layer):
 class StreamingLM(nn.Module, GenerationMixin, HubMixin):
     """Token embedding -> the stack of layers -> final RMSNorm -> tied LM head.
 
-    A model class names its config, its own layer ``kind`` and how to build a layer of that kind
-    (``make_layer``) and registers itself (``registry.register``); ``config.layers`` may mix kinds
-    (see ``registry.build_layer``)."""
+    A model class names the ``kind`` of its layers (registered by ``registry.register_layer``) and
+    registers itself (``registry.register``); ``config.layers`` may mix kinds (see
+    ``registry.build_layer``)."""
 
     kind: ClassVar[str]
-    layer_config: ClassVar[type[ModelConfig]] = ModelConfig  # the config a layer of this kind needs
     check_tokens = True  # features() checks every token id, a wait for the device (the trainer checks its data once)
 
     def __init__(self, config: ModelConfig) -> None:
@@ -231,10 +253,6 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
 
     def default_kind(self) -> str:
         return self.kind
-
-    @staticmethod
-    def make_layer(cfg: Any, index: int) -> Layer:
-        raise NotImplementedError
 
     def init_weights(self) -> None:
         """normal(0, std) everywhere; residual output projections get std / sqrt(2 * n_layers);

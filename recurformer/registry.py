@@ -1,14 +1,16 @@
 """The model registry: each model file registers its architecture here when it is imported
 (``register``), so a new architecture is one file that registers itself plus one import line in
 ``models/__init__.py``. ``build_model`` is the one way to build a model from a name and a dict of
-config values; ``build_layer`` builds one layer of a kind ('full', 'window', 'memory', 'xl', ...),
+config values. A model file also registers how to build a layer of each kind it defines
+(``register_layer``); ``build_layer`` builds one layer of a kind ('full', 'window', 'memory', 'xl', ...),
 so a config's ``layers`` list can stack layers of several architectures. This module imports no
 model: the classes are typed loosely here and checked where they are defined."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .config import RecurformerError, from_dict, suggest
 
@@ -20,17 +22,36 @@ class Entry:
     description: str  # one line for model cards
 
 
+@dataclass(frozen=True)
+class LayerKind:
+    config: type[Any]  # the config a layer of this kind needs (a subclass of nn.ModelConfig)
+    make: Callable[[Any, int], Any]  # make(config, index) -> the layer (an nn.Layer)
+
+
 REGISTRY: dict[str, Entry] = {}
-LAYER_KINDS: dict[str, type[Any]] = {}  # layer kind -> the model class that makes such layers (``make_layer``)
+LAYER_KINDS: dict[str, LayerKind] = {}
+
+Make = TypeVar("Make", bound=Callable[[Any, int], Any])
 
 
 def register(name: str, config: type[Any], model: type[Any], description: str) -> None:
-    """Add an architecture: ``name`` (the config's ``model.name``), its config and model classes;
-    the model's layer ``kind`` becomes available to hybrid stacks."""
+    """Add an architecture: ``name`` (the config's ``model.name``), its config and model classes."""
     if name in REGISTRY and REGISTRY[name].model is not model:
         raise RecurformerError(f"model '{name}' is registered twice")
     REGISTRY[name] = Entry(config, model, description)
-    LAYER_KINDS[model.kind] = model
+
+
+def register_layer(kind: str, config: type[Any]) -> Callable[[Make], Make]:
+    """Decorator on ``make(cfg, index) -> Layer``: layers of ``kind`` are built by ``make`` from a
+    config of class ``config`` (or a subclass), in any model's stack."""
+
+    def add(make: Make) -> Make:
+        if kind in LAYER_KINDS and LAYER_KINDS[kind].make is not make:
+            raise RecurformerError(f"layer kind '{kind}' is registered twice")
+        LAYER_KINDS[kind] = LayerKind(config, make)
+        return make
+
+    return add
 
 
 def model_names() -> list[str]:
@@ -52,10 +73,10 @@ def build_layer(kind: str, cfg: Any, index: int) -> Any:
     """Layer ``index`` of kind ``kind`` ('full', 'window', 'memory', 'xl', ...) for config ``cfg``."""
     if kind not in LAYER_KINDS:
         raise RecurformerError(f"unknown layer kind '{kind}' for layer {index}{suggest(kind, sorted(LAYER_KINDS)).replace('keys', 'kinds')}")
-    model = LAYER_KINDS[kind]
-    if not isinstance(cfg, model.layer_config):
-        raise RecurformerError(f"a '{kind}' layer needs the config of a {model.layer_config.__name__}, not {type(cfg).__name__}")
-    return model.make_layer(cfg, index)
+    entry = LAYER_KINDS[kind]
+    if not isinstance(cfg, entry.config):
+        raise RecurformerError(f"a '{kind}' layer needs the config of a {entry.config.__name__}, not {type(cfg).__name__}")
+    return entry.make(cfg, index)
 
 
 def make_config(name: str, values: dict[str, Any] | None = None) -> Any:

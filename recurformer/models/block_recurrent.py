@@ -48,7 +48,7 @@ from ..cells import QK, StateCell, t5_buckets
 from ..config import RecurformerError
 from ..modules import apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
-from ..registry import register
+from ..registry import register, register_layer
 from ..state import Call, LayerState, reset_rows
 
 
@@ -118,7 +118,6 @@ class BlockAttention(Layer):
         super().__init__()
         D = cfg.dim
         self.cfg = cfg
-        self.period = cfg.block_size
         self.n_heads = cfg.n_heads
         self.wq = nn.Linear(D, D, bias=False)
         self.wk = nn.Linear(D, D, bias=False)
@@ -133,6 +132,10 @@ class BlockAttention(Layer):
             self.initial_state = nn.Parameter(torch.zeros(cfg.states, D))
         self.wo = nn.Linear(2 * D if recurrent else D, D, bias=False)
 
+
+    @property
+    def period(self) -> int:
+        return self.cfg.block_size
     def init_extra(self, std: float) -> None:
         if self.cell is not None:
             with torch.no_grad():
@@ -240,13 +243,13 @@ class BlockAttention(Layer):
         return self.wo(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]), BlockRecurrentState(kcache, vcache, cell)
 
 
+@register_layer("block_recurrent", BlockRecurrentConfig)
+def block_recurrent_layer(cfg: BlockRecurrentConfig, index: int) -> Layer:
+    return Block(cfg, BlockAttention(cfg, index in cfg.recurrent_layer_ids), mlp=cfg.mlp)
+
+
 class BlockRecurrent(StreamingLM):
     kind = "block_recurrent"
-    layer_config = BlockRecurrentConfig
-
-    @staticmethod
-    def make_layer(cfg: BlockRecurrentConfig, index: int) -> Layer:
-        return Block(cfg, BlockAttention(cfg, index in cfg.recurrent_layer_ids), mlp=cfg.mlp)
 
     def param_breakdown(self) -> dict[str, int]:
         """Parameters: embedding (tied head), state side of the recurrent cells (IDs, state

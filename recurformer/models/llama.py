@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ..config import RecurformerError
 from ..modules import apply_rope, attend, merge_heads, rope_cos_sin, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
-from ..registry import register
+from ..registry import register, register_layer
 from ..state import Call, LayerState, writable
 
 
@@ -100,11 +100,11 @@ class Attention(Layer):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     @property
-    def kind(self) -> str:  # type: ignore[override]
+    def kind(self) -> str:
         return "full" if self.window is None else "window"
 
     @property
-    def bounded(self) -> bool:  # type: ignore[override]
+    def bounded(self) -> bool:
         return self.window is not None
 
     def describe(self) -> str:
@@ -158,15 +158,16 @@ class Attention(Layer):
         return room.append(k, v)
 
 
+@register_layer("full", ModelConfig)
+def full_layer(cfg: ModelConfig, index: int) -> Layer:
+    return Block(cfg, Attention(cfg, None))
+
+
 class Llama(StreamingLM):
     kind = "full"
 
     def default_kind(self) -> str:
         return "full" if self.config.window is None else "window"
-
-    @staticmethod
-    def make_layer(cfg: ModelConfig, index: int) -> Layer:
-        return Block(cfg, Attention(cfg, None))
 
     def set_window(self, window: int | None) -> None:
         """Evaluate with a sliding-window mask (the "Slide Window" baseline of Liang, "Block-wise Recurrent

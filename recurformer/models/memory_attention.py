@@ -42,7 +42,7 @@ from .. import tap
 from ..config import RecurformerError
 from ..modules import MLP, RMSNorm, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
-from ..registry import register
+from ..registry import register, register_layer
 from ..state import Call, LayerState, reset_rows
 
 
@@ -99,7 +99,6 @@ class MemoryAttentionLayer(Layer):
     def __init__(self, cfg: MemoryAttentionConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.period = cfg.chunk_size
         self.n_heads = cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -118,6 +117,10 @@ class MemoryAttentionLayer(Layer):
         if cfg.init_memory == "learned":  # zero-initialised and trainable, as `train_orimem` in the code
             self.init_memory = nn.Parameter(torch.zeros(cfg.chunk_size, cfg.dim))
 
+
+    @property
+    def period(self) -> int:
+        return self.cfg.chunk_size
     def init_extra(self, std: float) -> None:
         if self.cfg.memory_update == "gated":
             nn.init.constant_(self.mem_gate.bias, 1.0)
@@ -216,13 +219,13 @@ class MemoryAttentionLayer(Layer):
         return self.wo(y) if pre_wo else y, MemoryState(memory, mem_k, mem_v, part_k, part_v, part_o)
 
 
+@register_layer("memory", MemoryAttentionConfig)
+def memory_layer(cfg: MemoryAttentionConfig, index: int) -> Layer:
+    return Block(cfg, MemoryAttentionLayer(cfg))
+
+
 class MemoryAttention(StreamingLM):
     kind = "memory"
-    layer_config = MemoryAttentionConfig
-
-    @staticmethod
-    def make_layer(cfg: MemoryAttentionConfig, index: int) -> Layer:
-        return Block(cfg, MemoryAttentionLayer(cfg))
 
 
 register("memory_attention", MemoryAttentionConfig, MemoryAttention, "Memory Attention: block-wise recurrent transformer carrying a per-layer memory across chunks")

@@ -45,7 +45,7 @@ from ..config import RecurformerError
 from ..modules import MLP, RMSNorm, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
 from ..nn import Layer, ModelConfig, StreamingLM
 from ..ops.recurrent_attention import BiasFn, alibi_bias, recurrent_attention_naive, recurrent_attention_tiled
-from ..registry import register
+from ..registry import register, register_layer
 from ..state import Call, LayerState
 
 
@@ -87,7 +87,6 @@ class RecurrentLayer(Layer):
     def __init__(self, cfg: RecurrentTransformerConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.period = cfg.block_size
         self.n_heads = cfg.n_heads
         self.alpha = 1 / math.sqrt(cfg.n_layers) if cfg.residual_scale else 1.0
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -109,6 +108,10 @@ class RecurrentLayer(Layer):
         old = self.get_buffer("slopes")
         self.register_buffer("slopes", alibi_slopes(self.n_heads, self.max_bias).to(old), persistent=False)
 
+
+    @property
+    def period(self) -> int:
+        return self.cfg.block_size
     def kv(self, u: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
         """Key and value [B, H, n, d] of u [B, n, D] (x: temporary pair, z: persistent pair)."""
         n = self.attn_norm(u)
@@ -184,13 +187,13 @@ class RecurrentLayer(Layer):
         return z, new
 
 
+@register_layer("recurrent", RecurrentTransformerConfig)
+def recurrent_layer(cfg: RecurrentTransformerConfig, index: int) -> Layer:
+    return RecurrentLayer(cfg)
+
+
 class RecurrentTransformer(StreamingLM):
     kind = "recurrent"
-    layer_config = RecurrentTransformerConfig
-
-    @staticmethod
-    def make_layer(cfg: RecurrentTransformerConfig, index: int) -> Layer:
-        return RecurrentLayer(cfg)
 
     def info_lines(self) -> list[str]:
         c: RecurrentTransformerConfig = self.config  # type: ignore[assignment]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..config import RecurformerError
 from ..nn import Block, Layer, ModelConfig
-from ..registry import register
+from ..registry import register, register_layer
 from .llama import Attention, Llama, LlamaConfig
 
 
@@ -22,14 +22,15 @@ class SlidingWindowConfig(LlamaConfig):
             raise RecurformerError("sliding_window needs an integer 'window'")
 
 
+@register_layer("window", ModelConfig)
+def window_layer(cfg: ModelConfig, index: int) -> Layer:
+    if cfg.window is None:
+        raise RecurformerError(f"layer {index} is a 'window' layer: set config key 'window'")
+    return Block(cfg, Attention(cfg, cfg.window))
+
+
 class SlidingWindow(Llama):
     kind = "window"
-
-    @staticmethod
-    def make_layer(cfg: ModelConfig, index: int) -> Layer:
-        if cfg.window is None:
-            raise RecurformerError(f"layer {index} is a 'window' layer: set config key 'window'")
-        return Block(cfg, Attention(cfg, cfg.window))
 
 
 register("sliding_window", SlidingWindowConfig, SlidingWindow, "Llama-style decoder with sliding-window attention (bounded KV cache state)")

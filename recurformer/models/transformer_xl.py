@@ -37,7 +37,7 @@ from ..config import RecurformerError
 from ..modules import merge_heads, pieces, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..ops.relative import relative_scores, sinusoid_table
-from ..registry import register
+from ..registry import register, register_layer
 from ..state import Call, LayerState, reset_rows, writable
 
 
@@ -123,7 +123,6 @@ class RelAttention(Layer):
     def __init__(self, cfg: TransformerXLConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.period = cfg.segment_len
         self.n_heads = cfg.n_heads
         self.scale = cfg.head_dim**-0.5
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -134,6 +133,10 @@ class RelAttention(Layer):
         self.u = nn.Parameter(torch.zeros(cfg.n_heads, cfg.head_dim))  # global content bias
         self.v = nn.Parameter(torch.zeros(cfg.n_heads, cfg.head_dim))  # global position bias
 
+
+    @property
+    def period(self) -> int:
+        return self.cfg.segment_len
     def describe(self) -> str:
         return f"xl(L={self.cfg.segment_len}, M={self.cfg.memory_len})"
 
@@ -230,13 +233,13 @@ class RelAttention(Layer):
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], new
 
 
+@register_layer("xl", TransformerXLConfig)
+def xl_layer(cfg: TransformerXLConfig, index: int) -> Layer:
+    return Block(cfg, RelAttention(cfg))
+
+
 class TransformerXL(StreamingLM):
     kind = "xl"
-    layer_config = TransformerXLConfig
-
-    @staticmethod
-    def make_layer(cfg: TransformerXLConfig, index: int) -> Layer:
-        return Block(cfg, RelAttention(cfg))
 
     def info_lines(self) -> list[str]:
         c: TransformerXLConfig = self.config  # type: ignore[assignment]
