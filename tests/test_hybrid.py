@@ -75,3 +75,25 @@ def test_receptive_field_matches_measurement(name, values, span) -> None:
     if span is not None:
         assert model.max_context() == span
         assert f"up to {span:,} tokens" in model.info_lines()[1]
+
+
+def test_a_layer_kind_registered_outside_the_package_stacks_with_the_others() -> None:
+    """``@register_layer(kind, config_cls)`` on a factory is all a new layer kind needs: a hybrid
+    stack of any model can then name it, and registering another factory under the same kind is
+    a one-line error."""
+    from recurformer.models.llama import Attention
+    from recurformer.nn import Block, ModelConfig
+    from recurformer.registry import LAYER_KINDS, register_layer
+
+    @register_layer("test_window2", ModelConfig)
+    def make(cfg: ModelConfig, index: int) -> Block:
+        return Block(cfg, Attention(cfg, 2))
+
+    try:
+        m = build_model("transformer_xl", dict(BASE, n_layers=2, segment_len=4, layers=["xl", "test_window2"]))
+        assert kinds(m) == ["xl", "window"] and m.layers[1].attn.window == 2
+        assert register_layer("test_window2", ModelConfig)(make) is make  # the same factory again: no change
+        with pytest.raises(RecurformerError, match="^layer kind 'test_window2' is registered twice$"):
+            register_layer("test_window2", ModelConfig)(lambda cfg, index: make(cfg, index))
+    finally:
+        LAYER_KINDS.pop("test_window2", None)

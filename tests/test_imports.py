@@ -145,3 +145,24 @@ def test_imports_only_go_down():
 def test_ground_floor_imports_nothing_of_the_package():
     g = graph()
     assert {m: g[m] for m in FLOORS[0] if m in g and g[m]} == {}
+
+
+SHADOWED = {"train", "evaluate", "probe"}  # package names that are the API functions, not the modules
+
+
+def test_no_module_imports_a_module_shadowed_by_an_api_function():
+    """``recurformer.train`` (``evaluate``, ``probe``) is the API function, so ``from . import train``
+    or ``import recurformer.train as t`` would get the function; a package module names what it
+    needs from the module instead (``from .train import Trainer``). Only ``__init__`` imports the
+    modules themselves, before binding the functions."""
+    found = []
+    for name, path in sorted(module_names().items()):
+        if name == "__init__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module == "recurformer" or (node.level == 1 and not node.module)):
+                found += [f"{name}: from ... import {a.name}" for a in node.names if a.name in SHADOWED]
+            elif isinstance(node, ast.Import):
+                found += [f"{name}: import {a.name} as {a.asname}" for a in node.names
+                          if a.asname and a.name.removeprefix("recurformer.") in SHADOWED]
+    assert found == []

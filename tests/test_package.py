@@ -68,6 +68,21 @@ def test_version(capsys) -> None:
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "recurformer.__version__"}
 
 
+def test_api_functions_keep_the_names_of_their_modules() -> None:
+    """``recurformer.train``/``evaluate``/``probe`` are the API functions, also after their modules
+    are imported, and ``from recurformer.train import Trainer`` still reads the module (in a fresh
+    interpreter, so that no earlier import hides an order problem)."""
+    code = (
+        "import recurformer, recurformer.api as api\n"
+        "from recurformer.train import Trainer\nfrom recurformer.evaluate import evaluate_lengths\n"
+        "from recurformer.probe import probe_model\nimport recurformer.cli\n"
+        "assert (recurformer.train, recurformer.evaluate, recurformer.probe) == (api.train, api.evaluate, api.probe)\n"
+        "assert Trainer.__module__ == 'recurformer.train'\nprint('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
 @pytest.mark.slow
 def test_python_dash_m() -> None:
     out = subprocess.run([sys.executable, "-m", "recurformer", "--version"], capture_output=True, text=True, cwd=ROOT)
