@@ -250,6 +250,7 @@ def block_recurrent_layer(cfg: BlockRecurrentConfig, index: int) -> Layer:
 
 class BlockRecurrent(StreamingLM):
     kind = "block_recurrent"
+    config: BlockRecurrentConfig
 
     def param_breakdown(self) -> dict[str, int]:
         """Parameters: embedding (tied head), state side of the recurrent cells (IDs, state
@@ -270,7 +271,7 @@ class BlockRecurrent(StreamingLM):
         return out
 
     def info_lines(self) -> list[str]:
-        c: BlockRecurrentConfig = self.config  # type: ignore[assignment]
+        c = self.config
         rec = c.recurrent_layer_ids
         per_row = c.n_layers * 2 * c.dim * (c.block_size + c.block_size - 1) + len(rec) * c.states * c.dim
         parts = self.param_breakdown()

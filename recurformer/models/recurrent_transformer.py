@@ -194,9 +194,10 @@ def recurrent_layer(cfg: RecurrentTransformerConfig, index: int) -> Layer:
 
 class RecurrentTransformer(StreamingLM):
     kind = "recurrent"
+    config: RecurrentTransformerConfig
 
     def info_lines(self) -> list[str]:
-        c: RecurrentTransformerConfig = self.config  # type: ignore[assignment]
+        c = self.config
         return super().info_lines() + [
             f"state: persistent K/V cache 2 * n_layers * dim = {2 * c.n_layers * c.dim} numbers per position (grows with the document)",
             f"block_size b = {c.block_size}: recurrent depth N/b per layer; impl = {c.impl}; position = {c.position}",

@@ -53,7 +53,7 @@ from .. import tap
 from ..config import RecurformerError
 from ..modules import RMSNorm, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
-from ..registry import register
+from ..registry import register, register_layer
 from ..state import Call, LayerState, State, reset_rows
 
 
@@ -100,11 +100,14 @@ class RMTAttention(Layer):
     def __init__(self, cfg: RMTConfig, index: int) -> None:
         super().__init__()
         self.cfg, self.index = cfg, index
-        self.period = cfg.segment_len
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    @property
+    def period(self) -> int:
+        return self.cfg.segment_len
 
     def describe(self) -> str:
         return f"rmt(S={self.cfg.segment_len}, M={self.cfg.memory_size})"
@@ -156,19 +159,19 @@ def with_memory(state: LayerState, memory: Tensor) -> RMTState:
     return dataclasses.replace(state, memory=memory)
 
 
+@register_layer("rmt", RMTConfig)
+def rmt_layer(cfg: RMTConfig, index: int) -> Layer:
+    return Block(cfg, RMTAttention(cfg, index))
+
+
 class RMT(StreamingLM):
     kind = "rmt"
-    layer_config = RMTConfig
     config: RMTConfig
     norm: RMSNorm
 
     def __init__(self, config: RMTConfig) -> None:
         super().__init__(config)
         self.init_memory = nn.Parameter(torch.randn(config.memory_size, config.dim) * config.init_std)
-
-    @staticmethod
-    def make_layer(cfg: RMTConfig, index: int) -> Layer:
-        return Block(cfg, RMTAttention(cfg, index))
 
     def body(self, h: Tensor, state: State) -> tuple[Tensor, State]:
         """The layers over h [B, T, D], piece by piece: [read slots;] tokens [; write slots]

@@ -240,9 +240,10 @@ def xl_layer(cfg: TransformerXLConfig, index: int) -> Layer:
 
 class TransformerXL(StreamingLM):
     kind = "xl"
+    config: TransformerXLConfig
 
     def info_lines(self) -> list[str]:
-        c: TransformerXLConfig = self.config  # type: ignore[assignment]
+        c = self.config
         L, M, N, D = c.segment_len, c.memory_len, c.n_layers, c.dim
         per_row = M * D * N
         rule = "N·(M-1) + 1 with same_length" if c.same_length else "N·L + L when M = L; N·M + L when L divides M"
