@@ -12,9 +12,11 @@ Every function raises ``RecurformerError`` (a one-line message) on bad input, as
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -106,6 +108,21 @@ def evaluate(model: StreamingLM, tokenizer: Tokenizer | None = None, *, tokens: 
                             tokenizer.bos_id if tokenizer is not None else None)
 
 
+def check_probe(task: str, *, docs: int, passage: int, span: int, chunk: int, batch_size: int, warm: tuple[int, int],
+                style: str = "python") -> None:
+    """The probe's options checked, for ``probe`` and ``probe_checkpoints`` alike (one-line errors
+    naming them as ``style`` does: ``"cli"`` gives ``--warm-min``)."""
+    from .probe import TASKS
+
+    if task not in TASKS:
+        raise RecurformerError(f"unknown probe task '{task}'; valid tasks: {', '.join(TASKS)}")
+    check_options(style, docs=docs, batch_size=batch_size, chunk=chunk, passage=passage, span=span, warm_min=warm[0])
+    if warm[0] > warm[1]:
+        if style == "cli":
+            raise RecurformerError(f"need 0 <= --warm-min <= --warm-max, got {warm[0]} and {warm[1]}")
+        raise RecurformerError(f"warm must be (min, max) with min <= max, got {warm}")
+
+
 def probe(model: StreamingLM, tokenizer: Tokenizer, *, task: str = "repeat", dataset: str | None = None,
           text: Sequence[str | Path] | None = None, docs: int = 500, passage: int = 128,
           distances: Sequence[int] = (1, 4, 16, 64, 256, 1024), span: int = 32, warm: tuple[int, int] = (32, 288),
@@ -114,13 +131,9 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, task: str = "repeat", dat
     """The copy (``repeat``) or ``swap`` probe as ``recurformer probe``: per-distance-bin means
     with bootstrap intervals. ``dataset`` defaults to ``tinystories-repeat`` for ``repeat``."""
     from .models import model_name
-    from .probe import METRICS, TASKS, make_samples, probe_model, receptive_field
+    from .probe import METRICS, make_samples, probe_model, receptive_field
 
-    if task not in TASKS:
-        raise RecurformerError(f"unknown probe task '{task}'; valid tasks: {', '.join(TASKS)}")
-    check_options(docs=docs, passage=passage, span=span, chunk=chunk, batch_size=batch_size, warm_min=warm[0])
-    if warm[0] > warm[1]:
-        raise RecurformerError(f"warm must be (min, max) with min <= max, got {warm}")
+    check_probe(task, docs=docs, passage=passage, span=span, chunk=chunk, batch_size=batch_size, warm=warm)
     if dataset is None and not text:
         if task != "repeat":
             raise RecurformerError("the swap probe needs dataset=NAME or text=[FILE, ...]")
@@ -132,6 +145,257 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, task: str = "repeat", dat
         metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed)
     facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
     return ProbeResult(label, "", model_name(model.config), receptive_field(model), metrics=metrics, **facts)
+
+
+@dataclass
+class Generated:
+    """What ``generate_text`` produced, with its speed and peak memory."""
+
+    text: str  # the continuation (without the prompt)
+    tokens: int
+    seconds: float
+    peak_memory_mb: float
+    memory_kind: str  # what the peak counts ('GPU memory', 'RSS', ...)
+
+
+def generate_text(
+    checkpoint: str | Path, prompt: str = "", *, max_new_tokens: int = 200, temperature: float = 0.8,
+    top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True,
+    load_state: str | Path | None = None, save_state: str | Path | None = None, device: str = "auto",
+    on_text: Callable[[str], object] | None = None, note: Callable[[str], object] = print, style: str = "python",
+) -> Generated:
+    """``recurformer generate``: continue ``prompt`` with a checkpoint's model, streaming the text
+    (the prompt first) to ``on_text`` as whole characters arrive; ``load_state`` continues a
+    saved generation (the prompt is appended), ``save_state`` saves it to continue later.
+    ``style`` names the options in errors (``"cli"``: ``--top-p``)."""
+    import time
+
+    from .device import memory_kind, peak_memory_mb, pick_device, reset_peak_memory, synchronize
+    from .files import check_writable
+    from .generate import load_session, new_session, save_session, stream
+    from .hub import load_model
+
+    check_options(style, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    emit = on_text or (lambda t: None)
+    if save_state:
+        check_writable(Path(save_state), "--save-state file")  # before generating, not after
+    dev = pick_device(device)
+    model, name, tok, _ = load_model(checkpoint, dev)
+    if tok is None:
+        raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
+    if tok.lowercase and prompt != prompt.lower():
+        note("[this model's tokenizer was learned from lower-case text: the prompt is lower-cased]")
+        prompt = prompt.lower()
+    session = load_session(load_state, model, name) if load_state else new_session(model, 1, seed)
+    ids = ([] if load_state else [tok.bos_id]) + tok.encode(prompt)
+    tokens = torch.tensor([ids], dtype=torch.long) if ids else None
+    stops = [tok.eos_id, tok.bos_id] if stop_at_eos else []
+    emit(prompt)
+    out: list[int] = []
+    shown = ""
+    reset_peak_memory(dev)
+    t0 = time.perf_counter()
+    for step in stream(model, tokens, max_new_tokens, temperature, top_k, top_p, session=session, stop_tokens=stops):
+        t = int(step[0])
+        if t < 0:
+            break
+        out.append(t)
+        text = tok.decode(out)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            emit(text[len(shown) :])
+            shown = text
+    synchronize(dev)
+    dt = time.perf_counter() - t0
+    text = tok.decode(out)
+    emit(text[len(shown) :])
+    if save_state:
+        save_session(session, save_state, name)
+        note(f"[saved the generation state to {save_state}]")
+    return Generated(text, len(out), dt, peak_memory_mb(dev), memory_kind(dev))
+
+
+# ----------------------------------------------------------------------------------------------
+# what ``recurformer eval`` and ``recurformer probe`` run: several checkpoints, one table, JSON + plot
+
+
+def eval_labels(paths: Sequence[str]) -> list[str]:
+    """One unique label per checkpoint: the run's name, plus the step where two share a run
+    name, plus the full path where even that is not unique."""
+    from .checkpoint import resolve
+
+    dirs = [resolve(p) for p in paths]
+    seen: dict[Any, Any] = {}
+    for p, d in zip(paths, dirs):
+        if d.resolve() in seen:
+            raise RecurformerError(f"--checkpoint {p} and {seen[d.resolve()]} are the same checkpoint ({d})")
+        seen[d.resolve()] = p
+    runs = [d.parent.name if d.name.startswith("step_") else d.name for d in dirs]
+    labels = [f"{r} {d.name}" if runs.count(r) > 1 and d.name.startswith("step_") else r for r, d in zip(runs, dirs)]
+    return [str(d) if labels.count(lab) > 1 else lab for lab, d in zip(labels, dirs)]
+
+
+def default_output(given: str | Path | None, checkpoint: str | Path, name: str) -> Path:
+    """``given``, or ``name`` in the run directory of ``checkpoint`` (the directory that holds its
+    step_* checkpoints, or the checkpoint / pretrained directory itself)."""
+    from .checkpoint import resolve
+
+    if given:
+        return Path(given)
+    d = resolve(checkpoint)
+    return (d.parent if d.name.startswith("step_") else d) / name
+
+
+def evaluate_checkpoints(
+    checkpoints: Sequence[str], lengths: Sequence[int] = (256, 512, 1024, 2048, 4096), out: str | Path | None = None, *,
+    last: int = 256, windows: int | None = None, chunk: int = 256, warm_state: int = 0, batch_size: int = 8,
+    context: int | None = None, window: int | None = None, data: str | None = None, dataset: str | None = None,
+    text: list[str] | None = None, device: str = "auto", meta: dict[str, Any] | None = None,
+    log: Callable[[str], object] = print, style: str = "python",
+) -> dict[str, list[LengthResult]]:
+    """``recurformer eval``: length extrapolation of each checkpoint (on its own val split by
+    default, or ``data``/``dataset``/``text``), ``window`` W evaluating a dense model with a
+    sliding window; logs a table, writes ``out`` (JSON with ``meta``; default ``eval.json`` in the
+    first checkpoint's run directory) and its PNG plot. Every option is checked before any work."""
+    import math
+
+    from tqdm import tqdm
+
+    from .device import memory_kind, pick_device
+    from .evaluate import check_lengths, eval_tokens, markdown_table, plot, save_json, window_ends
+    from .files import check_writable
+    from .hub import load_model
+
+    lengths = list(lengths)
+    check_options(style, window=window)
+    check_lengths(lengths, last, windows, chunk, warm_state, batch_size, context, style)
+    labels = eval_labels(checkpoints)
+    path_out = default_output(out, checkpoints[0], "eval.json")
+    check_writable(path_out, "--json file")  # before the work, not after it
+    check_writable(path_out.with_suffix(".png"), "plot")
+    dev = pick_device(device)
+    results: dict[str, list[LengthResult]] = {}
+    cache: dict[Any, Any] = {}
+    trained: dict[str, Any] = {}
+    for path, label in zip(checkpoints, labels):
+        model, name, tok, config = load_model(path, dev)
+        if window:
+            if not hasattr(model, "set_window"):
+                raise RecurformerError(f"--window applies to dense attention models (llama), not {name}")
+            model.set_window(window)
+            label += f" (window {window})"
+        tokens = eval_tokens(tok, config, data=data, dataset=dataset, text=text, cache=cache)
+        span = context or warm_state + max(lengths)
+        n = len(window_ends(len(tokens), span, last, windows)) if len(tokens) > span else 0
+        how = "every window of the evaluation text" if windows is None else "evenly spaced windows"
+        log(f"evaluating {label} ({name}) at lengths {lengths}: {n:,} windows ({how}), loss on the last {last} tokens of each, "
+            f"{n * sum(warm_state + L for L in lengths):,} tokens to read" + (" (--windows K for a quicker look)" if windows is None else ""))
+        with tqdm(total=n * len(lengths), desc=label, unit="window", leave=False, disable=not sys.stderr.isatty()) as bar:
+            rs = evaluate_lengths(model, tokens, lengths, last, windows, chunk, warm_state, batch_size, context,
+                                  tok.bos_id if tok is not None else None, style=style, progress=bar.update)
+        bad = next((r for r in rs if not math.isfinite(r.loss)), None)
+        if bad is not None:
+            raise RecurformerError(
+                f"{path} gives non-finite logits (loss {bad.loss} at length {bad.length}) although its weights load; "
+                f"nothing written"
+            )
+        for r in rs:
+            log(f"  L={r.length:>6}: loss {r.loss:.4f} [{r.loss_low:.4f}, {r.loss_high:.4f}]  acc {r.accuracy:.3f}  "
+                f"{r.windows} windows, bootstrap over {r.units} {r.unit}  {r.tokens_per_s:,.0f} tok/s  peak {memory_kind(dev)} {r.peak_memory_mb:,.0f} MB")
+        results[label] = rs
+        trained[label] = config.get("train", {}).get("seq_len")
+    log("")
+    log(markdown_table(results))
+    save_json(results, path_out, meta or {})
+    png = path_out.with_suffix(".png")
+    plot(results, png, f"loss on the last {last} tokens", last, trained, warm_state)
+    log(f"wrote {path_out} and {png}")
+    return results
+
+
+def probe_checkpoints(
+    checkpoints: Sequence[str], out: str | Path | None = None, *, task: str = "repeat", dataset: str | None = None,
+    text: list[str] | None = None, docs: int = 500, passage: int = 128, distances: Sequence[int] = (1, 4, 16, 64, 256, 1024),
+    span: int = 32, warm: tuple[int, int] = (32, 288), chunk: int = 256, batch_size: int = 16, precision: str = "fp32",
+    seed: int = 0, device: str = "auto", meta: dict[str, Any] | None = None, log: Callable[[str], object] = print,
+    style: str = "python",
+) -> list[ProbeResult]:
+    """``recurformer probe``: the copy or swap probe of each checkpoint on the same documents
+    (``dataset`` defaults to ``tinystories-repeat`` for ``repeat``, else the checkpoint's own);
+    logs the tables, writes ``out`` (JSON with ``meta``; default ``probe.json`` in the first
+    checkpoint's run directory) and its PNG plot."""
+    from tqdm import tqdm
+
+    from .checkpoint import resolve
+    from .device import pick_device, slow_bf16_warning
+    from .files import atomic_write, check_writable
+    from .hub import load_model
+    from .probe import (
+        METRICS,
+        make_samples,
+        markdown_tables,
+        plot,
+        probe_model,
+        receptive_field,
+        run_facts,
+        text_sha256,
+        to_json,
+    )
+
+    check_probe(task, docs=docs, passage=passage, span=span, chunk=chunk, batch_size=batch_size, warm=warm, style=style)
+    path_out = default_output(out, checkpoints[0], "probe.json")
+    check_writable(path_out, "--json file")  # before the work, not after it
+    check_writable(path_out.with_suffix(".png"), "plot")
+    dev = pick_device(device)
+    if warning := slow_bf16_warning(precision, dev):
+        print(warning, file=sys.stderr)
+    dataset = dataset if (dataset or text) else ("tinystories-repeat" if task == "repeat" else None)
+    results = []
+    for path, label in zip(checkpoints, eval_labels(checkpoints)):
+        model, name, tok, config = load_model(path, dev)
+        if tok is None:
+            raise RecurformerError(f"checkpoint {path} has no tokenizer.json, so it cannot read text")
+        if dataset is None and not text:
+            dataset = config.get("data", {}).get("dataset")
+            if not dataset:
+                raise RecurformerError(f"checkpoint {path} does not name a bundled dataset; give --dataset NAME or --text FILE")
+        samples = make_samples(tok, task, dataset, text, model.config.vocab_size, docs=docs, passage=passage,
+                               distances=list(distances), span=span, warm=warm, seed=seed)
+        R = receptive_field(model)
+        log(f"probing {label} ({name}, receptive field {'unbounded' if R is None else R}) on {len(samples)} documents, task {task}")
+        rows = sum(len(s.rows) for s in samples)
+        with tqdm(total=rows, desc=label, unit="row", leave=False, disable=not sys.stderr.isatty()) as bar:
+            metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed, bar.update)
+        facts = run_facts(resolve(path))
+        results.append(ProbeResult(label, str(resolve(path)), name, R, metrics=metrics, **facts))
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    log("")
+    log(markdown_tables(results))
+    meta = (meta or {}) | {"dataset_used": dataset, "text_sha256": text_sha256(text)}
+    atomic_write(path_out, lambda p: p.write_text(json.dumps(to_json(results, meta), indent=2) + "\n"))
+    png = path_out.with_suffix(".png")
+    atomic_write(png, lambda p: plot(results, p, f"{task} probe"))
+    log(f"wrote {path_out} and {png}")
+    return results
+
+
+def merge_probes(files: Sequence[str | Path], out: str | Path | None = None, log: Callable[[str], object] = print) -> list[ProbeResult]:
+    """``recurformer probe --merge``: one table, JSON and plot (``out``, default
+    ``probe-merged.json`` beside the first file) from earlier probe results run with the same
+    documents and settings."""
+    from .files import atomic_write, check_writable
+    from .probe import markdown_tables, merge, plot, to_json
+
+    path_out = Path(out) if out else Path(files[0]).with_name("probe-merged.json")
+    check_writable(path_out, "--json file")
+    check_writable(path_out.with_suffix(".png"), "plot")
+    results, meta = merge([Path(f) for f in files])
+    log(markdown_tables(results))
+    atomic_write(path_out, lambda p: p.write_text(json.dumps(to_json(results, meta), indent=2) + "\n"))
+    atomic_write(path_out.with_suffix(".png"), lambda p: plot(results, p, f"{meta['task']} probe"))
+    log(f"wrote {path_out} and {path_out.with_suffix('.png')}")
+    return results
 
 
 def export(checkpoint: str | Path, out: str | Path, push_to_hub: str | None = None) -> Path:

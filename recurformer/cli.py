@@ -120,43 +120,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         print("done: " + ", ".join(f"{names.get(k, k)}={v:.4g}" if isinstance(v, float) else f"{names.get(k, k)}={v}" for k, v in last.items()))
 
 
-def eval_labels(paths: list[str]) -> list[str]:
-    """One unique label per checkpoint: the run's name, plus the step where two share a run
-    name, plus the full path where even that is not unique."""
-    from .checkpoint import resolve
-
-    dirs = [resolve(p) for p in paths]
-    seen: dict[Any, Any] = {}
-    for p, d in zip(paths, dirs):
-        if d.resolve() in seen:
-            raise RecurformerError(f"--checkpoint {p} and {seen[d.resolve()]} are the same checkpoint ({d})")
-        seen[d.resolve()] = p
-    runs = [d.parent.name if d.name.startswith("step_") else d.name for d in dirs]
-    labels = [f"{r} {d.name}" if runs.count(r) > 1 and d.name.startswith("step_") else r for r, d in zip(runs, dirs)]
-    return [str(d) if labels.count(lab) > 1 else lab for lab, d in zip(labels, dirs)]
-
-
-def default_output(given: str | None, checkpoint: str, name: str) -> Path:
-    """``given``, or ``name`` in the run directory of ``checkpoint`` (the directory that holds its
-    step_* checkpoints, or the checkpoint / pretrained directory itself)."""
-    from .checkpoint import resolve
-
-    if given:
-        return Path(given)
-    d = resolve(checkpoint)
-    return (d.parent if d.name.startswith("step_") else d) / name
-
-
 def cmd_eval(args: argparse.Namespace) -> None:
-    import math
-
-    from tqdm import tqdm
-
-    from .config import check_options
-    from .device import memory_kind, pick_device
-    from .evaluate import eval_tokens, evaluate_lengths, markdown_table, plot, save_json, window_ends
-    from .files import check_writable
-    from .hub import load_model
+    from .api import evaluate_checkpoints
 
     try:
         lengths = [int(x) for x in args.lengths.split(",") if x]
@@ -164,102 +129,25 @@ def cmd_eval(args: argparse.Namespace) -> None:
         raise RecurformerError(f"--lengths must be comma-separated integers, got '{args.lengths}'") from None
     if not lengths or min(lengths) < 1:
         raise RecurformerError(f"--lengths must be positive integers, got '{args.lengths}'")
-    check_options("cli", last=args.last, windows=args.windows, chunk=args.chunk, batch_size=args.batch_size, window=args.window,
-                  context=args.context, warm_state=args.warm_state)
-    shortest = min(lengths)
-    if shortest < args.last:
-        raise RecurformerError(f"--lengths: {shortest} is shorter than --last {args.last}")
-    labels = eval_labels(args.checkpoint)
-    out = default_output(args.json, args.checkpoint[0], "eval.json")
-    check_writable(out, "--json file")  # before the work, not after it
-    check_writable(out.with_suffix(".png"), "plot")
-    device = pick_device(args.device)
-    results: dict[str, Any] = {}
-    cache: dict[Any, Any] = {}
-    trained: dict[str, Any] = {}
-    for path, label in zip(args.checkpoint, labels):
-        model, name, tok, config = load_model(path, device)
-        if args.window:
-            if not hasattr(model, "set_window"):
-                raise RecurformerError(f"--window applies to dense attention models (llama), not {name}")
-            model.set_window(args.window)
-            label += f" (window {args.window})"
-        tokens = eval_tokens(tok, config, data=args.data, dataset=args.dataset, text=args.text, cache=cache)
-        context = args.context or args.warm_state + max(lengths)
-        n = len(window_ends(len(tokens), context, args.last, args.windows)) if len(tokens) > context else 0
-        how = "every window of the evaluation text" if args.windows is None else "evenly spaced windows"
-        print(f"evaluating {label} ({name}) at lengths {lengths}: {n:,} windows ({how}), loss on the last {args.last} tokens of each, "
-              f"{n * sum(args.warm_state + L for L in lengths):,} tokens to read" + (" (--windows K for a quicker look)" if args.windows is None else ""))
-        with tqdm(total=n * len(lengths), desc=label, unit="window", leave=False, disable=not sys.stderr.isatty()) as bar:
-            rs = evaluate_lengths(model, tokens, lengths, args.last, args.windows, args.chunk, args.warm_state, args.batch_size,
-                                  args.context, tok.bos_id if tok is not None else None, style="cli", progress=bar.update)
-        bad = next((r for r in rs if not math.isfinite(r.loss)), None)
-        if bad is not None:
-            raise RecurformerError(
-                f"{path} gives non-finite logits (loss {bad.loss} at length {bad.length}) although its weights load; "
-                f"nothing written"
-            )
-        for r in rs:
-            print(f"  L={r.length:>6}: loss {r.loss:.4f} [{r.loss_low:.4f}, {r.loss_high:.4f}]  acc {r.accuracy:.3f}  "
-                  f"{r.windows} windows, bootstrap over {r.units} {r.unit}  {r.tokens_per_s:,.0f} tok/s  peak {memory_kind(device)} {r.peak_memory_mb:,.0f} MB")
-        results[label] = rs
-        trained[label] = config.get("train", {}).get("seq_len")
-    print()
-    print(markdown_table(results))
-    meta = {k: v for k, v in vars(args).items() if k != "func"}
-    save_json(results, out, meta)
-    png = out.with_suffix(".png")
-    plot(results, png, f"loss on the last {args.last} tokens", args.last, trained, args.warm_state)
-    print(f"wrote {out} and {png}")
+    evaluate_checkpoints(
+        args.checkpoint, lengths, args.json, last=args.last, windows=args.windows, chunk=args.chunk, warm_state=args.warm_state,
+        batch_size=args.batch_size, context=args.context, window=args.window, data=args.data, dataset=args.dataset,
+        text=args.text, device=args.device, meta={k: v for k, v in vars(args).items() if k != "func"}, style="cli",
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    import time
+    from .api import generate_text
 
-    import torch
-
-    from .config import check_options
-    from .device import memory_kind, peak_memory_mb, pick_device, reset_peak_memory, synchronize
-    from .files import check_writable
-    from .generate import load_session, new_session, save_session, stream
-    from .hub import load_model
-
-    check_options("cli", max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if args.save_state:
-        check_writable(Path(args.save_state), "--save-state file")  # before generating, not after
-    device = pick_device(args.device)
-    model, name, tok, _ = load_model(args.checkpoint, device)
-    if tok is None:
-        raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
-    if tok.lowercase and args.prompt != args.prompt.lower():
-        print("[this model's tokenizer was learned from lower-case text: the prompt is lower-cased]", file=sys.stderr)
-        args.prompt = args.prompt.lower()
-    session = load_session(args.load_state, model, name) if args.load_state else new_session(model, 1, args.seed)
-    ids = ([] if args.load_state else [tok.bos_id]) + tok.encode(args.prompt)
-    prompt = torch.tensor([ids], dtype=torch.long) if ids else None
-    stops = [tok.eos_id, tok.bos_id] if args.stop_at_eos else []
-    print(args.prompt, end="", flush=True)
-    out: list[int] = []
-    shown = ""
-    reset_peak_memory(device)
-    t0 = time.perf_counter()
-    for step in stream(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, session=session, stop_tokens=stops):
-        t = int(step[0])
-        if t < 0:
-            break
-        out.append(t)
-        text = tok.decode(out)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            print(text[len(shown):], end="", flush=True)
-            shown = text
-    synchronize(device)
-    dt = time.perf_counter() - t0
-    print(tok.decode(out)[len(shown):])
-    if args.save_state:
-        save_session(session, args.save_state, name)
-        print(f"[saved the generation state to {args.save_state}]", file=sys.stderr)
+    g = generate_text(
+        args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, stop_at_eos=args.stop_at_eos, load_state=args.load_state, save_state=args.save_state,
+        device=args.device, on_text=lambda t: print(t, end="", flush=True), note=lambda t: print(t, file=sys.stderr), style="cli",
+    )
+    print()
     if args.stats:
-        print(f"[{len(out)} tokens in {dt:.2f}s: {len(out) / max(dt, 1e-9):,.1f} tok/s, peak {memory_kind(device)} {peak_memory_mb(device):,.0f} MB]", file=sys.stderr)
+        print(f"[{g.tokens} tokens in {g.seconds:.2f}s: {g.tokens / max(g.seconds, 1e-9):,.1f} tok/s, "
+              f"peak {g.memory_kind} {g.peak_memory_mb:,.0f} MB]", file=sys.stderr)
 
 
 def cmd_synth(args: argparse.Namespace) -> None:
@@ -356,88 +244,21 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_probe(args: argparse.Namespace) -> None:
-    import torch
-    from tqdm import tqdm
-
-    from .checkpoint import resolve
-    from .config import check_options
-    from .device import pick_device, slow_bf16_warning
-    from .files import atomic_write, check_writable
-    from .hub import load_model
-    from .probe import (
-        METRICS,
-        TASKS,
-        ProbeResult,
-        make_samples,
-        markdown_tables,
-        merge,
-        plot,
-        probe_model,
-        receptive_field,
-        run_facts,
-        text_sha256,
-        to_json,
-    )
+    from .api import merge_probes, probe_checkpoints
 
     if args.merge:
-        out = Path(args.json) if args.json else Path(args.merge[0]).with_name("probe-merged.json")
-        check_writable(out, "--json file")
-        check_writable(out.with_suffix(".png"), "plot")
-        results, meta = merge([Path(f) for f in args.merge])
-        print(markdown_tables(results))
-        atomic_write(out, lambda p: p.write_text(json.dumps(to_json(results, meta), indent=2) + "\n"))
-        atomic_write(out.with_suffix(".png"), lambda p: plot(results, p, f"{meta['task']} probe"))
-        print(f"wrote {out} and {out.with_suffix('.png')}")
+        merge_probes(args.merge, args.json)
         return
-    if args.task not in TASKS:
-        raise RecurformerError(f"unknown probe task '{args.task}'; valid tasks: {', '.join(TASKS)}")
-    check_options("cli", docs=args.docs, batch_size=args.batch_size, chunk=args.chunk, passage=args.passage, span=args.span,
-                  warm_min=args.warm_min)
-    if not args.warm_min <= args.warm_max:
-        raise RecurformerError(f"need 0 <= --warm-min <= --warm-max, got {args.warm_min} and {args.warm_max}")
     try:
         distances = [int(x) for x in args.distances.split(",") if x.strip()]
     except ValueError:
         raise RecurformerError(f"--distances must be comma-separated integers, got '{args.distances}'") from None
-    out = default_output(args.json, args.checkpoint[0], "probe.json")
-    check_writable(out, "--json file")  # before the work, not after it
-    check_writable(out.with_suffix(".png"), "plot")
-    device = pick_device(args.device)
-    if warning := slow_bf16_warning(args.precision, device):
-        print(warning, file=sys.stderr)
-    dataset = args.dataset if (args.dataset or args.text) else ("tinystories-repeat" if args.task == "repeat" else None)
-    results = []
-    for path, label in zip(args.checkpoint, eval_labels(args.checkpoint)):
-        model, name, tok, config = load_model(path, device)
-        if tok is None:
-            raise RecurformerError(f"checkpoint {path} has no tokenizer.json, so it cannot read text")
-        if dataset is None and not args.text:
-            dataset = config.get("data", {}).get("dataset")
-            if not dataset:
-                raise RecurformerError(f"checkpoint {path} does not name a bundled dataset; give --dataset NAME or --text FILE")
-        samples = make_samples(
-            tok, args.task, dataset, args.text, model.config.vocab_size, docs=args.docs, passage=args.passage,
-            distances=distances, span=args.span, warm=(args.warm_min, args.warm_max), seed=args.seed,
-        )
-        R = receptive_field(model)
-        print(f"probing {label} ({name}, receptive field {'unbounded' if R is None else R}) on {len(samples)} documents, task {args.task}")
-        rows = sum(len(s.rows) for s in samples)
-        with tqdm(total=rows, desc=label, unit="row", leave=False, disable=not sys.stderr.isatty()) as bar:
-            metrics = probe_model(
-                model, samples, METRICS[args.task], args.chunk, args.batch_size, args.precision, args.seed, bar.update
-            )
-        facts = run_facts(resolve(path))
-        results.append(ProbeResult(label, str(resolve(path)), name, R, metrics=metrics, **facts))
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    print()
-    print(markdown_tables(results))
-    meta = {k: v for k, v in vars(args).items() if k != "func"} | {"dataset_used": dataset, "text_sha256": text_sha256(args.text)}
-    atomic_write(out, lambda p: p.write_text(json.dumps(to_json(results, meta), indent=2) + "\n"))
-    png = out.with_suffix(".png")
-    atomic_write(png, lambda p: plot(results, p, f"{args.task} probe"))
-    print(f"wrote {out} and {png}")
+    probe_checkpoints(
+        args.checkpoint, args.json, task=args.task, dataset=args.dataset, text=args.text, docs=args.docs, passage=args.passage,
+        distances=distances, span=args.span, warm=(args.warm_min, args.warm_max), chunk=args.chunk, batch_size=args.batch_size,
+        precision=args.precision, seed=args.seed, device=args.device, meta={k: v for k, v in vars(args).items() if k != "func"},
+        style="cli",
+    )
 
 
 def cmd_readout(args: argparse.Namespace) -> None:

@@ -166,6 +166,24 @@ def ratio_interval(sums: np.ndarray, counts: np.ndarray, weights: np.ndarray) ->
     return float(low), float(high)
 
 
+def check_lengths(lengths: list[int], last: int, windows: int | None, chunk: int, warm: int, batch_size: int,
+                  context: int | None, style: str = "python") -> int:
+    """The options of ``evaluate_lengths`` checked (one-line errors naming them as ``style`` does,
+    see ``config.check_options``); returns the context the windows end after."""
+    check_options(style, last=last, windows=windows, chunk=chunk, warm_state=warm, batch_size=batch_size, context=context)
+    if not lengths:
+        raise RecurformerError(f"{option_name('lengths', style)} is empty")
+    for L in lengths:
+        check_options(style, length=L)
+        if L < last:
+            raise RecurformerError(f"{option_name('lengths', style)}: {L} is shorter than {option_name('last', style)} {last}")
+    span = warm + max(lengths)
+    context = span if context is None else context
+    if context < span:
+        raise RecurformerError(f"{option_name('context', style)} {context} is shorter than warm-up + the longest length ({span})")
+    return context
+
+
 def evaluate_lengths(
     model: StreamingLM,
     tokens: np.ndarray,
@@ -187,17 +205,7 @@ def evaluate_lengths(
     ``progress(n)`` is called after each batch of n windows read."""
     if int(tokens.max()) >= model.config.vocab_size:
         raise RecurformerError(f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}")
-    check_options(style, last=last, windows=windows, chunk=chunk, warm_state=warm, batch_size=batch_size, context=context)
-    if not lengths:
-        raise RecurformerError(f"{option_name('lengths', style)} is empty")
-    for L in lengths:
-        check_options(style, length=L)
-        if L < last:
-            raise RecurformerError(f"{option_name('lengths', style)}: {L} is shorter than {option_name('last', style)} {last}")
-    span = warm + max(lengths)
-    context = span if context is None else context
-    if context < span:
-        raise RecurformerError(f"{option_name('context', style)} {context} is shorter than warm-up + the longest length ({span})")
+    context = check_lengths(lengths, last, windows, chunk, warm, batch_size, context, style)
     ends = window_ends(len(tokens), context, last, windows)
     targets = ends[:, None] - last + np.arange(last)  # stream positions of the scored tokens
     by_window = np.repeat(np.arange(len(ends)), last)
