@@ -16,7 +16,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +26,10 @@ from .data import Tokenizer
 from .evaluate import LengthResult, evaluate_lengths
 from .nn import StreamingLM
 from .probe import ProbeResult
+
+if TYPE_CHECKING:
+    from .niah import Cell
+    from .readout import Readout
 
 
 @dataclass
@@ -396,6 +400,81 @@ def merge_probes(files: Sequence[str | Path], out: str | Path | None = None, log
     atomic_write(path_out.with_suffix(".png"), lambda p: plot(results, p, f"{meta['task']} probe"))
     log(f"wrote {path_out} and {path_out.with_suffix('.png')}")
     return results
+
+
+def niah_checkpoint(
+    checkpoint: str | Path, lengths: Sequence[int] = (256, 512, 1024, 2048), depths: Sequence[float] = (0, 25, 50, 75, 100),
+    out: str | Path = "niah.json", *, trials: int = 4, chunk: int = 256, text: list[str] | None = None,
+    via: str = "recurformer", seed: int = 0, device: str = "auto", log: Callable[[str], object] = print,
+) -> list[Cell]:
+    """``recurformer niah``: needle in a haystack over depths x lengths for a checkpoint, read by
+    recurformer or (``via="transformers"``) through ``AutoModelForCausalLM``; logs the table and
+    writes ``out`` (JSON) and its heatmap PNG."""
+    from .device import pick_device
+    from .files import check_writable
+    from .niah import niah, save, table
+
+    path_out = Path(out)
+    check_writable(path_out, "output JSON")
+    dev = pick_device(device)
+    model: Any
+    if via == "transformers":
+        from .hf import RecurformerForCausalLM
+
+        _, tok = load(checkpoint)
+        model = RecurformerForCausalLM.from_pretrained(checkpoint).to(dev)
+    else:
+        model, tok = load(checkpoint, str(dev))
+    if tok is None:
+        raise RecurformerError(f"{checkpoint} has no tokenizer.json: the haystack is text")
+    cells = niah(model, tok, lengths, depths, trials, chunk, text, seed)
+    log(table(cells))
+    meta = {"checkpoint": str(checkpoint), "via": via, "trials": trials, "chunk": chunk, "seed": seed,
+            "haystack": text or "bundled books (val)", "label": Path(checkpoint).name}
+    save(cells, path_out, meta)
+    log(f"wrote {path_out} and {path_out.with_suffix('.png')}")
+    return cells
+
+
+def readout_checkpoint(
+    checkpoint: str | Path, *, task: str | None = None, task_values: dict[str, Any] | None = None, segment: int | None = None,
+    segments: int = 4, rows: int = 16, seed: int = 0, out: str | Path | None = None, log: Callable[[str], object] = print,
+    style: str = "python",
+) -> Readout:
+    """``recurformer readout``: does a model read its memory, and does a later loss reach it
+    (``readout.readout``) on ``rows`` rows of a synthetic ``task`` (with ``task_values``) or of the
+    checkpoint's validation text; logs the table, writes ``out`` (JSON) when given."""
+    from .data import eval_windows
+    from .data.synthetic import get_task, make_split
+    from .evaluate import eval_tokens
+    from .files import atomic_write, check_writable
+    from .hub import from_pretrained
+    from .readout import default_segment, readout, table
+
+    check_options(style, segments=segments, rows=rows, segment=segment)
+    if out:
+        check_writable(Path(out), "--json file")
+    model, tok, config = from_pretrained(checkpoint)
+    segment = segment or default_segment(model)
+    need = (segments + 1) * segment
+    if task:
+        params = get_task(task).params(task_values or {})
+        if int(params["vocab_size"]) != model.config.vocab_size:
+            raise RecurformerError(f"task {task} has vocab_size {params['vocab_size']}, the model {model.config.vocab_size}; set task.vocab_size")
+        data = make_split(task, rows, seed, params)
+        x, y = data.inputs, data.targets
+        if x.shape[1] < need:
+            raise RecurformerError(f"task rows have {x.shape[1]} tokens, the read-out needs {need} ({segments + 1} segments of {segment}); lengthen the task")
+    else:
+        w = eval_windows(eval_tokens(tok, config), need, rows, seed=seed)
+        x, y = w[:, :-1], w[:, 1:]
+    r = readout(model, x, y, segment, segments)
+    log(f"{checkpoint}: {type(model).__name__}, {x.shape[0]} rows of {x.shape[1]} tokens")
+    log(table(r, [layer.kind for layer in model.layers]))
+    if out:
+        atomic_write(Path(out), lambda p: p.write_text(json.dumps(r.to_json(), indent=2) + "\n"))
+        log(f"wrote {out}")
+    return r
 
 
 def export(checkpoint: str | Path, out: str | Path, push_to_hub: str | None = None) -> Path:

@@ -151,10 +151,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_synth(args: argparse.Namespace) -> None:
-    import json
-
     from .config import load_yaml, merge
-    from .files import check_writable
+    from .files import atomic_write_text, check_writable
     from .synth import result_dict, run_synth, split_overrides, summary, synth_config
 
     if args.json:
@@ -178,38 +176,16 @@ def cmd_synth(args: argparse.Namespace) -> None:
     )
     print(summary(r))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result_dict(r), indent=2))
+        atomic_write_text(args.json, json.dumps(result_dict(r), indent=2) + "\n")
         print(f"wrote {args.json}")
 
 
 def cmd_niah(args: argparse.Namespace) -> None:
-    from .device import pick_device
-    from .files import check_writable
-    from .niah import niah, save, table
+    from .api import niah_checkpoint
 
-    out = Path(args.json)
-    check_writable(out, "output JSON")
     lengths, depths = _int_list(args.lengths, "--lengths"), _float_list(args.depths, "--depths")
-    device = pick_device(args.device)
-    if args.via == "transformers":
-        from .api import load
-        from .hf import RecurformerForCausalLM
-
-        _, tok = load(args.checkpoint)
-        model = RecurformerForCausalLM.from_pretrained(args.checkpoint).to(device)
-    else:
-        from .api import load
-
-        model, tok = load(args.checkpoint, str(device))
-    if tok is None:
-        raise RecurformerError(f"{args.checkpoint} has no tokenizer.json: the haystack is text")
-    cells = niah(model, tok, lengths, depths, args.trials, args.chunk, args.text, args.seed)
-    print(table(cells))
-    meta = {"checkpoint": str(args.checkpoint), "via": args.via, "trials": args.trials, "chunk": args.chunk, "seed": args.seed,
-            "haystack": args.text or "bundled books (val)", "label": Path(args.checkpoint).name}
-    save(cells, out, meta)
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    niah_checkpoint(args.checkpoint, lengths, depths, args.json, trials=args.trials, chunk=args.chunk, text=args.text, via=args.via,
+                    seed=args.seed, device=args.device)
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -262,40 +238,12 @@ def cmd_probe(args: argparse.Namespace) -> None:
 
 
 def cmd_readout(args: argparse.Namespace) -> None:
-    from .config import check_options
-    from .data import eval_windows
-    from .data.synthetic import get_task, make_split
-    from .evaluate import eval_tokens
-    from .files import atomic_write, check_writable
-    from .hub import from_pretrained
-    from .readout import default_segment, readout, table
+    from .api import readout_checkpoint
     from .synth import split_overrides
 
-    check_options("cli", segments=args.segments, rows=args.rows, segment=args.segment)
-    if args.json:
-        check_writable(Path(args.json), "--json file")
-    model, tok, config = from_pretrained(args.checkpoint)
-    segment = args.segment or default_segment(model)
-    need = (args.segments + 1) * segment
-    if args.task:
-        _, task_over, _ = split_overrides(args.set)
-        t = get_task(args.task)
-        params = t.params(task_over)
-        if int(params["vocab_size"]) != model.config.vocab_size:
-            raise RecurformerError(f"task {args.task} has vocab_size {params['vocab_size']}, the model {model.config.vocab_size}; set task.vocab_size")
-        data = make_split(args.task, args.rows, args.seed, params)
-        x, y = data.inputs, data.targets
-        if x.shape[1] < need:
-            raise RecurformerError(f"task rows have {x.shape[1]} tokens, the read-out needs {need} ({args.segments + 1} segments of {segment}); lengthen the task")
-    else:
-        w = eval_windows(eval_tokens(tok, config), need, args.rows, seed=args.seed)
-        x, y = w[:, :-1], w[:, 1:]
-    r = readout(model, x, y, segment, args.segments)
-    print(f"{args.checkpoint}: {type(model).__name__}, {x.shape[0]} rows of {x.shape[1]} tokens")
-    print(table(r, [layer.kind for layer in model.layers]))
-    if args.json:
-        atomic_write(Path(args.json), lambda p: p.write_text(json.dumps(r.to_json(), indent=2) + "\n"))
-        print(f"wrote {args.json}")
+    _, task_values, _ = split_overrides(args.set) if args.task else ({}, {}, {})
+    readout_checkpoint(args.checkpoint, task=args.task, task_values=task_values, segment=args.segment, segments=args.segments,
+                       rows=args.rows, seed=args.seed, out=args.json, style="cli")
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {

@@ -3,6 +3,8 @@ Python alike (one shared check, ``config.check_options``), before anything is pr
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from helpers import TEST_CONFIGS
@@ -62,6 +64,28 @@ def test_python_evaluate_names_its_own_arguments() -> None:
         recurformer.evaluate(model, tokens=tokens, lengths=[100])
     with pytest.raises(RecurformerError, match=r"^windows must be >= 1, got 0$"):
         recurformer.evaluate(model, tokens=tokens, lengths=[256], windows=0)
+
+
+@pytest.mark.parametrize("call, kwargs, message", [
+    ("evaluate_checkpoints", {"lengths": [100]}, "lengths: 100 is shorter than last 256"),
+    ("evaluate_checkpoints", {"lengths": [256], "window": 0}, "window must be >= 1, got 0"),
+    ("evaluate_checkpoints", {"lengths": [256], "context": 100}, "context 100 is shorter than warm-up + the longest length (256)"),
+    ("probe_checkpoints", {"warm": (5, 2)}, "warm must be (min, max) with min <= max, got (5, 2)"),
+    ("probe_checkpoints", {"task": "nope"}, "unknown probe task 'nope'; valid tasks: repeat, swap"),
+    ("generate_text", {"top_k": 0}, "top_k must be >= 1, got 0"),
+    ("readout_checkpoint", {"segments": 0}, "segments must be >= 1, got 0"),
+])
+def test_python_commands_check_their_options_first(call, kwargs, message, pretrained, tmp_path, monkeypatch) -> None:
+    """What the CLI commands run, called from Python: the options are named as Python arguments and
+    checked before any checkpoint is read or anything is written (the checkpoint does not exist)."""
+    from recurformer import api
+
+    monkeypatch.chdir(tmp_path)
+    missing = str(tmp_path / "no-such-run")
+    first = [missing] if call in ("evaluate_checkpoints", "probe_checkpoints") else missing
+    with pytest.raises(RecurformerError, match=f"^{re.escape(message)}$"):
+        getattr(api, call)(first, **kwargs)
+    assert files(tmp_path) == set()
 
 
 @pytest.mark.parametrize("kwargs, message", [
