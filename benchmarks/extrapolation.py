@@ -67,7 +67,15 @@ TABLE2 = [
 # every run of a scale gets these on top of configs/repro/base.yaml (CPU scale: dim 128, 4 layers, 8 x 256)
 SCALES: dict[str, list[str]] = {
     "cpu": [],
-    "paper": ["model.dim=288", "model.n_layers=6", "model.n_heads=6", "train.batch_size=32", "train.eval_every=1000", "train.save_every=1000", "train.keep_last=2"],
+    "paper": [
+        "model.dim=288",
+        "model.n_layers=6",
+        "model.n_heads=6",
+        "train.batch_size=32",
+        "train.eval_every=1000",
+        "train.save_every=1000",
+        "train.keep_last=2",
+    ],
 }
 
 
@@ -91,8 +99,20 @@ def train_one(args: argparse.Namespace, run: str) -> str:
     out = run_dir(args.dataset, run, args.scale)
     if (out / "latest").is_file():
         return f"{run}: exists, skipped"
-    cmd = [sys.executable, "-m", "recurformer.cli", "train", "--config", str(BASE), "--set", f"data.dataset={args.dataset}",
-           "--set", f"train.out_dir={out}", "--device", args.device]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recurformer.cli",
+        "train",
+        "--config",
+        str(BASE),
+        "--set",
+        f"data.dataset={args.dataset}",
+        "--set",
+        f"train.out_dir={out}",
+        "--device",
+        args.device,
+    ]
     for o in SCALES[args.scale] + RUNS[run] + ([f"train.steps={args.steps}"] if args.steps else []):
         cmd += ["--set", o]
     out.mkdir(parents=True, exist_ok=True)
@@ -106,8 +126,11 @@ def train_one(args: argparse.Namespace, run: str) -> str:
 def cmd_train(args: argparse.Namespace) -> None:
     runs = args.runs.split(",") if args.runs else list(RUNS)
     # prepare once, before parallel runs race to do it
-    subprocess.check_call([sys.executable, "-m", "recurformer.cli", "prepare", "--dataset", args.dataset], cwd=ROOT,
-                          stdout=subprocess.DEVNULL) if not (ROOT / "prepared" / f"{args.dataset}-bpe4096" / "meta.json").is_file() else None
+    subprocess.check_call(
+        [sys.executable, "-m", "recurformer.cli", "prepare", "--dataset", args.dataset],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    ) if not (ROOT / "prepared" / f"{args.dataset}-bpe4096" / "meta.json").is_file() else None
     with ThreadPoolExecutor(args.jobs) as ex:
         for msg in ex.map(lambda r: train_one(args, r), runs):
             print(msg, flush=True)
@@ -127,14 +150,37 @@ def cmd_eval(args: argparse.Namespace) -> None:
         js = out_dir / "raw" / f"{tag}-{run}{''.join(extra).replace('--', '-')}.json"
         js.parent.mkdir(parents=True, exist_ok=True)
         lengths = args.lengths if run != "llama" or extra else args.dense_lengths
-        cmd = [sys.executable, "-m", "recurformer.cli", "eval", "--checkpoint", str(run_dir(args.dataset, run, args.scale)),
-               "--lengths", lengths, "--last", "256", "--windows", str(args.windows), "--json", str(js), *extra,
-               "--context", str(max(int(x) for x in args.lengths.split(",")) + WARM),  # every job scores the same tokens
-               "--device", args.device]
+        cmd = [
+            sys.executable,
+            "-m",
+            "recurformer.cli",
+            "eval",
+            "--checkpoint",
+            str(run_dir(args.dataset, run, args.scale)),
+            "--lengths",
+            lengths,
+            "--last",
+            "256",
+            "--windows",
+            str(args.windows),
+            "--json",
+            str(js),
+            *extra,
+            "--context",
+            str(max(int(x) for x in args.lengths.split(",")) + WARM),  # every job scores the same tokens
+            "--device",
+            args.device,
+        ]
         if args.eval_data:
             cmd += ["--dataset", args.eval_data]
         print(" ".join(cmd[2:]), flush=True)
-        subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)), check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)),
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         (rs,) = json.loads(js.read_text())["results"].values()
         done[key] = [LengthResult(**r) for r in rs]
     tables = {
@@ -146,7 +192,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         md = markdown_table(res)
         (out_dir / f"{tag}-{name}.md").write_text(md + "\n")
         trained = {label: trained_length(run_dir(args.dataset, labels[label], args.scale)) for label in res}
-        title = f"{name.replace('table', 'Table ')}: trained on {args.dataset}" + (f", evaluated on {args.eval_data}" if args.eval_data else "")
+        title = f"{name.replace('table', 'Table ')}: trained on {args.dataset}" + (
+            f", evaluated on {args.eval_data}" if args.eval_data else ""
+        )
         plot(res, out_dir / f"{tag}-{name}.png", title, 256, trained)
         print(f"\n{name} ({tag}):\n{md}")
     print(f"wrote {out_dir}/{tag}-table{{1,2}}.{{md,png}}")
@@ -156,7 +204,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train")
-    p.add_argument("--scale", choices=list(SCALES), default="cpu", help="model size: cpu (dim 128, 4 layers) or paper (dim 288, 6 layers)")
+    p.add_argument(
+        "--scale",
+        choices=list(SCALES),
+        default="cpu",
+        help="model size: cpu (dim 128, 4 layers) or paper (dim 288, 6 layers)",
+    )
     p.add_argument("--dataset", default="tinystories-sample")
     p.add_argument("--runs", help=f"comma-separated subset of {','.join(RUNS)}")
     p.add_argument("--jobs", type=int, default=2)

@@ -52,13 +52,16 @@ def mem_mb():  # CUDA: tensors allocated at the peak; CPU: resident set now
         return int(f.read().split()[1]) * 4096 / 2**20
 """
 
-CHILD = """
+CHILD = (
+    """
 import json, sys, time, torch
 from recurformer import build_model
 from recurformer.generate import new_session, stream
 name, marks = sys.argv[1], [int(x) for x in sys.argv[2].split(",")]
 cfg = json.loads(sys.argv[3])
-""" + DEVICE_CODE + """
+"""
+    + DEVICE_CODE
+    + """
 torch.manual_seed(0)
 model = build_model(name, cfg).eval().to(dev)
 s = new_session(model, 1, seed=0)
@@ -72,14 +75,18 @@ for n, _ in enumerate(it, 1):
         last_t, last_n = now, n
 print(json.dumps(out))
 """
+)
 
-DECODE_CHILD = """
+DECODE_CHILD = (
+    """
 import json, sys, time, torch
 from recurformer import build_model
 from recurformer.generate import new_session, read, stream
 name, context, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cfg = json.loads(sys.argv[4])
-""" + DEVICE_CODE + """
+"""
+    + DEVICE_CODE
+    + """
 torch.manual_seed(0)
 model = build_model(name, cfg).eval().to(dev)
 s = new_session(model, 1, seed=0)
@@ -95,6 +102,7 @@ for _ in stream(model, None, n, temperature=0.0, session=s):
 sync()
 print(json.dumps(dict(tok_per_s=round(n / (time.perf_counter() - t0), 1))))
 """
+)
 
 
 def child(script: str, args: list[str], code: str | None = None) -> dict | list:
@@ -149,9 +157,13 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64, help="tokens timed at each context")
     ap.add_argument("--against", default=None, help="another checkout's directory, to compare with")
     ap.add_argument("--repeat", type=int, default=1, help="alternating runs per context (the best is kept)")
-    ap.add_argument("--config", type=json.loads, default={}, help='config values for every model, e.g. \'{"dim": 512}\'')
+    ap.add_argument(
+        "--config", type=json.loads, default={}, help="config values for every model, e.g. '{\"dim\": 512}'"
+    )
     ap.add_argument("--out", default=None, help="default: out/generation.json (out/decode.json with --contexts)")
-    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N; memory is the RSS on the CPU, allocated tensors on CUDA")
+    ap.add_argument(
+        "--device", default="cpu", help="cpu, cuda or cuda:N; memory is the RSS on the CPU, allocated tensors on CUDA"
+    )
     args = ap.parse_args()
     args.device = str(pick_device(args.device))
     if args.contexts:
@@ -189,7 +201,10 @@ def figure(results: dict):  # type: ignore[no-untyped-def]
         xs = [m["tokens"] for m in r["marks"]]
         a.plot(xs, [m["mem_mb"] for m in r["marks"]], marker="o", label=name)
         b.plot(xs, [m["tok_per_s"] for m in r["marks"]], marker="o", label=name)
-    for ax, y, key in ((a, "memory (MB): RSS on CPU, allocated on CUDA", "mem_mb"), (b, "tokens/s (since the previous mark)", "tok_per_s")):
+    for ax, y, key in (
+        (a, "memory (MB): RSS on CPU, allocated on CUDA", "mem_mb"),
+        (b, "tokens/s (since the previous mark)", "tok_per_s"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens generated")
         ax.set_ylabel(y)

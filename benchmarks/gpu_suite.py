@@ -113,7 +113,11 @@ def write_json(path: Path, obj: Any) -> None:
 def run(cmd: list[str], timeout: float, log: Path | None = None, env: dict | None = None) -> dict:
     """A child process with a time limit: its exit code, whether it timed out, its output's tail
     (everything it printed before a timeout is kept)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep), **(env or {}))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        **(env or {}),
+    )
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(1.0, timeout))
         out, rc, timed_out = done.stdout + done.stderr, done.returncode, False
@@ -133,8 +137,11 @@ def device_kw(ctx: Ctx) -> list[str]:
 def stage_env(ctx: Ctx) -> dict:
     dev = ctx.device
     info: dict[str, Any] = dict(
-        python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
-        cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None, host=platform.node(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        host=platform.node(),
     )
     try:
         import triton
@@ -144,10 +151,18 @@ def stage_env(ctx: Ctx) -> dict:
         info["triton"] = None
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
-        info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count)
+        info.update(
+            gpu=p.name,
+            gpu_memory_gib=round(p.total_memory / 2**30, 1),
+            capability=f"{p.major}.{p.minor}",
+            sms=p.multi_processor_count,
+        )
         if shutil.which("nvidia-smi"):
-            q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,power.limit,clocks.max.sm", "--format=csv,noheader"],
-                               capture_output=True, text=True)
+            q = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version,power.limit,clocks.max.sm", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+            )
             info["nvidia_smi"] = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else None
             info["driver"] = info["nvidia_smi"].split(",")[0].strip() if info["nvidia_smi"] else None
     else:
@@ -189,8 +204,16 @@ def stage_tests(ctx: Ctx) -> dict:
     res: dict[str, Any] = dict(command=" ".join(cmd[1:]), rc=r["rc"], timed_out=r["timed_out"])
     if not xml.is_file():  # cut off: count the rows pytest reported before it was stopped
         seen = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", log.read_text(), flags=re.M)
-        counts = {k: sum(1 for _, v in seen if v in vs) for k, vs in (("passed", ("PASSED",)), ("failed", ("FAILED", "ERROR")), ("skipped", ("SKIPPED",)))}
-        return dict(res, **counts, failures=[t for t, v in seen if v in ("FAILED", "ERROR")], note="cut off: the rows before the stop")
+        counts = {
+            k: sum(1 for _, v in seen if v in vs)
+            for k, vs in (("passed", ("PASSED",)), ("failed", ("FAILED", "ERROR")), ("skipped", ("SKIPPED",)))
+        }
+        return dict(
+            res,
+            **counts,
+            failures=[t for t, v in seen if v in ("FAILED", "ERROR")],
+            note="cut off: the rows before the stop",
+        )
     cases = ET.parse(xml).getroot().iter("testcase")
     counts = dict(passed=0, failed=0, skipped=0)
     failures = []
@@ -209,8 +232,11 @@ def stage_tests(ctx: Ctx) -> dict:
 
 def stage_throughput(ctx: Ctx) -> dict:
     names = model_names()
-    size = (["--config", "toy", "--batch", "2", "--seq", "64", "--eval-len", "128", "--repeats", "1"] if ctx.dry
-            else ["--config", "125m", "--batch", "16", "--seq", "1024", "--eval-len", "4096", "--repeats", "3"])
+    size = (
+        ["--config", "toy", "--batch", "2", "--seq", "64", "--eval-len", "128", "--repeats", "1"]
+        if ctx.dry
+        else ["--config", "125m", "--batch", "16", "--seq", "1024", "--eval-len", "4096", "--repeats", "3"]
+    )
     end = ctx.deadline()
     eager_end = time.monotonic() + ctx.seconds * (1.0 if ctx.dry else 0.6)  # compiled rows get the rest
     res: dict[str, Any] = dict(rows=[], failed={})
@@ -226,7 +252,18 @@ def stage_throughput(ctx: Ctx) -> dict:
                 (compiled if precision != "bf16" else res["failed"])[n] = "skipped: the budget ran out"
                 continue
             out = ctx.scratch / f"throughput_{n}_{precision}.json"
-            cmd = [PY, "benchmarks/throughput.py", "--models", n, "--precisions", precision, *size, *device_kw(ctx), "--out", str(out)]
+            cmd = [
+                PY,
+                "benchmarks/throughput.py",
+                "--models",
+                n,
+                "--precisions",
+                precision,
+                *size,
+                *device_kw(ctx),
+                "--out",
+                str(out),
+            ]
             r = run(cmd, share, log=ctx.out / f"throughput_{n}_{precision}.log")
             if out.is_file():
                 got = json.loads(out.read_text())
@@ -235,7 +272,11 @@ def stage_throughput(ctx: Ctx) -> dict:
                 if precision != "bf16":
                     compiled[n] = "ok"
             else:
-                why = "timed out" if r["timed_out"] else f"failed: {(r['tail'].strip().splitlines() or [str(r['rc'])])[-1][:200]}"
+                why = (
+                    "timed out"
+                    if r["timed_out"]
+                    else f"failed: {(r['tail'].strip().splitlines() or [str(r['rc'])])[-1][:200]}"
+                )
                 (compiled if precision != "bf16" else res["failed"])[n] = why
     res["compiled"] = compiled
     return res
@@ -243,7 +284,24 @@ def stage_throughput(ctx: Ctx) -> dict:
 
 def stage_tiling(ctx: Ctx) -> dict:
     if ctx.dry:
-        fwd = ["--dim", "32", "--heads", "2", "--batch", "1", "--min-n", "32", "--max-n", "64", "--naive-max-n", "64", "--blocks", "4", "--reps", "1"]
+        fwd = [
+            "--dim",
+            "32",
+            "--heads",
+            "2",
+            "--batch",
+            "1",
+            "--min-n",
+            "32",
+            "--max-n",
+            "64",
+            "--naive-max-n",
+            "64",
+            "--blocks",
+            "4",
+            "--reps",
+            "1",
+        ]
         train = ["--dim", "32", "--heads", "2", "--blocks", "4", "--train-ns", "32", "64", "--naive-train-max-n", "64"]
     else:  # naive training saves O(N^2 d): ~18 GB at N = 4096, dim 256
         fwd = ["--min-n", "1024", "--max-n", "16384", "--naive-max-n", "16384", "--blocks", "16", "--reps", "3"]
@@ -258,12 +316,15 @@ def stage_tiling(ctx: Ctx) -> dict:
     return res
 
 
-STREAM_CHILD = """
+STREAM_CHILD = (
+    """
 import json, sys, torch
 from recurformer import build_model
 from recurformer.generate import new_session, read, stream
 name, marks, cfg, mode = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], json.loads(sys.argv[3]), sys.argv[4]
-""" + "{device_code}" + """
+"""
+    + "{device_code}"
+    + """
 torch.manual_seed(0)
 model = build_model(name, cfg).eval().to(dev)
 s = new_session(model, 1, seed=0)
@@ -281,6 +342,7 @@ else:
             sync()
             print(json.dumps(dict(tokens=n, mem_mb=round(mem_mb(), 1))), flush=True)
 """
+)
 
 
 def stage_streaming(ctx: Ctx) -> dict:
@@ -295,7 +357,9 @@ def stage_streaming(ctx: Ctx) -> dict:
         if ctx.dry:
             cfg = {k: (16 if k in ("chunk_size", "segment_len", "block_size", "window") else v) for k, v in cfg.items()}
         row: dict[str, Any] = {"config": cfg}
-        slot = (end - time.monotonic()) / (len(names) - i)  # this model's time: reading (64 calls) a quarter, generating the rest
+        slot = (end - time.monotonic()) / (
+            len(names) - i
+        )  # this model's time: reading (64 calls) a quarter, generating the rest
         slot_end = time.monotonic() + slot
         for mode, marks in (("eval", (1024, 4096, 16384, 65536)), ("generate", GEN_MARKS)):
             marks = (64, 128, 256) if ctx.dry else marks
@@ -316,14 +380,40 @@ def stage_paper(ctx: Ctx) -> dict:
 
     dataset = "tinystories-sample" if ctx.dry else "tinystories-repeat"
     runs_dir = ctx.scratch / "runs"
-    base = [PY, "-m", "recurformer.cli", "train", "--config", str(extrapolation.BASE), *device_kw(ctx),
-            "--set", f"data.dataset={dataset}"]
+    base = [
+        PY,
+        "-m",
+        "recurformer.cli",
+        "train",
+        "--config",
+        str(extrapolation.BASE),
+        *device_kw(ctx),
+        "--set",
+        f"data.dataset={dataset}",
+    ]
     if ctx.dry:
-        sets = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.vocab_size=512", "data.tokenizer=byte",
-                f"data.dir={ctx.scratch / 'prepared'}", "train.batch_size=2", "train.seq_len=64", "train.steps=2",
-                "train.eval_every=2", "train.eval_batches=1", "train.save_every=2", "train.log_every=1"]
+        sets = [
+            "model.dim=32",
+            "model.n_layers=1",
+            "model.n_heads=2",
+            "model.vocab_size=512",
+            "data.tokenizer=byte",
+            f"data.dir={ctx.scratch / 'prepared'}",
+            "train.batch_size=2",
+            "train.seq_len=64",
+            "train.steps=2",
+            "train.eval_every=2",
+            "train.eval_batches=1",
+            "train.save_every=2",
+            "train.log_every=1",
+        ]
     else:  # "the minutes left": a step count no run reaches, stopped by SIGTERM at its time
-        sets = extrapolation.SCALES["paper"] + ["train.steps=100000", "train.save_every=500", "train.eval_every=1000", "train.log_every=50"]
+        sets = extrapolation.SCALES["paper"] + [
+            "train.steps=100000",
+            "train.save_every=500",
+            "train.eval_every=1000",
+            "train.log_every=50",
+        ]
     eval_reserve = 20 if ctx.dry else 75
     train_s = ctx.seconds - eval_reserve
     with_baselines = ctx.dry or train_s >= 5 * 60
@@ -332,7 +422,9 @@ def stage_paper(ctx: Ctx) -> dict:
     def train(run_name: str, extra: list[str], seconds: float) -> subprocess.Popen:
         out = runs_dir / run_name
         out.mkdir(parents=True, exist_ok=True)
-        cmd = base + [a for s in sets + extrapolation.RUNS[run_name] + extra + [f"train.out_dir={out}"] for a in ("--set", s)]
+        cmd = base + [
+            a for s in sets + extrapolation.RUNS[run_name] + extra + [f"train.out_dir={out}"] for a in ("--set", s)
+        ]
         log = open(out / "train.log", "w")
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -356,7 +448,9 @@ def stage_paper(ctx: Ctx) -> dict:
             res["runs"][name]["checkpoint_step"] = saved_step(runs_dir / name)
 
     end = ctx.deadline()
-    finish({"memory_attention": train("memory_attention", [], train_s / 2 if with_baselines and not ctx.dry else train_s)})
+    finish(
+        {"memory_attention": train("memory_attention", [], train_s / 2 if with_baselines and not ctx.dry else train_s)}
+    )
     steps = res["runs"]["memory_attention"].get("checkpoint_step")
     if with_baselines and steps:  # to the same step count, side by side, in the training time left
         left = max(30.0, end - eval_reserve - time.monotonic())
@@ -367,8 +461,23 @@ def stage_paper(ctx: Ctx) -> dict:
     if ckpts:
         js = ctx.out / "paper_eval.json"
         lengths, last, windows = ("64,128", "32", "2") if ctx.dry else (EVAL_LENGTHS, "256", "16")
-        cmd = [PY, "-m", "recurformer.cli", "eval", "--checkpoint", *ckpts, "--lengths", lengths, "--last", last,
-               "--windows", windows, "--json", str(js), *device_kw(ctx)]
+        cmd = [
+            PY,
+            "-m",
+            "recurformer.cli",
+            "eval",
+            "--checkpoint",
+            *ckpts,
+            "--lengths",
+            lengths,
+            "--last",
+            last,
+            "--windows",
+            windows,
+            "--json",
+            str(js),
+            *device_kw(ctx),
+        ]
         r = run(cmd, max(10.0, eval_reserve - 5), log=ctx.out / "paper_eval.log")
         res["eval"] = json.loads(js.read_text()) if js.is_file() else r
     return res
@@ -439,11 +548,21 @@ def default_out(device: torch.device, dry: bool) -> Path:
 def summarize(out: Path) -> Path:
     """summary.md from every stage JSON in ``out``."""
     got = {n: json.loads((out / f"{n}.json").read_text()) for n in STAGES if (out / f"{n}.json").is_file()}
-    lines = [f"# GPU suite: {out.name}", "", "Written by `benchmarks/gpu_suite.py` from the stage JSON files beside it.", ""]
+    lines = [
+        f"# GPU suite: {out.name}",
+        "",
+        "Written by `benchmarks/gpu_suite.py` from the stage JSON files beside it.",
+        "",
+    ]
     for name, s in got.items():
         r = s.get("result") or {}
-        lines += [f"## {name}", "", f"status: {s.get('status')} in {s.get('seconds', 0):.0f} s (planned {s.get('planned_s', 0):.0f} s)"
-                  + (f": {s['error']}" if s.get("error") else ""), ""]
+        lines += [
+            f"## {name}",
+            "",
+            f"status: {s.get('status')} in {s.get('seconds', 0):.0f} s (planned {s.get('planned_s', 0):.0f} s)"
+            + (f": {s['error']}" if s.get("error") else ""),
+            "",
+        ]
         lines += SUMMARIES[name](r) if s.get("status") == "ok" else []
         lines.append("")
     path = out / "summary.md"
@@ -452,25 +571,46 @@ def summarize(out: Path) -> Path:
 
 
 def sum_env(r: dict) -> list[str]:
-    keys = ("gpu", "gpu_memory_gib", "driver", "capability", "cpu", "torch", "cuda", "triton", "python",
-            "bf16_matmul_tflops", "fp32_matmul_tflops", "d2d_copy_gb_s", "h2d_pinned_gb_s")
+    keys = (
+        "gpu",
+        "gpu_memory_gib",
+        "driver",
+        "capability",
+        "cpu",
+        "torch",
+        "cuda",
+        "triton",
+        "python",
+        "bf16_matmul_tflops",
+        "fp32_matmul_tflops",
+        "d2d_copy_gb_s",
+        "h2d_pinned_gb_s",
+    )
     return ["| | |", "|---|---|"] + [f"| {k} | {r[k]} |" for k in keys if r.get(k) is not None]
 
 
 def sum_tests(r: dict) -> list[str]:
-    return [f"`{r.get('command')}`: {r.get('passed')} passed, {r.get('failed')} failed, {r.get('skipped')} skipped"
-            + (" (timed out)" if r.get("timed_out") else "")] + [f"- {f}" for f in r.get("failures", [])]
+    return [
+        f"`{r.get('command')}`: {r.get('passed')} passed, {r.get('failed')} failed, {r.get('skipped')} skipped"
+        + (" (timed out)" if r.get("timed_out") else "")
+    ] + [f"- {f}" for f in r.get("failures", [])]
 
 
 def sum_throughput(r: dict) -> list[str]:
     target = {"llama": 0.45}
-    out = [f"config {r.get('meta', {}).get('config')}, batch {r.get('meta', {}).get('batch')} x {r.get('meta', {}).get('seq')}; "
-           "target: Llama >= 45% of the bf16 peak, recurrent models >= 30%", "",
-           "| model | precision | train tok/s | of bf16 peak | target | step memory MB |", "|---|---|---:|---:|---:|---:|"]
+    out = [
+        f"config {r.get('meta', {}).get('config')}, batch {r.get('meta', {}).get('batch')} x {r.get('meta', {}).get('seq')}; "
+        "target: Llama >= 45% of the bf16 peak, recurrent models >= 30%",
+        "",
+        "| model | precision | train tok/s | of bf16 peak | target | step memory MB |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for x in r.get("rows", []):
         t = target.get(x["model"], 0.30)
-        out.append(f"| {x['model']} | {x['precision']} | {x['train_tokens_per_s']:,} | {x['train_fraction_of_peak']:.1%} | "
-                   f"{t:.0%} {'met' if x['train_fraction_of_peak'] >= t else 'missed'} | {x.get('train_step_mem_mb')} |")
+        out.append(
+            f"| {x['model']} | {x['precision']} | {x['train_tokens_per_s']:,} | {x['train_fraction_of_peak']:.1%} | "
+            f"{t:.0%} {'met' if x['train_fraction_of_peak'] >= t else 'missed'} | {x.get('train_step_mem_mb')} |"
+        )
     out += [f"- eager {k}: {v}" for k, v in r.get("failed", {}).items()]
     out += [f"- compiled {k}: {v}" for k, v in r.get("compiled", {}).items() if v != "ok"]
     return out
@@ -485,10 +625,15 @@ def sum_tiling(r: dict) -> list[str]:
             out.append(f"| {x['N']} | {x.get('naive_ms', float('nan')):.1f} | {x['tiled_ms']:.1f} | {ratio:.2f} |")
         out.append("")
     if isinstance(r.get("train"), dict) and "training" in r["train"]:
-        out += ["| N | naive fwd+bwd ms | tiled fwd+bwd ms | naive saved MB | tiled saved MB |", "|---:|---:|---:|---:|---:|"]
+        out += [
+            "| N | naive fwd+bwd ms | tiled fwd+bwd ms | naive saved MB | tiled saved MB |",
+            "|---:|---:|---:|---:|---:|",
+        ]
         for x in r["train"]["training"]:
             g = lambda k, d=1.0: x.get(k, float("nan")) / d  # noqa: E731
-            out.append(f"| {x['N']} | {g('naive_fwd_bwd_ms'):.0f} | {g('tiled_fwd_bwd_ms'):.0f} | {g('naive_saved_bytes', 1e6):.1f} | {g('tiled_saved_bytes', 1e6):.1f} |")
+            out.append(
+                f"| {x['N']} | {g('naive_fwd_bwd_ms'):.0f} | {g('tiled_fwd_bwd_ms'):.0f} | {g('naive_saved_bytes', 1e6):.1f} | {g('tiled_saved_bytes', 1e6):.1f} |"
+            )
     return out
 
 
@@ -501,11 +646,17 @@ def sum_streaming(r: dict) -> list[str]:
 
 
 def sum_paper(r: dict) -> list[str]:
-    out = [f"dataset {r.get('dataset')}", "", "| run | checkpoint step | last logged step | tokens | train loss | val loss | tok/s |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        f"dataset {r.get('dataset')}",
+        "",
+        "| run | checkpoint step | last logged step | tokens | train loss | val loss | tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, x in r.get("runs", {}).items():
-        out.append(f"| {name} | {x.get('checkpoint_step')} | {x.get('step')} | {x.get('tokens')} | {x.get('loss', float('nan')):.3f} | "
-                   f"{x.get('val_loss', float('nan')):.3f} | {x.get('tok_per_s', float('nan')):,.0f} |")
+        out.append(
+            f"| {name} | {x.get('checkpoint_step')} | {x.get('step')} | {x.get('tokens')} | {x.get('loss', float('nan')):.3f} | "
+            f"{x.get('val_loss', float('nan')):.3f} | {x.get('tok_per_s', float('nan')):,.0f} |"
+        )
     ev = r.get("eval", {})
     if "results" in ev:
         out += ["", "loss on the last tokens of each window, by window length:", ""]
@@ -517,7 +668,12 @@ def sum_paper(r: dict) -> list[str]:
 
 
 SUMMARIES: dict[str, Callable[[dict], list[str]]] = dict(
-    env=sum_env, tests=sum_tests, throughput=sum_throughput, tiling=sum_tiling, streaming=sum_streaming, paper=sum_paper,
+    env=sum_env,
+    tests=sum_tests,
+    throughput=sum_throughput,
+    tiling=sum_tiling,
+    streaming=sum_streaming,
+    paper=sum_paper,
 )
 
 
@@ -553,7 +709,11 @@ def main() -> None:
     minutes = plan(names, args.budget_min, args.dry_run)
     print(f"gpu_suite: {device}, budget {args.budget_min:g} min, writing to {out}")
     print("plan: " + ", ".join(f"{n} {m:.1f} min" if m else f"{n} skipped" for n, m in minutes.items()), flush=True)
-    scratch = Path(tempfile.mkdtemp(prefix="gpu_suite_")) if args.dry_run else ROOT / "runs" / "gpu-suite" / f"{out.name}-{time.strftime('%H%M%S')}"
+    scratch = (
+        Path(tempfile.mkdtemp(prefix="gpu_suite_"))
+        if args.dry_run
+        else ROOT / "runs" / "gpu-suite" / f"{out.name}-{time.strftime('%H%M%S')}"
+    )
     scratch.mkdir(parents=True, exist_ok=True)
     try:
         for n in names:
@@ -569,12 +729,19 @@ def main() -> None:
                 continue
             print(f"{n}: {seconds / 60:.1f} min ...", flush=True)
             t0 = time.monotonic()
-            record: dict[str, Any] = dict(stage=n, device=str(device), dry_run=args.dry_run, planned_s=round(seconds),
-                                          started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+            record: dict[str, Any] = dict(
+                stage=n,
+                device=str(device),
+                dry_run=args.dry_run,
+                planned_s=round(seconds),
+                started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            )
             try:
                 record.update(status="ok", result=STAGES[n].fn(Ctx(out, args.dry_run, device, seconds, scratch)))
             except Exception as e:  # one failing stage (e.g. out of memory) leaves the others running
-                record.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+                record.update(
+                    status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                )
             record["seconds"] = round(time.monotonic() - t0, 1)
             write_json(path, record)
             print(f"{n}: {record['status']} in {record['seconds']:.0f} s -> {path}", flush=True)

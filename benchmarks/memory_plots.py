@@ -71,7 +71,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", help="synth --json files (named MODEL.RECIPE.seedN.json by the runner)")
     ap.add_argument("--distance", type=int, required=True, help="the distance of the accuracy vs state size picture")
-    ap.add_argument("--out", required=True, help="output prefix: <out>_distance.png, <out>_state.png, <out>.md, <out>.json")
+    ap.add_argument(
+        "--out", required=True, help="output prefix: <out>_distance.png, <out>_state.png, <out>.md, <out>.json"
+    )
     args = ap.parse_args()
     import matplotlib
 
@@ -126,14 +128,22 @@ def main() -> None:
     fig.savefig(f"{out}_state.png", dpi=120)
 
     ds = sorted({d for by_d in table.values() for d in by_d})
-    md = ["| model recipe | state bytes @" + str(args.distance) + " | " + " | ".join(f"d={d}" for d in ds) + " |", "|---|---|" + "---|" * len(ds)]
+    md = [
+        "| model recipe | state bytes @" + str(args.distance) + " | " + " | ".join(f"d={d}" for d in ds) + " |",
+        "|---|---|" + "---|" * len(ds),
+    ]
     for lab, by_d in sorted(table.items()):
         cells = [f"{statistics.fmean(by_d[d]):.3f} ({len(by_d[d])})" if d in by_d else "-" for d in ds]
         md.append(f"| {lab} | {sizes.get(lab, 0):,} | " + " | ".join(cells) + " |")
     text = "\n".join(md) + "\n\nmean test accuracy (number of seeds)\n"
     print(text)
     Path(f"{out}.md").write_text(text)
-    Path(f"{out}.json").write_text(json.dumps({"by_distance": {k: {str(d): v for d, v in b.items()} for k, b in table.items()}, "state": rows}, indent=2) + "\n")
+    Path(f"{out}.json").write_text(
+        json.dumps(
+            {"by_distance": {k: {str(d): v for d, v in b.items()} for k, b in table.items()}, "state": rows}, indent=2
+        )
+        + "\n"
+    )
     print(f"wrote {out}_distance.png, {out}_state.png, {out}.md, {out}.json")
 
 

@@ -36,15 +36,63 @@ EXTRA = {
     "block_recurrent": dict(block_size=32),
 }
 NO_LAUNCH = {  # metadata-only operators: no kernel on a GPU
-    "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::as_strided", "aten::expand", "aten::transpose", "aten::t",
-    "aten::permute", "aten::unsqueeze", "aten::squeeze", "aten::select", "aten::slice", "aten::alias", "aten::detach",
-    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::resolve_conj", "aten::resolve_neg", "aten::split",
-    "aten::split_with_sizes", "aten::unbind", "aten::chunk", "aten::narrow", "aten::lift_fresh", "aten::result_type",
-    "aten::_reshape_alias", "aten::view_as", "aten::expand_as", "aten::unflatten", "aten::flatten", "aten::contiguous",
-    "aten::is_nonzero", "aten::_has_compatible_shallow_copy_type", "aten::set_", "aten::to", "aten::type_as", "aten::new_empty",
-    "aten::new_empty_strided", "aten::resize_", "aten::scalar_tensor", "aten::_local_scalar_dense", "aten::item",
-    "aten::new_zeros", "aten::zeros", "aten::zeros_like", "aten::ones", "aten::ones_like", "aten::full", "aten::new_full",
-    "aten::conj", "aten::_conj", "aten::_neg_view", "aten::movedim", "aten::swapaxes", "aten::numpy_T", "aten::matrix_H",
+    "aten::view",
+    "aten::_unsafe_view",
+    "aten::reshape",
+    "aten::as_strided",
+    "aten::expand",
+    "aten::transpose",
+    "aten::t",
+    "aten::permute",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::select",
+    "aten::slice",
+    "aten::alias",
+    "aten::detach",
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::empty_like",
+    "aten::resolve_conj",
+    "aten::resolve_neg",
+    "aten::split",
+    "aten::split_with_sizes",
+    "aten::unbind",
+    "aten::chunk",
+    "aten::narrow",
+    "aten::lift_fresh",
+    "aten::result_type",
+    "aten::_reshape_alias",
+    "aten::view_as",
+    "aten::expand_as",
+    "aten::unflatten",
+    "aten::flatten",
+    "aten::contiguous",
+    "aten::is_nonzero",
+    "aten::_has_compatible_shallow_copy_type",
+    "aten::set_",
+    "aten::to",
+    "aten::type_as",
+    "aten::new_empty",
+    "aten::new_empty_strided",
+    "aten::resize_",
+    "aten::scalar_tensor",
+    "aten::_local_scalar_dense",
+    "aten::item",
+    "aten::new_zeros",
+    "aten::zeros",
+    "aten::zeros_like",
+    "aten::ones",
+    "aten::ones_like",
+    "aten::full",
+    "aten::new_full",
+    "aten::conj",
+    "aten::_conj",
+    "aten::_neg_view",
+    "aten::movedim",
+    "aten::swapaxes",
+    "aten::numpy_T",
+    "aten::matrix_H",
 }
 
 # runs in a fresh process, with the recurformer of the checkout it is started in
@@ -114,9 +162,18 @@ def main() -> None:
         sys.exit(f"op_count.py: error: --against {args.against} is not a recurformer checkout")
     tokens = args.batch * args.seq
     codes = {"this": ROOT} | ({"against": Path(args.against).resolve()} if args.against else {})
-    print(f"one training step, B x T = {args.batch} x {args.seq}, paper width, CPU, {os.environ.get('OMP_NUM_THREADS', '?')} thread(s)")
+    print(
+        f"one training step, B x T = {args.batch} x {args.seq}, paper width, CPU, {os.environ.get('OMP_NUM_THREADS', '?')} thread(s)"
+    )
     head = f"{'model':<24}{'ops':>7}{'ops/token':>11}{'tok/s':>9}"
-    print(head + (f"{'ops before':>12}{'ops/token':>11}{'tok/s':>9}{'ops ratio':>11}{'tok/s ratio':>13}" if args.against else ""))
+    print(
+        head
+        + (
+            f"{'ops before':>12}{'ops/token':>11}{'tok/s':>9}{'ops ratio':>11}{'tok/s ratio':>13}"
+            if args.against
+            else ""
+        )
+    )
     rows = []
     for name in args.models.split(","):
         cfg = dict(PAPER, **EXTRA.get(name, {}))
@@ -126,8 +183,13 @@ def main() -> None:
                 runs[k].append(measure(code, name, cfg, args))
         row: dict = dict(model=name, config=cfg)
         for k, rs in runs.items():
-            row[k] = dict(ops=rs[0]["ops"], ops_per_token=rs[0]["ops"] / tokens, top=rs[0]["top"],
-                          tok_per_s=[round(r["tok_per_s"], 1) for r in rs], tok_per_s_median=statistics.median(r["tok_per_s"] for r in rs))
+            row[k] = dict(
+                ops=rs[0]["ops"],
+                ops_per_token=rs[0]["ops"] / tokens,
+                top=rs[0]["top"],
+                tok_per_s=[round(r["tok_per_s"], 1) for r in rs],
+                tok_per_s_median=statistics.median(r["tok_per_s"] for r in rs),
+            )
         line = f"{name:<24}{row['this']['ops']:>7}{row['this']['ops_per_token']:>11.2f}{row['this']['tok_per_s_median']:>9,.0f}"
         if args.against:
             a, b = row["this"], row["against"]
@@ -136,8 +198,15 @@ def main() -> None:
             line += f"{b['ops']:>12}{b['ops_per_token']:>11.2f}{b['tok_per_s_median']:>9,.0f}{row['ops_ratio']:>11.2f}{row['tok_per_s_ratio']:>13.2f}"
         rows.append(row)
         print(line, flush=True)
-    meta = dict(batch=args.batch, seq=args.seq, repeats=args.repeats, rounds=args.rounds if args.against else 1,
-                threads=os.environ.get("OMP_NUM_THREADS"), against=args.against, command=" ".join(sys.argv))
+    meta = dict(
+        batch=args.batch,
+        seq=args.seq,
+        repeats=args.repeats,
+        rounds=args.rounds if args.against else 1,
+        threads=os.environ.get("OMP_NUM_THREADS"),
+        against=args.against,
+        command=" ".join(sys.argv),
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

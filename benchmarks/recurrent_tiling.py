@@ -33,7 +33,6 @@ from recurformer.device import pick_device, synchronize
 from recurformer.nn import Call
 from recurformer.ops.recurrent_attention import kv_reads
 
-
 DEVICE = torch.device("cpu")  # --device
 
 
@@ -91,7 +90,9 @@ def saved_bytes(fn) -> int:
 def forward_table(args, models, dense) -> list[dict]:
     rows = []
     N = args.min_n
-    print(f"forward: one layer, dim {args.dim}, {args.heads} heads, batch {args.batch}, fp32, {DEVICE}, torch threads {torch.get_num_threads()}")
+    print(
+        f"forward: one layer, dim {args.dim}, {args.heads} heads, batch {args.batch}, fp32, {DEVICE}, torch threads {torch.get_num_threads()}"
+    )
     hdr = f"{'N':>6} {'naive ms':>10} {'tiled ms':>10} " + " ".join(f"{'b=' + str(b) + ' ms':>10}" for b in args.blocks)
     print(hdr + f" {'transf ms':>10} {'naive/tiled':>11} {'KV MB naive':>12} {'KV MB tiled':>12}")
     while N <= args.max_n:
@@ -122,8 +123,15 @@ def forward_table(args, models, dense) -> list[dict]:
 def train_table(args, models, dense) -> list[dict]:
     """Saved bytes and forward+backward latency (x requires grad, as inside a stack)."""
     rows = []
-    print(f"training: one layer, dim {args.dim}, {args.heads} heads, batch {args.train_batch}, fp32, forward + backward of sum(z)")
-    print(f"{'N':>6} " + " ".join(f"{name + ' ' + unit:>16}" for name in ("naive", "tiled", "transf") for unit in ("saved MB", "fwd+bwd ms")))
+    print(
+        f"training: one layer, dim {args.dim}, {args.heads} heads, batch {args.train_batch}, fp32, forward + backward of sum(z)"
+    )
+    print(
+        f"{'N':>6} "
+        + " ".join(
+            f"{name + ' ' + unit:>16}" for name in ("naive", "tiled", "transf") for unit in ("saved MB", "fwd+bwd ms")
+        )
+    )
     for N in args.train_ns:
         x = torch.randn(args.train_batch, N, args.dim, device=DEVICE, requires_grad=True)
         fwds = {"tiled": layer_fn(models["recurrent"], x, "tiled"), "transformer": dense_fn(dense, x)}
@@ -136,7 +144,10 @@ def train_table(args, models, dense) -> list[dict]:
             out.pop().sum().backward()  # with the forward above: the warm-up
             r[f"{name}_fwd_bwd_ms"] = timeit(train_fn(fwd), args.train_reps, warmup=False)
         rows.append(r)
-        cells = [(r.get(f"{n}_saved_bytes", float("nan")) / 1e6, r.get(f"{n}_fwd_bwd_ms", float("nan"))) for n in ("naive", "tiled", "transformer")]
+        cells = [
+            (r.get(f"{n}_saved_bytes", float("nan")) / 1e6, r.get(f"{n}_fwd_bwd_ms", float("nan")))
+            for n in ("naive", "tiled", "transformer")
+        ]
         print(f"{N:>6} " + " ".join(f"{mb:>16.1f} {ms:>16.0f}" for mb, ms in cells), flush=True)
     return rows
 
@@ -153,9 +164,11 @@ def plot(args, rows: list[dict], train: list[dict], path: Path) -> None:
     ax = list(axes[0])
     if rows:
         fwd, kv = ax.pop(0), ax.pop(0)
-        for key, label in [("naive_ms", "recurrent, naive"), ("tiled_ms", "recurrent, tiled")] + [
-            (f"block{b}_ms", f"recurrent, tiled, block b={b}") for b in args.blocks
-        ] + [("transformer_ms", "Transformer layer")]:
+        for key, label in (
+            [("naive_ms", "recurrent, naive"), ("tiled_ms", "recurrent, tiled")]
+            + [(f"block{b}_ms", f"recurrent, tiled, block b={b}") for b in args.blocks]
+            + [("transformer_ms", "Transformer layer")]
+        ):
             pts = [(r["N"], r[key]) for r in rows if key in r]
             fwd.plot(*zip(*pts), marker="o", label=label)
         fwd.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="forward latency (ms)",
@@ -164,18 +177,44 @@ def plot(args, rows: list[dict], train: list[dict], path: Path) -> None:
         ns = [r["N"] for r in rows]
         kv.plot(ns, [r["kv_bytes_naive"] / 1e6 for r in rows], marker="o", label="naive  Θ(N²)")
         kv.plot(ns, [r["kv_bytes_tiled"] / 1e6 for r in rows], marker="o", label="tiled  Θ(N log N)")
-        kv.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="persistent K/V read (MB)", title="K/V traffic")
+        kv.set(
+            xscale="log",
+            yscale="log",
+            xlabel="sequence length N",
+            ylabel="persistent K/V read (MB)",
+            title="K/V traffic",
+        )
         kv.legend()
     if train:
         mem, lat = ax
-        for name, label in (("naive", "recurrent, naive (autograd)"), ("tiled", "recurrent, tiled (custom backward)"), ("transformer", "Transformer layer")):
-            pts = [(r["N"], r[f"{name}_saved_bytes"] / 1e6, r[f"{name}_fwd_bwd_ms"]) for r in train if f"{name}_saved_bytes" in r]
+        for name, label in (
+            ("naive", "recurrent, naive (autograd)"),
+            ("tiled", "recurrent, tiled (custom backward)"),
+            ("transformer", "Transformer layer"),
+        ):
+            pts = [
+                (r["N"], r[f"{name}_saved_bytes"] / 1e6, r[f"{name}_fwd_bwd_ms"])
+                for r in train
+                if f"{name}_saved_bytes" in r
+            ]
             if pts:
                 ns, mb, ms = zip(*pts)
                 mem.plot(ns, mb, marker="o", label=label)
                 lat.plot(ns, ms, marker="o", label=label)
-        mem.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="saved for backward (MB)", title=f"training, batch {args.train_batch}")
-        lat.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="forward + backward (ms)", title=f"training, D={args.dim}, {DEVICE.type.upper()}")
+        mem.set(
+            xscale="log",
+            yscale="log",
+            xlabel="sequence length N",
+            ylabel="saved for backward (MB)",
+            title=f"training, batch {args.train_batch}",
+        )
+        lat.set(
+            xscale="log",
+            yscale="log",
+            xlabel="sequence length N",
+            ylabel="forward + backward (ms)",
+            title=f"training, D={args.dim}, {DEVICE.type.upper()}",
+        )
         mem.legend()
         lat.legend()
     fig.tight_layout()
@@ -195,7 +234,9 @@ def main() -> None:
     ap.add_argument("--train-ns", type=int, nargs="*", default=[1024, 4096, 8192])
     ap.add_argument("--train-batch", type=int, default=1)
     ap.add_argument("--train-reps", type=int, default=1)
-    ap.add_argument("--naive-train-max-n", type=int, default=1024, help="naive saves O(N^2 d): ~1.1 GB at N=1024, dim 256")
+    ap.add_argument(
+        "--naive-train-max-n", type=int, default=1024, help="naive saves O(N^2 d): ~1.1 GB at N=1024, dim 256"
+    )
     ap.add_argument("--parts", nargs="+", choices=["forward", "train"], default=["forward", "train"])
     ap.add_argument("--out", default="out/recurrent_tiling")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (auto: CUDA when present)")
@@ -216,8 +257,14 @@ def main() -> None:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": str(DEVICE), "device_name": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu", "torch": torch.__version__}
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "meta": meta, "rows": rows, "training": train}, indent=1))
+    meta = {
+        "device": str(DEVICE),
+        "device_name": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+    out.with_suffix(".json").write_text(
+        json.dumps({"args": vars(args), "meta": meta, "rows": rows, "training": train}, indent=1)
+    )
     plot(args, rows, train, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 

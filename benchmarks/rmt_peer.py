@@ -47,7 +47,9 @@ def cpu_name() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--peer", required=True, metavar="PATH", help="directory holding recurrent_memory_transformer_pytorch")
+    ap.add_argument(
+        "--peer", required=True, metavar="PATH", help="directory holding recurrent_memory_transformer_pytorch"
+    )
     ap.add_argument("--dim", type=int, default=288)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--heads", type=int, default=6)
@@ -68,7 +70,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     ours = build_model(
-        "rmt", dict(vocab_size=args.vocab, dim=args.dim, n_layers=args.depth, n_heads=args.heads, segment_len=args.segment, memory_size=args.memory)
+        "rmt",
+        dict(
+            vocab_size=args.vocab,
+            dim=args.dim,
+            n_layers=args.depth,
+            n_heads=args.heads,
+            segment_len=args.segment,
+            memory_size=args.memory,
+        ),
     )
     peer_model = RecurrentMemoryTransformer(
         args.dim, num_tokens=args.vocab, depth=args.depth, heads=args.heads, dim_head=args.dim // args.heads, seq_len=args.segment,
@@ -107,7 +117,9 @@ def main() -> None:
             times[k].append(time.perf_counter() - t0)
     tokens = args.batch * args.seq
     tps = {k: tokens / statistics.median(v) for k, v in times.items()}
-    print(f"fp32, {args.threads} thread(s), batch {args.batch} x {args.seq} tokens, segments of {args.segment}, memory {args.memory}")
+    print(
+        f"fp32, {args.threads} thread(s), batch {args.batch} x {args.seq} tokens, segments of {args.segment}, memory {args.memory}"
+    )
     print(f"{'model':<18}{'params':>12}{'train tok/s':>13}{'median s/step':>15}")
     for k, (_, n) in rows.items():
         print(f"{k:<18}{n:>12,}{tps[k]:>13,.0f}{statistics.median(times[k]):>15.3f}")
@@ -116,16 +128,32 @@ def main() -> None:
     ratio = tps["recurformer rmt"] / tps["lucidrains RMT"]
     paired = statistics.median(b / a for a, b in zip(times["recurformer rmt"], times["lucidrains RMT"]))
     best = min(times["lucidrains RMT"]) / min(times["recurformer rmt"])
-    print(f"tokens/s ratio ours / theirs: {ratio:.2f} (of medians), {paired:.2f} (median of A B pairs), {best:.2f} (best of each)")
+    print(
+        f"tokens/s ratio ours / theirs: {ratio:.2f} (of medians), {paired:.2f} (median of A B pairs), {best:.2f} (best of each)"
+    )
     meta = dict(
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), cpu=cpu_name(), threads=args.threads, torch=torch.__version__,
         peer_version=metadata.version("recurrent-memory-transformer-pytorch") if _has_dist() else None,
         config={k: getattr(args, k) for k in ("dim", "depth", "heads", "segment", "memory", "vocab", "batch", "seq", "repeats")},
         command="python " + " ".join("PEER" if a == args.peer else a for a in sys.argv),  # no local path in the record
     )  # fmt: skip
-    results = [dict(model=k, params=n, train_tokens_per_s=round(tps[k]), seconds=[round(t, 4) for t in times[k]]) for k, (_, n) in rows.items()]
+    results = [
+        dict(model=k, params=n, train_tokens_per_s=round(tps[k]), seconds=[round(t, 4) for t in times[k]])
+        for k, (_, n) in rows.items()
+    ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(meta=meta, results=results, ratio_of_medians=round(ratio, 3), ratio_paired_median=round(paired, 3), ratio_best=round(best, 3)), indent=2))
+    Path(args.out).write_text(
+        json.dumps(
+            dict(
+                meta=meta,
+                results=results,
+                ratio_of_medians=round(ratio, 3),
+                ratio_paired_median=round(paired, 3),
+                ratio_best=round(best, 3),
+            ),
+            indent=2,
+        )
+    )
     print(f"wrote {args.out}")
 
 

@@ -33,15 +33,22 @@ def row(name: str, n: int, chunk: int, directory: str) -> dict:
     torch.manual_seed(0)
     path = Path(directory) / name
     build_model(name, dict(vocab_size=258, dim=128, n_layers=4, n_heads=4, **MODELS[name])).eval().save_pretrained(
-        path, tokenizer=Tokenizer.byte())
+        path, tokenizer=Tokenizer.byte()
+    )
     lm = RecurformerLM(pretrained=str(path), chunk=chunk, device="cpu")
     rng = random.Random(0)
     text = "".join(rng.choice("abcdefgh ") for _ in range(n))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     ll = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])[0]
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"model": name, "tokens": n, "chunk": chunk, "peak_rss_mib": after / 1024, "growth_mib": (after - before) / 1024,
-            "loglikelihood_per_token": ll / n}
+    return {
+        "model": name,
+        "tokens": n,
+        "chunk": chunk,
+        "peak_rss_mib": after / 1024,
+        "growth_mib": (after - before) / 1024,
+        "loglikelihood_per_token": ll / n,
+    }
 
 
 def main() -> None:
@@ -58,8 +65,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in MODELS:
             for n in (int(v) for v in args.lengths.split(",")):
-                out = subprocess.run([sys.executable, __file__, "--chunk", str(args.chunk), "--row", name, str(n), tmp],
-                                     capture_output=True, text=True, check=True)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--chunk", str(args.chunk), "--row", name, str(n), tmp],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print("| model | tokens | peak RSS (MiB) | growth while scoring (MiB) |\n|---|---|---|---|")
     for r in rows:

@@ -56,7 +56,9 @@ def matmul_dims(name: str, shapes: list[list[int]]) -> tuple[int, int, int, int]
     return (a[0] if len(a) == 3 else 1), a[-2], a[-1], b[-1]
 
 
-def alone_flops_per_s(dims: tuple[int, int, int, int], dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
+def alone_flops_per_s(
+    dims: tuple[int, int, int, int], dtype: torch.dtype = torch.float32, seconds: float = 0.3
+) -> float:
     """Best FLOP/s of one matmul of these dims in ``dtype`` timed by itself."""
     bsz, m, k, n = dims
     a, b = torch.randn(bsz, m, k, dtype=dtype), torch.randn(bsz, k, n, dtype=dtype)
@@ -113,14 +115,22 @@ def profile_model(name: str, batch: int, seq: int, precision: str = "fp32") -> d
         else:
             other[ev.key] += sec
     mm_flops = sum(2 * d[0] * d[1] * d[2] * d[3] * calls for d, (calls, _) in by_dims.items())
-    alone_s = sum(2 * d[0] * d[1] * d[2] * d[3] * calls / alone_flops_per_s(d, dtype) for d, (calls, _) in by_dims.items())
+    alone_s = sum(
+        2 * d[0] * d[1] * d[2] * d[3] * calls / alone_flops_per_s(d, dtype) for d, (calls, _) in by_dims.items()
+    )
     top = sorted(other.items(), key=lambda kv: -kv[1])[:4]
     return dict(
-        model=name, step_s=round(step_s, 3), profiled_step_s=round(total, 3), step_gflop_per_s=round(flops / step_s / 1e9, 2),
-        matmul_share=round(mm_time / total, 4), attention_share=round(attn_time / total, 4),
+        model=name,
+        step_s=round(step_s, 3),
+        profiled_step_s=round(total, 3),
+        step_gflop_per_s=round(flops / step_s / 1e9, 2),
+        matmul_share=round(mm_time / total, 4),
+        attention_share=round(attn_time / total, 4),
         other_share=round(1 - (mm_time + attn_time) / total, 4),
-        matmul_gflop=round(mm_flops / 1e9, 2), matmul_calls=int(sum(c for c, _ in by_dims.values())),
-        matmul_gflop_per_s_in_step=round(mm_flops / mm_time / 1e9, 2), matmul_gflop_per_s_alone=round(mm_flops / alone_s / 1e9, 2),
+        matmul_gflop=round(mm_flops / 1e9, 2),
+        matmul_calls=int(sum(c for c, _ in by_dims.values())),
+        matmul_gflop_per_s_in_step=round(mm_flops / mm_time / 1e9, 2),
+        matmul_gflop_per_s_alone=round(mm_flops / alone_s / 1e9, 2),
         top_other={k: round(v / total, 4) for k, v in top},
     )
 
@@ -130,7 +140,12 @@ def main() -> None:
     ap.add_argument("--models", default="memory_attention,llama")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: the step under CPU autocast, fractions of the bf16 peak")
+    ap.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: the step under CPU autocast, fractions of the bf16 peak",
+    )
     ap.add_argument("--out", default="out/step_profile.json", help="write the rows as JSON here")
     args = ap.parse_args()
     names = args.models.split(",")
@@ -144,15 +159,29 @@ def main() -> None:
         r["step_of_peak"] = round(r["step_gflop_per_s"] * 1e9 / peak, 4)
         r["matmul_of_peak_in_step"] = round(r["matmul_gflop_per_s_in_step"] * 1e9 / peak, 4)
         r["matmul_of_peak_alone"] = round(r["matmul_gflop_per_s_alone"] * 1e9 / peak, 4)
-    print(f"{args.precision} 1024x1024 matmul peak: {peak / 1e9:.1f} GFLOP/s on {torch.get_num_threads()} threads; one step of {args.batch} x {args.seq} tokens")
-    print(f"{'model':<24}{'step s':>8}{'of peak':>9}{'matmul':>8}{'SDPA':>7}{'other':>7}{'mm/peak in step':>17}{'mm/peak alone':>15}  costliest other ops")
+    print(
+        f"{args.precision} 1024x1024 matmul peak: {peak / 1e9:.1f} GFLOP/s on {torch.get_num_threads()} threads; one step of {args.batch} x {args.seq} tokens"
+    )
+    print(
+        f"{'model':<24}{'step s':>8}{'of peak':>9}{'matmul':>8}{'SDPA':>7}{'other':>7}{'mm/peak in step':>17}{'mm/peak alone':>15}  costliest other ops"
+    )
     for r in rows:
         tops = ", ".join(f"{k.removeprefix('aten::')} {v:.1%}" for k, v in r["top_other"].items())
-        print(f"{r['model']:<24}{r['step_s']:>8.2f}{r['step_of_peak']:>9.1%}{r['matmul_share']:>8.1%}{r['attention_share']:>7.1%}{r['other_share']:>7.1%}"
-              f"{r['matmul_of_peak_in_step']:>17.1%}{r['matmul_of_peak_alone']:>15.1%}  {tops}")
+        print(
+            f"{r['model']:<24}{r['step_s']:>8.2f}{r['step_of_peak']:>9.1%}{r['matmul_share']:>8.1%}{r['attention_share']:>7.1%}{r['other_share']:>7.1%}"
+            f"{r['matmul_of_peak_in_step']:>17.1%}{r['matmul_of_peak_alone']:>15.1%}  {tops}"
+        )
     if args.out:
-        meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), precision=args.precision, peak_flops=peak, config=CONFIG, batch=args.batch,
-                    seq=args.seq, command=" ".join(sys.argv))
+        meta = dict(
+            torch=torch.__version__,
+            threads=torch.get_num_threads(),
+            precision=args.precision,
+            peak_flops=peak,
+            config=CONFIG,
+            batch=args.batch,
+            seq=args.seq,
+            command=" ".join(sys.argv),
+        )
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
         print(f"wrote {args.out}")

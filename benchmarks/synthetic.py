@@ -76,7 +76,11 @@ def tables(results: list[Result]) -> str:
         for m in models:
             r = cell.get((m, t))
             if r is not None:
-                out.append(f"| {m} | " + " | ".join(f"{r['by_length'][str(L)]:.3f}" if str(L) in r["by_length"] else "" for L in lengths) + " |")
+                out.append(
+                    f"| {m} | "
+                    + " | ".join(f"{r['by_length'][str(L)]:.3f}" if str(L) in r["by_length"] else "" for L in lengths)
+                    + " |"
+                )
     return "\n".join(out)
 
 
@@ -105,7 +109,9 @@ def figure(results: list[Result]):  # type: ignore[no-untyped-def]
         js = [j for j, t in enumerate(tasks) if (m, t) in cell]
         ax.bar([j + i * width for j in js], [cell[m, tasks[j]]["accuracy"] for j in js], width, color=style[m]["color"])
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))])
-    ax.set_xticklabels([f"{t}\n({'token acc' if metric_name(t) == 'tok' else 'exact'})" for t in tasks], fontsize=6, rotation=30)
+    ax.set_xticklabels(
+        [f"{t}\n({'token acc' if metric_name(t) == 'tok' else 'exact'})" for t in tasks], fontsize=6, rotation=30
+    )
     ax.set_ylim(0, 1)
     ax.set_ylabel("test accuracy")
     ax.set_title("test accuracy per task", fontsize=9)
@@ -115,14 +121,24 @@ def figure(results: list[Result]):  # type: ignore[no-untyped-def]
             r = cell.get((m, t))
             if r and r["by_length"]:
                 Ls = sorted(int(L) for L in r["by_length"])
-                ax.plot(Ls, [r["by_length"][str(L)] for L in Ls], "-", **style[m], markersize=7, markerfacecolor="none",
-                        markeredgewidth=1.5, alpha=0.85)
+                ax.plot(
+                    Ls,
+                    [r["by_length"][str(L)] for L in Ls],
+                    "-",
+                    **style[m],
+                    markersize=7,
+                    markerfacecolor="none",
+                    markeredgewidth=1.5,
+                    alpha=0.85,
+                )
                 if Ls[-1] >= 8 * Ls[0]:
                     ax.set_xscale("log", base=2)
         ax.set_ylim(-0.03, 1.03)
         ax.set_xlabel({"passkey": "filler tokens L", "copy": "string length", "delayed_copy": "delay"}.get(t, "length"))
         ax.set_ylabel("test accuracy")
-        ax.set_title(f"{t}: accuracy vs length ({'token acc' if metric_name(t) == 'tok' else 'exact match'})", fontsize=9)
+        ax.set_title(
+            f"{t}: accuracy vs length ({'token acc' if metric_name(t) == 'tok' else 'exact match'})", fontsize=9
+        )
         ax.grid(alpha=0.3)
     handles = [Line2D([], [], **style[m], markerfacecolor="none", markeredgewidth=1.5, label=m) for m in models]
     fig.legend(handles=handles, loc="upper center", ncol=min(len(models), 6), fontsize=8, frameon=False)
@@ -160,7 +176,9 @@ def merge_runs(runs: list[Result]) -> list[Result]:
             a, b = old.get(part, {}), r.get(part, {})
             diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k not in free)
             if diff:
-                raise RecurformerError(f"cannot merge two runs of {key[1]} / {key[0]}: their {part} differ in {', '.join(diff)}")
+                raise RecurformerError(
+                    f"cannot merge two runs of {key[1]} / {key[0]}: their {part} differ in {', '.join(diff)}"
+                )
         best = r if r["val_accuracy"] > old["val_accuracy"] else old
         cells[key] = best | {"sweep": sorted(old["sweep"] + r["sweep"], key=lambda x: x["lr"])}
     return list(cells.values())
@@ -176,14 +194,18 @@ def write(results: list[Result], out: Path, meta: dict[str, Any]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated tasks (default: all)")
-    ap.add_argument("--models", default=",".join(model_names()), help="comma-separated models (default: the whole registry)")
+    ap.add_argument(
+        "--models", default=",".join(model_names()), help="comma-separated models (default: the whole registry)"
+    )
     ap.add_argument("--steps", type=int, help="optimizer steps per learning rate")
     ap.add_argument("--lrs", help="comma-separated learning rates")
     ap.add_argument("--n-train", type=int)
     ap.add_argument("--n-test", type=int)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--model-set", action="append", default=[], metavar="MODEL:KEY=VALUE")
-    ap.add_argument("--task-set", action="append", default=[], metavar="TASK:KEY=VALUE", help="a task parameter for one task")
+    ap.add_argument(
+        "--task-set", action="append", default=[], metavar="TASK:KEY=VALUE", help="a task parameter for one task"
+    )
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="only build the outputs from these result files")
     ap.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     ap.add_argument("--out", default=str(ROOT / "out" / "synthetic"), help="output path without suffix")
@@ -217,7 +239,16 @@ def main() -> None:
         results: list[Result] = []
         meta = {"argv": sys.argv[1:]}
         for task, m, values, params, cfg in plans:
-            r = run_synth(task, m, values, params, cfg, log=lambda s: print(s, flush=True), device=args.device, progress=sys.stderr.isatty())
+            r = run_synth(
+                task,
+                m,
+                values,
+                params,
+                cfg,
+                log=lambda s: print(s, flush=True),
+                device=args.device,
+                progress=sys.stderr.isatty(),
+            )
             print(summary(r) + f" [{r.seconds:.0f}s]", flush=True)
             results.append(result_dict(r) | {"synth": vars(cfg)})
             write(results, out, meta)

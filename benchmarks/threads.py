@@ -54,7 +54,9 @@ def run(threads: int, policy: str | None, tokens: int) -> tuple[float, float, in
     if policy:
         env["OMP_WAIT_POLICY"] = policy
     root = str(Path(__file__).resolve().parents[1])
-    out = subprocess.run([sys.executable, "-c", CHILD, root, str(tokens)], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, root, str(tokens)], env=env, capture_output=True, text=True, check=True
+    )
     gen, step, n = out.stdout.split()
     return float(gen), float(step), int(n)
 
@@ -76,11 +78,21 @@ def main() -> None:
         for threads in sorted({1, cpus}):
             for policy in (None, "passive"):
                 best = [run(threads, policy, args.tokens) for _ in range(args.repeat)]
-                rows.append({"threads": threads, "wait_policy": policy or "default", "hog": args.hog,
-                             "generate_tok_per_s": max(b[0] for b in best), "train_step_s": min(b[1] for b in best)})
+                rows.append(
+                    {
+                        "threads": threads,
+                        "wait_policy": policy or "default",
+                        "hog": args.hog,
+                        "generate_tok_per_s": max(b[0] for b in best),
+                        "train_step_s": min(b[1] for b in best),
+                    }
+                )
                 r = rows[-1]
-                print(f"threads {threads}  OMP_WAIT_POLICY {r['wait_policy']:>8}  hog {args.hog}:  generate {r['generate_tok_per_s']:8.1f} tok/s"
-                      f"   training step {r['train_step_s']:6.3f} s", flush=True)
+                print(
+                    f"threads {threads}  OMP_WAIT_POLICY {r['wait_policy']:>8}  hog {args.hog}:  generate {r['generate_tok_per_s']:8.1f} tok/s"
+                    f"   training step {r['train_step_s']:6.3f} s",
+                    flush=True,
+                )
     finally:
         for h in hogs:
             h.terminate()

@@ -73,7 +73,9 @@ BASELINES = ("algorithm-1",)  # rows beside the models; "llama2Rnn (authors)" co
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    return torch.autocast(device.type, dtype=torch.bfloat16) if precision.startswith("bf16") else contextlib.nullcontext()
+    return (
+        torch.autocast(device.type, dtype=torch.bfloat16) if precision.startswith("bf16") else contextlib.nullcontext()
+    )
 
 
 @dataclass
@@ -158,9 +160,21 @@ def peer_row(path: str, precision: str, args: argparse.Namespace, device: torch.
 
     c = CONFIGS[args.config]
     margs = ModelArgs(
-        dim=c["dim"], n_layers=c["n_layers"], n_heads=c["n_heads"], vocab_size=c["vocab_size"], multiple_of=32,
-        max_seq_len=args.seq, extend_seq_len=args.seq, extend_method="extrapolation", dropout=0.0,
-        attention_type="memory_attention", memseqlen=32, do_memory_ffn=True, memory_norm=True, reuse_kv=True, train_orimem=True,
+        dim=c["dim"],
+        n_layers=c["n_layers"],
+        n_heads=c["n_heads"],
+        vocab_size=c["vocab_size"],
+        multiple_of=32,
+        max_seq_len=args.seq,
+        extend_seq_len=args.seq,
+        extend_method="extrapolation",
+        dropout=0.0,
+        attention_type="memory_attention",
+        memseqlen=32,
+        do_memory_ffn=True,
+        memory_norm=True,
+        reuse_kv=True,
+        train_orimem=True,
     )
     torch.manual_seed(0)
     with contextlib.redirect_stdout(sys.stderr):
@@ -188,20 +202,47 @@ def timed(fn: Callable[[], None] | None, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def trainer_tokens_per_s(nproc: int, threads: int, batch: int, seq: int, steps: int, precision: str, out: Path) -> float:
+def trainer_tokens_per_s(
+    nproc: int, threads: int, batch: int, seq: int, steps: int, precision: str, out: Path
+) -> float:
     """Median tokens/s of ``recurformer train`` on ``nproc`` processes (torchrun when > 1)."""
     sets = [
-        "model.name=memory_attention", "model.dim=288", "model.n_layers=6", "model.n_heads=6", "model.chunk_size=32",
-        f"train.out_dir={out}", f"train.batch_size={batch}", f"train.seq_len={seq}", f"train.steps={steps}",
-        f"train.precision={precision}", "train.log_every=5", f"train.eval_every={steps}", "train.eval_batches=1",
-        f"train.save_every={steps}", "data.dataset=tinystories-sample",
+        "model.name=memory_attention",
+        "model.dim=288",
+        "model.n_layers=6",
+        "model.n_heads=6",
+        "model.chunk_size=32",
+        f"train.out_dir={out}",
+        f"train.batch_size={batch}",
+        f"train.seq_len={seq}",
+        f"train.steps={steps}",
+        f"train.precision={precision}",
+        "train.log_every=5",
+        f"train.eval_every={steps}",
+        "train.eval_batches=1",
+        f"train.save_every={steps}",
+        "data.dataset=tinystories-sample",
     ]
     launcher = [sys.executable, "-m", "recurformer.cli"]
     if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                    "--master_addr=127.0.0.1", "--master_port=29517", "-m", "recurformer.cli"]
-    cmd = launcher + ["train", "--config", str(ROOT / "configs" / "repro" / "base.yaml")] + [a for x in sets for a in ("--set", x)]
-    done = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=str(threads)), capture_output=True, text=True)
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            "--master_port=29517",
+            "-m",
+            "recurformer.cli",
+        ]
+    cmd = (
+        launcher
+        + ["train", "--config", str(ROOT / "configs" / "repro" / "base.yaml")]
+        + [a for x in sets for a in ("--set", x)]
+    )
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=str(threads)), capture_output=True, text=True
+    )
     if done.returncode != 0:
         sys.exit(f"throughput.py: error: the {nproc}-process training run failed:\n{done.stderr[-2000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -214,9 +255,13 @@ def compare_processes(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.processes.split(",")):
             if args.batch % n or cores % n:
-                sys.exit(f"throughput.py: error: {n} processes must divide the batch ({args.batch}) and the cores ({cores})")
+                sys.exit(
+                    f"throughput.py: error: {n} processes must divide the batch ({args.batch}) and the cores ({cores})"
+                )
             label = f"{n} process{'es' if n > 1 else ''} x {cores // n} thread{'s' if cores // n > 1 else ''}"
-            tps = trainer_tokens_per_s(n, cores // n, args.batch // n, args.seq, args.steps, precision, Path(tmp) / str(n))
+            tps = trainer_tokens_per_s(
+                n, cores // n, args.batch // n, args.seq, args.steps, precision, Path(tmp) / str(n)
+            )
             results.append(dict(processes=n, threads_per_process=cores // n, train_tokens_per_s=round(tps)))
             print(f"{label:<32}{tps:>10,.0f} tok/s", flush=True)
     meta = dict(torch=torch.__version__, precision=precision, global_batch=args.batch, seq=args.seq, steps=args.steps)
@@ -226,21 +271,30 @@ def compare_processes(args: argparse.Namespace) -> None:
 
 
 def peaks(device: torch.device) -> dict[str, float]:
-    return {"fp32": matmul_peak.__wrapped__(torch.float32, str(device)), "bf16": matmul_peak.__wrapped__(torch.bfloat16, str(device))}
+    return {
+        "fp32": matmul_peak.__wrapped__(torch.float32, str(device)),
+        "bf16": matmul_peak.__wrapped__(torch.bfloat16, str(device)),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(model_names() + list(BASELINES)), help="models and baseline rows (algorithm-1)")
+    ap.add_argument(
+        "--models", default=",".join(model_names() + list(BASELINES)), help="models and baseline rows (algorithm-1)"
+    )
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--config", choices=sorted(CONFIGS), default="paper")
-    ap.add_argument("--peer", metavar="PATH", help="a checkout of siyuanseever/llama2Rnn: adds the authors' code as a row")
+    ap.add_argument(
+        "--peer", metavar="PATH", help="a checkout of siyuanseever/llama2Rnn: adds the authors' code as a row"
+    )
     ap.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--eval-len", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--processes", help="compare the trainer on these process counts (e.g. 1,2), in the first of --precisions")
+    ap.add_argument(
+        "--processes", help="compare the trainer on these process counts (e.g. 1,2), in the first of --precisions"
+    )
     ap.add_argument("--steps", type=int, default=30, help="training steps per run of --processes")
     ap.add_argument("--out", default="out/throughput.json")
     args = ap.parse_args()
@@ -250,12 +304,16 @@ def main() -> None:
     names = args.models.split(",")
     unknown = [n for n in names if n not in model_names() and n not in BASELINES]
     if unknown:
-        sys.exit(f"throughput.py: error: unknown model {unknown[0]}; choose from {', '.join(model_names() + list(BASELINES))}")
+        sys.exit(
+            f"throughput.py: error: unknown model {unknown[0]}; choose from {', '.join(model_names() + list(BASELINES))}"
+        )
     for p in {p.split("+")[0] for p in args.precisions.split(",")}:
         if warning := slow_bf16_warning(p, device):
             print(f"throughput.py: {warning}", file=sys.stderr)
     peak0 = peaks(device)
-    ma_flops = train_flops_per_token(build_model("memory_attention", model_config("memory_attention", args.config)), args.seq)
+    ma_flops = train_flops_per_token(
+        build_model("memory_attention", model_config("memory_attention", args.config)), args.seq
+    )
     rows: list[Row] = []
     for p in args.precisions.split(","):
         for n in names:
@@ -283,10 +341,14 @@ def main() -> None:
             times[i]["eval"].append(timed(r.eval, device))
     peak1 = peaks(device)
     peak = {k: max(peak0[k], peak1[k]) for k in peak0}
-    print(f"matmul peak on {device} ({torch.get_num_threads()} threads): fp32 {peak['fp32'] / 1e9:,.0f} GFLOP/s, "
-          f"bf16 {peak['bf16'] / 1e9:,.0f} GFLOP/s (best of start and end: fp32 {peak0['fp32'] / 1e9:,.0f}/{peak1['fp32'] / 1e9:,.0f}, "
-          f"bf16 {peak0['bf16'] / 1e9:,.0f}/{peak1['bf16'] / 1e9:,.0f})")
-    print(f"{'model':<22}{'prec':<14}{'MFLOP/tok':>10}{'train tok/s':>13}{'of peak':>9}{'eval tok/s':>12}{'of peak':>9}")
+    print(
+        f"matmul peak on {device} ({torch.get_num_threads()} threads): fp32 {peak['fp32'] / 1e9:,.0f} GFLOP/s, "
+        f"bf16 {peak['bf16'] / 1e9:,.0f} GFLOP/s (best of start and end: fp32 {peak0['fp32'] / 1e9:,.0f}/{peak1['fp32'] / 1e9:,.0f}, "
+        f"bf16 {peak0['bf16'] / 1e9:,.0f}/{peak1['bf16'] / 1e9:,.0f})"
+    )
+    print(
+        f"{'model':<22}{'prec':<14}{'MFLOP/tok':>10}{'train tok/s':>13}{'of peak':>9}{'eval tok/s':>12}{'of peak':>9}"
+    )
     results = []
     for i, r in enumerate(rows):
         pk = peak["bf16" if r.precision.startswith("bf16") else "fp32"]
@@ -295,18 +357,37 @@ def main() -> None:
         etps = args.eval_len / ev if ev == ev else None
         frac = tps * r.train_flops / pk
         efrac = etps * r.eval_flops / pk if etps and r.eval_flops else None
-        results.append(dict(
-            model=r.label, precision=r.precision, train_mflop_per_token=round(r.train_flops / 1e6, 2), train_tokens_per_s=round(tps),
-            train_fraction_of_peak=round(frac, 4), eval_tokens_per_s=None if etps is None else round(etps),
-            eval_seconds=None if ev != ev else round(ev, 3), eval_fraction_of_peak=None if efrac is None else round(efrac, 4),
-            train_step_mem_mb=None if peak_mem[i] is None else round(peak_mem[i], 1),
-        ))
+        results.append(
+            dict(
+                model=r.label,
+                precision=r.precision,
+                train_mflop_per_token=round(r.train_flops / 1e6, 2),
+                train_tokens_per_s=round(tps),
+                train_fraction_of_peak=round(frac, 4),
+                eval_tokens_per_s=None if etps is None else round(etps),
+                eval_seconds=None if ev != ev else round(ev, 3),
+                eval_fraction_of_peak=None if efrac is None else round(efrac, 4),
+                train_step_mem_mb=None if peak_mem[i] is None else round(peak_mem[i], 1),
+            )
+        )
         cells = f"{etps:>12,.0f}{efrac:>9.1%}" if efrac is not None else f"{'-':>12}{'-':>9}"
         print(f"{r.label:<22}{r.precision:<14}{r.train_flops / 1e6:>10.1f}{tps:>13,.0f}{frac:>9.1%}{cells}")
     meta = dict(
-        torch=torch.__version__, device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
-        threads=torch.get_num_threads(), config=args.config, model_config=CONFIGS[args.config], batch=args.batch, seq=args.seq,
-        eval_len=args.eval_len, repeats=args.repeats, peak_flops=peak, peer=args.peer, command=" ".join(sys.argv),
+        torch=torch.__version__,
+        device=str(device),
+        device_name=torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        threads=torch.get_num_threads(),
+        config=args.config,
+        model_config=CONFIGS[args.config],
+        batch=args.batch,
+        seq=args.seq,
+        eval_len=args.eval_len,
+        repeats=args.repeats,
+        peak_flops=peak,
+        peer=args.peer,
+        command=" ".join(sys.argv),
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(meta=meta, results=results), indent=2))

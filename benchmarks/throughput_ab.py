@@ -55,7 +55,17 @@ print(json.dumps(res))
 
 def measure(tree: str, name: str, args: argparse.Namespace) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_NUM_THREADS=str(args.threads))
-    argv = [sys.executable, "-c", WORKER, name, str(args.batch), str(args.seq), str(args.eval_len), str(args.decode), str(args.steps)]
+    argv = [
+        sys.executable,
+        "-c",
+        WORKER,
+        name,
+        str(args.batch),
+        str(args.seq),
+        str(args.eval_len),
+        str(args.decode),
+        str(args.steps),
+    ]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd="/")
     if done.returncode != 0:
         sys.exit(f"throughput_ab.py: {tree} {name} failed:\n{done.stderr[-2000:]}")
@@ -66,7 +76,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--a", required=True, help="the reference tree (e.g. an exported old commit)")
     p.add_argument("--b", required=True, help="the tree to compare")
-    p.add_argument("--models", default="llama,sliding_window,memory_attention,transformer_xl,block_recurrent,recurrent_transformer")
+    p.add_argument(
+        "--models", default="llama,sliding_window,memory_attention,transformer_xl,block_recurrent,recurrent_transformer"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)

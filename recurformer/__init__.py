@@ -29,6 +29,18 @@ from .nn import Output, State, StreamingLM
 __version__ = "0.1.0"
 
 __all__ = [
-    "RecurformerError", "Run", "Tokenizer", "build_model", "evaluate", "export", "load", "make_config",
-    "model_names", "probe", "train", "Output", "State", "StreamingLM",
+    "RecurformerError",
+    "Run",
+    "Tokenizer",
+    "build_model",
+    "evaluate",
+    "export",
+    "load",
+    "make_config",
+    "model_names",
+    "probe",
+    "train",
+    "Output",
+    "State",
+    "StreamingLM",
 ]

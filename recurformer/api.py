@@ -55,8 +55,14 @@ def _overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def train(config: str | Path | dict[str, Any] | None = None, *, resume: str | Path | None = None,
-          progress: bool = True, overwrite: bool = False, **overrides: Any) -> Run:
+def train(
+    config: str | Path | dict[str, Any] | None = None,
+    *,
+    resume: str | Path | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+    **overrides: Any,
+) -> Run:
     """Train as ``recurformer train`` does. ``config``: a YAML path, a bundled config name
     (``"tinystories-cpu"``) or a dict with model/data/train sections; ``overrides`` as sections
     (``model={"dim": 64}``) or dotted keys (``**{"train.steps": 10}``); ``resume``: a run or
@@ -97,23 +103,52 @@ def _tokens(tokenizer: Tokenizer | None, dataset: str | None, text: Sequence[str
     return eval_tokens(tokenizer, {}, dataset=dataset, text=[str(f) for f in text] if text else None)
 
 
-def evaluate(model: StreamingLM, tokenizer: Tokenizer | None = None, *, tokens: np.ndarray | None = None,
-             dataset: str | None = None, text: Sequence[str | Path] | None = None,
-             lengths: Sequence[int] = (256, 512, 1024, 2048, 4096), last: int = 256, windows: int | None = None,
-             chunk: int = 256, warm_state: int = 0, batch_size: int = 8,
-             context: int | None = None) -> list[LengthResult]:
+def evaluate(
+    model: StreamingLM,
+    tokenizer: Tokenizer | None = None,
+    *,
+    tokens: np.ndarray | None = None,
+    dataset: str | None = None,
+    text: Sequence[str | Path] | None = None,
+    lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
+    last: int = 256,
+    windows: int | None = None,
+    chunk: int = 256,
+    warm_state: int = 0,
+    batch_size: int = 8,
+    context: int | None = None,
+) -> list[LengthResult]:
     """Length extrapolation as ``recurformer eval``: loss (with a 95% bootstrap interval over
     documents) and accuracy on the last ``last`` tokens of windows of each length, on ``tokens``
     or a dataset's val split or text files. The windows are deterministic: all of them (the scored
     blocks tile the text), or ``windows`` evenly spaced ones; ``evaluate.paired_differences``
     compares two models' results on the same tokens."""
     data = np.asarray(tokens, dtype=np.int64) if tokens is not None else _tokens(tokenizer, dataset, text)
-    return evaluate_lengths(model, data, list(lengths), last, windows, chunk, warm_state, batch_size, context,
-                            tokenizer.bos_id if tokenizer is not None else None)
+    return evaluate_lengths(
+        model,
+        data,
+        list(lengths),
+        last,
+        windows,
+        chunk,
+        warm_state,
+        batch_size,
+        context,
+        tokenizer.bos_id if tokenizer is not None else None,
+    )
 
 
-def check_probe(task: str, *, docs: int, passage: int, span: int, chunk: int, batch_size: int, warm: tuple[int, int],
-                style: str = "python") -> None:
+def check_probe(
+    task: str,
+    *,
+    docs: int,
+    passage: int,
+    span: int,
+    chunk: int,
+    batch_size: int,
+    warm: tuple[int, int],
+    style: str = "python",
+) -> None:
     """The probe's options checked, for ``probe`` and ``probe_checkpoints`` alike (one-line errors
     naming them as ``style`` does: ``"cli"`` gives ``--warm-min``)."""
     from .probe import TASKS
@@ -127,11 +162,24 @@ def check_probe(task: str, *, docs: int, passage: int, span: int, chunk: int, ba
         raise RecurformerError(f"warm must be (min, max) with min <= max, got {warm}")
 
 
-def probe(model: StreamingLM, tokenizer: Tokenizer, *, task: str = "repeat", dataset: str | None = None,
-          text: Sequence[str | Path] | None = None, docs: int = 500, passage: int = 128,
-          distances: Sequence[int] = (1, 4, 16, 64, 256, 1024), span: int = 32, warm: tuple[int, int] = (32, 288),
-          chunk: int = 256, batch_size: int = 16, precision: str = "fp32", seed: int = 0,
-          label: str = "model") -> ProbeResult:
+def probe(
+    model: StreamingLM,
+    tokenizer: Tokenizer,
+    *,
+    task: str = "repeat",
+    dataset: str | None = None,
+    text: Sequence[str | Path] | None = None,
+    docs: int = 500,
+    passage: int = 128,
+    distances: Sequence[int] = (1, 4, 16, 64, 256, 1024),
+    span: int = 32,
+    warm: tuple[int, int] = (32, 288),
+    chunk: int = 256,
+    batch_size: int = 16,
+    precision: str = "fp32",
+    seed: int = 0,
+    label: str = "model",
+) -> ProbeResult:
     """The copy (``repeat``) or ``swap`` probe as ``recurformer probe``: per-distance-bin means
     with bootstrap intervals. ``dataset`` defaults to ``tinystories-repeat`` for ``repeat``."""
     from .models import model_name
@@ -143,8 +191,19 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, task: str = "repeat", dat
             raise RecurformerError("the swap probe needs dataset=NAME or text=[FILE, ...]")
         dataset = "tinystories-repeat"
     files = [str(f) for f in text] if text else None
-    samples = make_samples(tokenizer, task, dataset, files, model.config.vocab_size, docs=docs, passage=passage,
-                             distances=distances, span=span, warm=warm, seed=seed)
+    samples = make_samples(
+        tokenizer,
+        task,
+        dataset,
+        files,
+        model.config.vocab_size,
+        docs=docs,
+        passage=passage,
+        distances=distances,
+        span=span,
+        warm=warm,
+        seed=seed,
+    )
     with torch.no_grad():
         metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed)
     facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
@@ -163,10 +222,21 @@ class Generated:
 
 
 def generate_text(
-    checkpoint: str | Path, prompt: str = "", *, max_new_tokens: int = 200, temperature: float = 0.8,
-    top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_at_eos: bool = True,
-    load_state: str | Path | None = None, save_state: str | Path | None = None, device: str = "auto",
-    on_text: Callable[[str], object] | None = None, note: Callable[[str], object] = print, style: str = "python",
+    checkpoint: str | Path,
+    prompt: str = "",
+    *,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    stop_at_eos: bool = True,
+    load_state: str | Path | None = None,
+    save_state: str | Path | None = None,
+    device: str = "auto",
+    on_text: Callable[[str], object] | None = None,
+    note: Callable[[str], object] = print,
+    style: str = "python",
 ) -> Generated:
     """``recurformer generate``: continue ``prompt`` with a checkpoint's model, streaming the text
     (the prompt first) to ``on_text`` as whole characters arrive; ``load_state`` continues a
@@ -250,11 +320,24 @@ def default_output(given: str | Path | None, checkpoint: str | Path, name: str) 
 
 
 def evaluate_checkpoints(
-    checkpoints: Sequence[str], lengths: Sequence[int] = (256, 512, 1024, 2048, 4096), out: str | Path | None = None, *,
-    last: int = 256, windows: int | None = None, chunk: int = 256, warm_state: int = 0, batch_size: int = 8,
-    context: int | None = None, window: int | None = None, data: str | None = None, dataset: str | None = None,
-    text: list[str] | None = None, device: str = "auto", meta: dict[str, Any] | None = None,
-    log: Callable[[str], object] = print, style: str = "python",
+    checkpoints: Sequence[str],
+    lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
+    out: str | Path | None = None,
+    *,
+    last: int = 256,
+    windows: int | None = None,
+    chunk: int = 256,
+    warm_state: int = 0,
+    batch_size: int = 8,
+    context: int | None = None,
+    window: int | None = None,
+    data: str | None = None,
+    dataset: str | None = None,
+    text: list[str] | None = None,
+    device: str = "auto",
+    meta: dict[str, Any] | None = None,
+    log: Callable[[str], object] = print,
+    style: str = "python",
 ) -> dict[str, list[LengthResult]]:
     """``recurformer eval``: length extrapolation of each checkpoint (on its own val split by
     default, or ``data``/``dataset``/``text``), ``window`` W evaluating a dense model with a
@@ -291,11 +374,28 @@ def evaluate_checkpoints(
         span = context or warm_state + max(lengths)
         n = len(window_ends(len(tokens), span, last, windows)) if len(tokens) > span else 0
         how = "every window of the evaluation text" if windows is None else "evenly spaced windows"
-        log(f"evaluating {label} ({name}) at lengths {lengths}: {n:,} windows ({how}), loss on the last {last} tokens of each, "
-            f"{n * sum(warm_state + L for L in lengths):,} tokens to read" + (" (--windows K for a quicker look)" if windows is None else ""))
-        with tqdm(total=n * len(lengths), desc=label, unit="window", leave=False, disable=not sys.stderr.isatty()) as bar:
-            rs = evaluate_lengths(model, tokens, lengths, last, windows, chunk, warm_state, batch_size, context,
-                                  tok.bos_id if tok is not None else None, style=style, progress=bar.update)
+        log(
+            f"evaluating {label} ({name}) at lengths {lengths}: {n:,} windows ({how}), loss on the last {last} tokens of each, "
+            f"{n * sum(warm_state + L for L in lengths):,} tokens to read"
+            + (" (--windows K for a quicker look)" if windows is None else "")
+        )
+        with tqdm(
+            total=n * len(lengths), desc=label, unit="window", leave=False, disable=not sys.stderr.isatty()
+        ) as bar:
+            rs = evaluate_lengths(
+                model,
+                tokens,
+                lengths,
+                last,
+                windows,
+                chunk,
+                warm_state,
+                batch_size,
+                context,
+                tok.bos_id if tok is not None else None,
+                style=style,
+                progress=bar.update,
+            )
         bad = next((r for r in rs if not math.isfinite(r.loss)), None)
         if bad is not None:
             raise RecurformerError(
@@ -303,8 +403,10 @@ def evaluate_checkpoints(
                 f"nothing written"
             )
         for r in rs:
-            log(f"  L={r.length:>6}: loss {r.loss:.4f} [{r.loss_low:.4f}, {r.loss_high:.4f}]  acc {r.accuracy:.3f}  "
-                f"{r.windows} windows, bootstrap over {r.units} {r.unit}  {r.tokens_per_s:,.0f} tok/s  peak {memory_kind(dev)} {r.peak_memory_mb:,.0f} MB")
+            log(
+                f"  L={r.length:>6}: loss {r.loss:.4f} [{r.loss_low:.4f}, {r.loss_high:.4f}]  acc {r.accuracy:.3f}  "
+                f"{r.windows} windows, bootstrap over {r.units} {r.unit}  {r.tokens_per_s:,.0f} tok/s  peak {memory_kind(dev)} {r.peak_memory_mb:,.0f} MB"
+            )
         results[label] = rs
         trained[label] = config.get("train", {}).get("seq_len")
     log("")
@@ -317,10 +419,24 @@ def evaluate_checkpoints(
 
 
 def probe_checkpoints(
-    checkpoints: Sequence[str], out: str | Path | None = None, *, task: str = "repeat", dataset: str | None = None,
-    text: list[str] | None = None, docs: int = 500, passage: int = 128, distances: Sequence[int] = (1, 4, 16, 64, 256, 1024),
-    span: int = 32, warm: tuple[int, int] = (32, 288), chunk: int = 256, batch_size: int = 16, precision: str = "fp32",
-    seed: int = 0, device: str = "auto", meta: dict[str, Any] | None = None, log: Callable[[str], object] = print,
+    checkpoints: Sequence[str],
+    out: str | Path | None = None,
+    *,
+    task: str = "repeat",
+    dataset: str | None = None,
+    text: list[str] | None = None,
+    docs: int = 500,
+    passage: int = 128,
+    distances: Sequence[int] = (1, 4, 16, 64, 256, 1024),
+    span: int = 32,
+    warm: tuple[int, int] = (32, 288),
+    chunk: int = 256,
+    batch_size: int = 16,
+    precision: str = "fp32",
+    seed: int = 0,
+    device: str = "auto",
+    meta: dict[str, Any] | None = None,
+    log: Callable[[str], object] = print,
     style: str = "python",
 ) -> list[ProbeResult]:
     """``recurformer probe``: the copy or swap probe of each checkpoint on the same documents
@@ -361,11 +477,26 @@ def probe_checkpoints(
         if dataset is None and not text:
             dataset = config.get("data", {}).get("dataset")
             if not dataset:
-                raise RecurformerError(f"checkpoint {path} does not name a bundled dataset; give --dataset NAME or --text FILE")
-        samples = make_samples(tok, task, dataset, text, model.config.vocab_size, docs=docs, passage=passage,
-                               distances=list(distances), span=span, warm=warm, seed=seed)
+                raise RecurformerError(
+                    f"checkpoint {path} does not name a bundled dataset; give --dataset NAME or --text FILE"
+                )
+        samples = make_samples(
+            tok,
+            task,
+            dataset,
+            text,
+            model.config.vocab_size,
+            docs=docs,
+            passage=passage,
+            distances=list(distances),
+            span=span,
+            warm=warm,
+            seed=seed,
+        )
         R = receptive_field(model)
-        log(f"probing {label} ({name}, receptive field {'unbounded' if R is None else R}) on {len(samples)} documents, task {task}")
+        log(
+            f"probing {label} ({name}, receptive field {'unbounded' if R is None else R}) on {len(samples)} documents, task {task}"
+        )
         rows = sum(len(s.rows) for s in samples)
         with tqdm(total=rows, desc=label, unit="row", leave=False, disable=not sys.stderr.isatty()) as bar:
             metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed, bar.update)
@@ -384,7 +515,9 @@ def probe_checkpoints(
     return results
 
 
-def merge_probes(files: Sequence[str | Path], out: str | Path | None = None, log: Callable[[str], object] = print) -> list[ProbeResult]:
+def merge_probes(
+    files: Sequence[str | Path], out: str | Path | None = None, log: Callable[[str], object] = print
+) -> list[ProbeResult]:
     """``recurformer probe --merge``: one table, JSON and plot (``out``, default
     ``probe-merged.json`` beside the first file) from earlier probe results run with the same
     documents and settings."""
@@ -403,9 +536,18 @@ def merge_probes(files: Sequence[str | Path], out: str | Path | None = None, log
 
 
 def niah_checkpoint(
-    checkpoint: str | Path, lengths: Sequence[int] = (256, 512, 1024, 2048), depths: Sequence[float] = (0, 25, 50, 75, 100),
-    out: str | Path = "niah.json", *, trials: int = 4, chunk: int = 256, text: list[str] | None = None,
-    via: str = "recurformer", seed: int = 0, device: str = "auto", log: Callable[[str], object] = print,
+    checkpoint: str | Path,
+    lengths: Sequence[int] = (256, 512, 1024, 2048),
+    depths: Sequence[float] = (0, 25, 50, 75, 100),
+    out: str | Path = "niah.json",
+    *,
+    trials: int = 4,
+    chunk: int = 256,
+    text: list[str] | None = None,
+    via: str = "recurformer",
+    seed: int = 0,
+    device: str = "auto",
+    log: Callable[[str], object] = print,
 ) -> list[Cell]:
     """``recurformer niah``: needle in a haystack over depths x lengths for a checkpoint, read by
     recurformer or (``via="transformers"``) through ``AutoModelForCausalLM``; logs the table and
@@ -429,16 +571,31 @@ def niah_checkpoint(
         raise RecurformerError(f"{checkpoint} has no tokenizer.json: the haystack is text")
     cells = niah(model, tok, lengths, depths, trials, chunk, text, seed)
     log(table(cells))
-    meta = {"checkpoint": str(checkpoint), "via": via, "trials": trials, "chunk": chunk, "seed": seed,
-            "haystack": text or "bundled books (val)", "label": Path(checkpoint).name}
+    meta = {
+        "checkpoint": str(checkpoint),
+        "via": via,
+        "trials": trials,
+        "chunk": chunk,
+        "seed": seed,
+        "haystack": text or "bundled books (val)",
+        "label": Path(checkpoint).name,
+    }
     save(cells, path_out, meta)
     log(f"wrote {path_out} and {path_out.with_suffix('.png')}")
     return cells
 
 
 def readout_checkpoint(
-    checkpoint: str | Path, *, task: str | None = None, task_values: dict[str, Any] | None = None, segment: int | None = None,
-    segments: int = 4, rows: int = 16, seed: int = 0, out: str | Path | None = None, log: Callable[[str], object] = print,
+    checkpoint: str | Path,
+    *,
+    task: str | None = None,
+    task_values: dict[str, Any] | None = None,
+    segment: int | None = None,
+    segments: int = 4,
+    rows: int = 16,
+    seed: int = 0,
+    out: str | Path | None = None,
+    log: Callable[[str], object] = print,
     style: str = "python",
 ) -> Readout:
     """``recurformer readout``: does a model read its memory, and does a later loss reach it
@@ -460,11 +617,15 @@ def readout_checkpoint(
     if task:
         params = get_task(task).params(task_values or {})
         if int(params["vocab_size"]) != model.config.vocab_size:
-            raise RecurformerError(f"task {task} has vocab_size {params['vocab_size']}, the model {model.config.vocab_size}; set task.vocab_size")
+            raise RecurformerError(
+                f"task {task} has vocab_size {params['vocab_size']}, the model {model.config.vocab_size}; set task.vocab_size"
+            )
         data = make_split(task, rows, seed, params)
         x, y = data.inputs, data.targets
         if x.shape[1] < need:
-            raise RecurformerError(f"task rows have {x.shape[1]} tokens, the read-out needs {need} ({segments + 1} segments of {segment}); lengthen the task")
+            raise RecurformerError(
+                f"task rows have {x.shape[1]} tokens, the read-out needs {need} ({segments + 1} segments of {segment}); lengthen the task"
+            )
     else:
         w = eval_windows(eval_tokens(tok, config), need, rows, seed=seed)
         x, y = w[:, :-1], w[:, 1:]

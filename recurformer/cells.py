@@ -121,9 +121,10 @@ def t5_buckets(distance: Tensor, num_buckets: int, max_distance: int) -> Tensor:
     logarithmic up to max_distance, clipped to the last bucket."""
     exact = num_buckets // 2
     n = distance.clamp(min=0)
-    log_part = exact + (
-        torch.log(n.double().clamp(min=1) / exact) / math.log(max_distance / exact) * (num_buckets - exact)
-    ).long()
+    log_part = (
+        exact
+        + (torch.log(n.double().clamp(min=1) / exact) / math.log(max_distance / exact) * (num_buckets - exact)).long()
+    )
     return torch.where(n < exact, n, log_part.clamp(max=num_buckets - 1))
 
 
@@ -160,7 +161,11 @@ class StateCell(nn.Module):
     def project(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """c [B, S, D] -> (u, K_c, V_c) with u = Norm(c) + ids, K_c/V_c [B, H, S, d]."""
         u = self.norm(c) + self.ids.to(c.dtype)
-        return u, split_heads(self.wk(u), self.n_heads), split_heads(self.wv(u), self.n_heads)  # keys normalised by the user
+        return (
+            u,
+            split_heads(self.wk(u), self.n_heads),
+            split_heads(self.wv(u), self.n_heads),
+        )  # keys normalised by the user
 
     def update(self, c: Tensor, u: Tensor, kc: Tensor, vc: Tensor, kx: Tensor, vx: Tensor) -> Tensor:
         """One block step. kc/vc: the state's keys (normalised if qk_norm)/values; kx/vx

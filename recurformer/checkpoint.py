@@ -135,12 +135,19 @@ def save_checkpoint(
         # the same step again (a resumed run re-reaching it) is swapped in atomically
         with atomic_dir(final, run_dir / f".tmp_step_{step:06d}", run_dir / f".old_step_{step:06d}") as tmp:
             meta = {"format": str(FORMAT)}
-            save_file({k: v.detach().contiguous().cpu() for k, v in model_tensors.items()}, tmp / "model.safetensors", metadata=meta)
+            save_file(
+                {k: v.detach().contiguous().cpu() for k, v in model_tensors.items()},
+                tmp / "model.safetensors",
+                metadata=meta,
+            )
             (tmp / "config.json").write_text(json.dumps(portable_config(config, final), indent=2))
             if tokenizer_json is not None:
                 (tmp / "tokenizer.json").write_text(tokenizer_json)
             if train_tensors is not None:
-                save_file({k: v.detach().contiguous().cpu() for k, v in train_tensors.items()}, tmp / "train_state.safetensors")
+                save_file(
+                    {k: v.detach().contiguous().cpu() for k, v in train_tensors.items()},
+                    tmp / "train_state.safetensors",
+                )
             if train_json is not None:
                 (tmp / "train_state.json").write_text(json.dumps(train_json))
     except OSError as e:
@@ -215,7 +222,9 @@ def load_model_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor],
         raise RecurformerError(f"checkpoint {where} does not fit a {type(model).__name__} of this config ({what})")
     for k, v in tensors.items():
         if own[k].shape != v.shape:
-            raise RecurformerError(f"checkpoint {where}: '{k}' has shape {tuple(v.shape)}, the model expects {tuple(own[k].shape)}")
+            raise RecurformerError(
+                f"checkpoint {where}: '{k}' has shape {tuple(v.shape)}, the model expects {tuple(own[k].shape)}"
+            )
     model.load_state_dict(tensors)
 
 

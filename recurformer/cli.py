@@ -22,7 +22,9 @@ from .config import RecurformerError, parse_overrides
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value (repeatable)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value (repeatable)"
+    )
 
 
 def cmd_info(args: argparse.Namespace) -> None:
@@ -44,12 +46,17 @@ def cmd_info(args: argparse.Namespace) -> None:
     if args.config:
         print(f"model: {name}, the model section of {args.config}" + (" with --set overrides" if args.set else ""))
     else:
-        print(f"model: {name}, its defaults (the size of its paper)" + (" with --set overrides" if args.set else "")
-              + "; --config tinystories-cpu shows the model the bundled default run trains")
+        print(
+            f"model: {name}, its defaults (the size of its paper)"
+            + (" with --set overrides" if args.set else "")
+            + "; --config tinystories-cpu shows the model the bundled default run trains"
+        )
     for k, v in vars(model.config).items():
         print(f"  {k}: {v}")
     n = model.num_params()
-    print(f"parameters: {n:,} ({n / 1e6:.2f}M; token embedding {model.tok_emb.weight.numel():,}, tied with the output head)")
+    print(
+        f"parameters: {n:,} ({n / 1e6:.2f}M; token embedding {model.tok_emb.weight.numel():,}, tied with the output head)"
+    )
     for group, count in model.param_groups().items():
         print(f"  {group}: {count:,}")
     for line in model.info_lines():
@@ -85,8 +92,10 @@ def state_size_line(model) -> str:  # type: ignore[no-untyped-def]
             sizes.append(sum(t.numel() for t in state.to_flat().values() if t.is_floating_point()))
     if sizes[1] > sizes[0]:
         return f"state size per row (measured): grows with the text, {sizes[1]:,} numbers after {c + 2 * P - 1:,} tokens ({(sizes[1] - sizes[0]) / P:,.0f} per token)"
-    return (f"state size per row (measured): {sizes[1]:,} numbers ({4 * sizes[1] / 2**20:.2f} MiB at fp32), the same at any length "
-            f"(measured after {c + P - 1:,} and {c + 2 * P - 1:,} tokens, past every layer's reach)")
+    return (
+        f"state size per row (measured): {sizes[1]:,} numbers ({4 * sizes[1] / 2**20:.2f} MiB at fp32), the same at any length "
+        f"(measured after {c + P - 1:,} and {c + 2 * P - 1:,} tokens, past every layer's reach)"
+    )
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -98,12 +107,20 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         raise RecurformerError("give --dataset NAME or --text FILE ...")
     if args.tokenizer == "bpe":
         check_options("cli", vocab_size=args.vocab_size)
-    dc = DataConfig(dataset=args.dataset, text_files=args.text or [], tokenizer=args.tokenizer, vocab_size=args.vocab_size)
+    dc = DataConfig(
+        dataset=args.dataset, text_files=args.text or [], tokenizer=args.tokenizer, vocab_size=args.vocab_size
+    )
     out = args.out or dc.resolved_dir()
     if not args.out and args.text_field != "text":  # the same files read through another field: another directory
         out = out.with_name(f"{out.name}-{args.text_field}")
-    meta = prepare(out, dataset=args.dataset, text_files=args.text or None, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                   text_field=args.text_field)
+    meta = prepare(
+        out,
+        dataset=args.dataset,
+        text_files=args.text or None,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        text_field=args.text_field,
+    )
     print(f"prepared {out}: " + ", ".join(f"{k}={v}" for k, v in meta.items() if not isinstance(v, (dict, list))))
 
 
@@ -112,12 +129,22 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     if not args.config and not args.resume:
         raise RecurformerError("give --config FILE (see configs/) or --resume DIR")
-    sets = args.set + (["train.compile=true"] if args.compile else []) + ([f"train.device={args.device}"] if args.device else [])
+    sets = (
+        args.set
+        + (["train.compile=true"] if args.compile else [])
+        + ([f"train.device={args.device}"] if args.device else [])
+    )
     last = train(args.config, resume=args.resume, overwrite=args.overwrite, **parse_overrides(sets)).metrics
     if last:  # the run's mean speed first; the last log interval's rate named as such
         names = {"tok_per_s": "last_interval_tok_per_s"}
         last = {k: last[k] for k in ("step", "loss", "val_loss", "mean_tok_per_s", "mfu") if k in last} | last
-        print("done: " + ", ".join(f"{names.get(k, k)}={v:.4g}" if isinstance(v, float) else f"{names.get(k, k)}={v}" for k, v in last.items()))
+        print(
+            "done: "
+            + ", ".join(
+                f"{names.get(k, k)}={v:.4g}" if isinstance(v, float) else f"{names.get(k, k)}={v}"
+                for k, v in last.items()
+            )
+        )
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -130,9 +157,22 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if not lengths or min(lengths) < 1:
         raise RecurformerError(f"--lengths must be positive integers, got '{args.lengths}'")
     evaluate_checkpoints(
-        args.checkpoint, lengths, args.json, last=args.last, windows=args.windows, chunk=args.chunk, warm_state=args.warm_state,
-        batch_size=args.batch_size, context=args.context, window=args.window, data=args.data, dataset=args.dataset,
-        text=args.text, device=args.device, meta={k: v for k, v in vars(args).items() if k != "func"}, style="cli",
+        args.checkpoint,
+        lengths,
+        args.json,
+        last=args.last,
+        windows=args.windows,
+        chunk=args.chunk,
+        warm_state=args.warm_state,
+        batch_size=args.batch_size,
+        context=args.context,
+        window=args.window,
+        data=args.data,
+        dataset=args.dataset,
+        text=args.text,
+        device=args.device,
+        meta={k: v for k, v in vars(args).items() if k != "func"},
+        style="cli",
     )
 
 
@@ -140,14 +180,28 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from .api import generate_text
 
     g = generate_text(
-        args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, stop_at_eos=args.stop_at_eos, load_state=args.load_state, save_state=args.save_state,
-        device=args.device, on_text=lambda t: print(t, end="", flush=True), note=lambda t: print(t, file=sys.stderr), style="cli",
+        args.checkpoint,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_at_eos=args.stop_at_eos,
+        load_state=args.load_state,
+        save_state=args.save_state,
+        device=args.device,
+        on_text=lambda t: print(t, end="", flush=True),
+        note=lambda t: print(t, file=sys.stderr),
+        style="cli",
     )
     print()
     if args.stats:
-        print(f"[{g.tokens} tokens in {g.seconds:.2f}s: {g.tokens / max(g.seconds, 1e-9):,.1f} tok/s, "
-              f"peak {g.memory_kind} {g.peak_memory_mb:,.0f} MB]", file=sys.stderr)
+        print(
+            f"[{g.tokens} tokens in {g.seconds:.2f}s: {g.tokens / max(g.seconds, 1e-9):,.1f} tok/s, "
+            f"peak {g.memory_kind} {g.peak_memory_mb:,.0f} MB]",
+            file=sys.stderr,
+        )
 
 
 def cmd_synth(args: argparse.Namespace) -> None:
@@ -162,7 +216,9 @@ def cmd_synth(args: argparse.Namespace) -> None:
         raw = load_yaml(path)
         unknown = sorted(set(raw) - set(files))
         if unknown:
-            raise RecurformerError(f"synth config {path} has section '{unknown[0]}'; valid sections: model, task, synth")
+            raise RecurformerError(
+                f"synth config {path} has section '{unknown[0]}'; valid sections: model, task, synth"
+            )
         files = {k: merge(v, raw.get(k) or {}) for k, v in files.items()}
     model_over, task_over, synth_over = (merge(files[k], d) for k, d in zip(files, split_overrides(args.set)))
     for key, value in (("steps", args.steps), ("lrs", args.lrs), ("n_train", args.n_train), ("n_test", args.n_test)):
@@ -171,7 +227,14 @@ def cmd_synth(args: argparse.Namespace) -> None:
     if args.save:
         check_writable(Path(args.save), "--save directory", is_dir=True)
     r = run_synth(
-        args.task, args.model, model_over, task_over, synth_config(synth_over), log=print, device=args.device, progress=sys.stderr.isatty(),
+        args.task,
+        args.model,
+        model_over,
+        task_over,
+        synth_config(synth_over),
+        log=print,
+        device=args.device,
+        progress=sys.stderr.isatty(),
         save=args.save,
     )
     print(summary(r))
@@ -184,8 +247,18 @@ def cmd_niah(args: argparse.Namespace) -> None:
     from .api import niah_checkpoint
 
     lengths, depths = _int_list(args.lengths, "--lengths"), _float_list(args.depths, "--depths")
-    niah_checkpoint(args.checkpoint, lengths, depths, args.json, trials=args.trials, chunk=args.chunk, text=args.text, via=args.via,
-                    seed=args.seed, device=args.device)
+    niah_checkpoint(
+        args.checkpoint,
+        lengths,
+        depths,
+        args.json,
+        trials=args.trials,
+        chunk=args.chunk,
+        text=args.text,
+        via=args.via,
+        seed=args.seed,
+        device=args.device,
+    )
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -210,13 +283,20 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     if args.format == "transformers":
         if args.push_to_hub:
-            raise RecurformerError("--push-to-hub goes with --format recurformer; upload a transformers directory with `hf upload`")
+            raise RecurformerError(
+                "--push-to-hub goes with --format recurformer; upload a transformers directory with `hf upload`"
+            )
         from .hf import export as export_transformers
 
         out = export_transformers(args.checkpoint, args.out)
     else:
         out = export(args.checkpoint, args.out, args.push_to_hub)
-    print(f"wrote {out} (" + ", ".join(sorted(f.name for f in out.iterdir())) + ")" + (f"; uploaded to {args.push_to_hub}" if args.push_to_hub else ""))
+    print(
+        f"wrote {out} ("
+        + ", ".join(sorted(f.name for f in out.iterdir()))
+        + ")"
+        + (f"; uploaded to {args.push_to_hub}" if args.push_to_hub else "")
+    )
 
 
 def cmd_probe(args: argparse.Namespace) -> None:
@@ -230,9 +310,22 @@ def cmd_probe(args: argparse.Namespace) -> None:
     except ValueError:
         raise RecurformerError(f"--distances must be comma-separated integers, got '{args.distances}'") from None
     probe_checkpoints(
-        args.checkpoint, args.json, task=args.task, dataset=args.dataset, text=args.text, docs=args.docs, passage=args.passage,
-        distances=distances, span=args.span, warm=(args.warm_min, args.warm_max), chunk=args.chunk, batch_size=args.batch_size,
-        precision=args.precision, seed=args.seed, device=args.device, meta={k: v for k, v in vars(args).items() if k != "func"},
+        args.checkpoint,
+        args.json,
+        task=args.task,
+        dataset=args.dataset,
+        text=args.text,
+        docs=args.docs,
+        passage=args.passage,
+        distances=distances,
+        span=args.span,
+        warm=(args.warm_min, args.warm_max),
+        chunk=args.chunk,
+        batch_size=args.batch_size,
+        precision=args.precision,
+        seed=args.seed,
+        device=args.device,
+        meta={k: v for k, v in vars(args).items() if k != "func"},
         style="cli",
     )
 
@@ -242,13 +335,30 @@ def cmd_readout(args: argparse.Namespace) -> None:
     from .synth import split_overrides
 
     _, task_values, _ = split_overrides(args.set) if args.task else ({}, {}, {})
-    readout_checkpoint(args.checkpoint, task=args.task, task_values=task_values, segment=args.segment, segments=args.segments,
-                       rows=args.rows, seed=args.seed, out=args.json, style="cli")
+    readout_checkpoint(
+        args.checkpoint,
+        task=args.task,
+        task_values=task_values,
+        segment=args.segment,
+        segments=args.segments,
+        rows=args.rows,
+        seed=args.seed,
+        out=args.json,
+        style="cli",
+    )
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
-    "info": cmd_info, "prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
-    "synth": cmd_synth, "probe": cmd_probe, "readout": cmd_readout, "niah": cmd_niah, "export": cmd_export,
+    "info": cmd_info,
+    "prepare": cmd_prepare,
+    "train": cmd_train,
+    "eval": cmd_eval,
+    "generate": cmd_generate,
+    "synth": cmd_synth,
+    "probe": cmd_probe,
+    "readout": cmd_readout,
+    "niah": cmd_niah,
+    "export": cmd_export,
 }
 
 
@@ -266,30 +376,68 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
 
     p = sub.add_parser("prepare", formatter_class=_Help, help="tokenize a corpus into train/val token files")
-    p.add_argument("--dataset", help="tinystories-sample, tinystories-repeat, tinystories-cased, warpeace, books, tinystories (hub)")
-    p.add_argument("--text", nargs="+", metavar="FILE", help="your own corpus instead of a dataset: text files, JSONL, "
-                   "Parquet or datasets directories (save_to_disk), streamed")
-    p.add_argument("--text-field", default="text", help="the field / column holding the text in JSONL, Parquet and datasets inputs")
-    p.add_argument("--tokenizer", choices=["bpe", "byte"], default="bpe", help="byte-level BPE (learned on the train split) or raw bytes")
+    p.add_argument(
+        "--dataset",
+        help="tinystories-sample, tinystories-repeat, tinystories-cased, warpeace, books, tinystories (hub)",
+    )
+    p.add_argument(
+        "--text",
+        nargs="+",
+        metavar="FILE",
+        help="your own corpus instead of a dataset: text files, JSONL, "
+        "Parquet or datasets directories (save_to_disk), streamed",
+    )
+    p.add_argument(
+        "--text-field", default="text", help="the field / column holding the text in JSONL, Parquet and datasets inputs"
+    )
+    p.add_argument(
+        "--tokenizer",
+        choices=["bpe", "byte"],
+        default="bpe",
+        help="byte-level BPE (learned on the train split) or raw bytes",
+    )
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size, special tokens included")
     p.add_argument("--out", help="output directory (default: prepared/<dataset>-<tokenizer><vocab>)")
 
     p = sub.add_parser("train", formatter_class=_Help, help="train a model (stateful TBPTT) from a YAML config")
     p.add_argument("--config", help="YAML file with model/data/train sections (see configs/)")
-    p.add_argument("--resume", help="a run or checkpoint directory to continue exactly (written into that run "
-                   "directory unless --set train.out_dir=... is given)")
-    p.add_argument("--overwrite", action="store_true", help="replace the run in train.out_dir (or, with --resume of an "
-                   "older checkpoint, delete the run's later checkpoints)")
-    p.add_argument("--compile", action="store_true", help="torch.compile every layer (regional compilation; same as --set train.compile=true)")
-    p.add_argument("--device", help="auto (CUDA when present; the default), cpu, cuda or cuda:N (same as --set train.device=...)")
+    p.add_argument(
+        "--resume",
+        help="a run or checkpoint directory to continue exactly (written into that run "
+        "directory unless --set train.out_dir=... is given)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run in train.out_dir (or, with --resume of an "
+        "older checkpoint, delete the run's later checkpoints)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile every layer (regional compilation; same as --set train.compile=true)",
+    )
+    p.add_argument(
+        "--device", help="auto (CUDA when present; the default), cpu, cuda or cuda:N (same as --set train.device=...)"
+    )
     _add_set(p)
 
-    p = sub.add_parser("eval", formatter_class=_Help, help="length-extrapolation evaluation (loss on the last tokens at several lengths)")
-    p.add_argument("--checkpoint", nargs="+", required=True, help="run or checkpoint directories (one line each in the plot)")
+    p = sub.add_parser(
+        "eval",
+        formatter_class=_Help,
+        help="length-extrapolation evaluation (loss on the last tokens at several lengths)",
+    )
+    p.add_argument(
+        "--checkpoint", nargs="+", required=True, help="run or checkpoint directories (one line each in the plot)"
+    )
     p.add_argument("--lengths", default="256,512,1024,2048,4096", help="comma-separated window lengths L")
     p.add_argument("--last", type=int, default=256, help="score only the last N tokens of each window")
-    p.add_argument("--windows", type=int, help="windows per length, evenly spaced over the evaluation text "
-                   "(default: all of them, so the scored blocks tile the whole text after the first --context tokens)")
+    p.add_argument(
+        "--windows",
+        type=int,
+        help="windows per length, evenly spaced over the evaluation text "
+        "(default: all of them, so the scored blocks tile the whole text after the first --context tokens)",
+    )
     p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
     p.add_argument("--batch-size", type=int, default=8, help="windows read side by side")
     p.add_argument("--warm-state", type=int, default=0, metavar="N", help="read N tokens before each window, unscored")
@@ -298,11 +446,18 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--data", help="a prepared dataset directory (default: the checkpoint's own)")
     src.add_argument("--dataset", help="a bundled dataset's val split, encoded with the checkpoint's tokenizer")
     src.add_argument("--text", nargs="+", help="text files, encoded with the checkpoint's tokenizer")
-    p.add_argument("--context", type=int, help="windows end where this many tokens fit before them (default: warm-up + the "
-                   "longest length); give the same value to compare runs with different lengths on the same tokens")
+    p.add_argument(
+        "--context",
+        type=int,
+        help="windows end where this many tokens fit before them (default: warm-up + the "
+        "longest length); give the same value to compare runs with different lengths on the same tokens",
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.add_argument("--json", metavar="FILE", help="output JSON, a PNG plot beside it (default: eval.json in the first "
-                   "checkpoint's run directory)")
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="output JSON, a PNG plot beside it (default: eval.json in the first checkpoint's run directory)",
+    )
 
     p = sub.add_parser("generate", formatter_class=_Help, help="stream text from a checkpoint")
     p.add_argument("--checkpoint", required=True, help="a run, checkpoint or pretrained directory, or a Hub repo id")
@@ -310,9 +465,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, help="sample from the k most likely tokens only (default: all)")
-    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens whose probability reaches p, in (0, 1] (default: all)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        help="sample from the smallest set of tokens whose probability reaches p, in (0, 1] (default: all)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True, help="stop at the end of a document")
+    p.add_argument(
+        "--stop-at-eos", action=argparse.BooleanOptionalAction, default=True, help="stop at the end of a document"
+    )
     p.add_argument("--save-state", metavar="FILE", help="save the generation state (safetensors) to continue later")
     p.add_argument("--load-state", metavar="FILE", help="continue a saved generation (the prompt is appended)")
     p.add_argument("--stats", action="store_true", help="print tokens/s and peak memory")
@@ -320,10 +481,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .data.synthetic import TASKS
 
-    p = sub.add_parser("synth", formatter_class=_Help, help="train a small model on a synthetic diagnostic task and report its accuracy")
-    p.add_argument("--task", required=True, choices=sorted(TASKS), help="the diagnostic task (MAD tasks, copy, delayed copy, passkey)")
+    p = sub.add_parser(
+        "synth",
+        formatter_class=_Help,
+        help="train a small model on a synthetic diagnostic task and report its accuracy",
+    )
+    p.add_argument(
+        "--task",
+        required=True,
+        choices=sorted(TASKS),
+        help="the diagnostic task (MAD tasks, copy, delayed copy, passkey)",
+    )
     p.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}")
-    p.add_argument("--config", action="append", metavar="FILE", help="YAML with model/task/synth sections (repeatable; --set wins)")
+    p.add_argument(
+        "--config", action="append", metavar="FILE", help="YAML with model/task/synth sections (repeatable; --set wins)"
+    )
     _add_set(p)
     p.add_argument("--steps", type=int, help="optimizer steps per learning rate (default 500)")
     p.add_argument("--lrs", help="comma-separated learning rates to sweep (default 5e-4,1e-3,3e-3)")
@@ -331,64 +503,132 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-test", type=int, help="test examples (default 1280)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.add_argument("--json", help="write the full result as JSON here")
-    p.add_argument("--save", metavar="DIR", help="save the selected model (pretrained layout) for `recurformer readout`")
+    p.add_argument(
+        "--save", metavar="DIR", help="save the selected model (pretrained layout) for `recurformer readout`"
+    )
 
-    p = sub.add_parser("readout", formatter_class=_Help, help="does a model read its memory, and does a later loss reach it: attention share and gradient norms")
-    p.add_argument("--checkpoint", required=True, help="a run, checkpoint or pretrained directory (e.g. from synth --save)")
+    p = sub.add_parser(
+        "readout",
+        formatter_class=_Help,
+        help="does a model read its memory, and does a later loss reach it: attention share and gradient norms",
+    )
+    p.add_argument(
+        "--checkpoint", required=True, help="a run, checkpoint or pretrained directory (e.g. from synth --save)"
+    )
     p.add_argument("--task", help="read synthetic task rows (see synth) instead of the checkpoint's validation text")
     _add_set(p)
-    p.add_argument("--segment", type=int, help="tokens per segment (default: the model's chunk / segment / block length)")
-    p.add_argument("--segments", type=int, default=4, help="K: gradient norms from the losses of segments 1..K (default 4)")
+    p.add_argument(
+        "--segment", type=int, help="tokens per segment (default: the model's chunk / segment / block length)"
+    )
+    p.add_argument(
+        "--segments", type=int, default=4, help="K: gradient norms from the losses of segments 1..K (default 4)"
+    )
     p.add_argument("--rows", type=int, default=16, help="rows to read (default 16)")
     p.add_argument("--seed", type=int, default=0, help="which rows are read")
     p.add_argument("--json", help="write the read-out as JSON here")
 
-    p = sub.add_parser("probe", formatter_class=_Help, help="how far back the state carries information: copy and swap probes with bootstrap intervals")
+    p = sub.add_parser(
+        "probe",
+        formatter_class=_Help,
+        help="how far back the state carries information: copy and swap probes with bootstrap intervals",
+    )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", nargs="+", help="run or checkpoint directories (one line each in the plot)")
-    what.add_argument("--merge", nargs="+", metavar="JSON", help="instead: one table, JSON and plot from earlier probe "
-                      "results run with the same documents and settings")
-    p.add_argument("--task", default="repeat", metavar="{" + ",".join(PROBE_TASKS) + "}",  # checked in cmd_probe: one line
-                   help="repeat (copy: s1, marker, s2 = s1) or swap (replace the history older than d)")
+    what.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="instead: one table, JSON and plot from earlier probe results run with the same documents and settings",
+    )
+    p.add_argument(
+        "--task",
+        default="repeat",
+        metavar="{" + ",".join(PROBE_TASKS) + "}",  # checked in cmd_probe: one line
+        help="repeat (copy: s1, marker, s2 = s1) or swap (replace the history older than d)",
+    )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--dataset", help="a bundled dataset's val split (default: tinystories-repeat for repeat, the checkpoint's own for swap)")
-    src.add_argument("--text", nargs="+", metavar="FILE", help="UTF-8 text files, encoded with the checkpoint's tokenizer")
+    src.add_argument(
+        "--dataset",
+        help="a bundled dataset's val split (default: tinystories-repeat for repeat, the checkpoint's own for swap)",
+    )
+    src.add_argument(
+        "--text", nargs="+", metavar="FILE", help="UTF-8 text files, encoded with the checkpoint's tokenizer"
+    )
     p.add_argument("--docs", type=int, default=500, help="documents (the bootstrap resamples these)")
-    p.add_argument("--passage", type=int, default=128, help="repeat on a corpus other than tinystories-repeat: passage length n")
-    p.add_argument("--distances", default="1,4,16,64,256,1024", help="swap: replace the history older than each of these")
+    p.add_argument(
+        "--passage", type=int, default=128, help="repeat on a corpus other than tinystories-repeat: passage length n"
+    )
+    p.add_argument(
+        "--distances", default="1,4,16,64,256,1024", help="swap: replace the history older than each of these"
+    )
     p.add_argument("--span", type=int, default=32, help="swap: target tokens scored after the history")
-    p.add_argument("--warm-min", type=int, default=32, help="fewest tokens of stream text read before each document (a random "
-                   "prefix length between --warm-min and --warm-max varies the chunk phases)")
+    p.add_argument(
+        "--warm-min",
+        type=int,
+        default=32,
+        help="fewest tokens of stream text read before each document (a random "
+        "prefix length between --warm-min and --warm-max varies the chunk phases)",
+    )
     p.add_argument("--warm-max", type=int, default=288, help="most tokens of stream text read before each document")
     p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
     p.add_argument("--batch-size", type=int, default=16, help="documents read side by side")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: CPU/CUDA autocast")
     p.add_argument("--seed", type=int, default=0, help="which documents and warm-up prefixes, and the bootstrap")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.add_argument("--json", metavar="FILE", help="output JSON, a PNG plot beside it (default: probe.json in the first "
-                   "checkpoint's run directory; with --merge, probe-merged.json beside the first merged file)")
-    p = sub.add_parser("niah", formatter_class=_Help, help="needle in a haystack: a passkey at depth d%% of a context of length L, retrieved at the end "
-                       "(exact match and answer log-likelihood; a depth x length heatmap)")
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="output JSON, a PNG plot beside it (default: probe.json in the first "
+        "checkpoint's run directory; with --merge, probe-merged.json beside the first merged file)",
+    )
+    p = sub.add_parser(
+        "niah",
+        formatter_class=_Help,
+        help="needle in a haystack: a passkey at depth d%% of a context of length L, retrieved at the end "
+        "(exact match and answer log-likelihood; a depth x length heatmap)",
+    )
     p.add_argument("--checkpoint", required=True, help="a run, checkpoint or pretrained directory")
     p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths in tokens")
     p.add_argument("--depths", default="0,25,50,75,100", help="needle depths in percent of the haystack")
     p.add_argument("--trials", type=int, default=4, help="prompts per cell (random passkeys and haystack offsets)")
     p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
-    p.add_argument("--text", nargs="+", metavar="FILE", help="haystack text files (default: the bundled books, val split)")
-    p.add_argument("--via", choices=["recurformer", "transformers"], default="recurformer",
-                   help="transformers: load and run the model through AutoModelForCausalLM (needs recurformer[hf])")
+    p.add_argument(
+        "--text", nargs="+", metavar="FILE", help="haystack text files (default: the bundled books, val split)"
+    )
+    p.add_argument(
+        "--via",
+        choices=["recurformer", "transformers"],
+        default="recurformer",
+        help="transformers: load and run the model through AutoModelForCausalLM (needs recurformer[hf])",
+    )
     p.add_argument("--seed", type=int, default=0, help="passkeys and haystack offsets")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.add_argument("--json", default="niah.json", help="output JSON (the heatmap PNG is written beside it)")
-    p = sub.add_parser("lm-eval", add_help=False, help="EleutherAI's lm-evaluation-harness with the 'recurformer' model "
-                       "(needs recurformer[eval]); every argument is lm-eval's own, e.g. --model_args pretrained=DIR --tasks NAME")
+    p = sub.add_parser(
+        "lm-eval",
+        add_help=False,
+        help="EleutherAI's lm-evaluation-harness with the 'recurformer' model "
+        "(needs recurformer[eval]); every argument is lm-eval's own, e.g. --model_args pretrained=DIR --tasks NAME",
+    )
     p.add_argument("args", nargs=argparse.REMAINDER, help="lm-eval's own arguments")
-    p = sub.add_parser("export", formatter_class=_Help, help="write a run's checkpoint in Hugging Face Hub layout with a model card")
+    p = sub.add_parser(
+        "export", formatter_class=_Help, help="write a run's checkpoint in Hugging Face Hub layout with a model card"
+    )
     p.add_argument("--checkpoint", required=True, help="a run or checkpoint directory")
-    p.add_argument("--out", required=True, help="the directory to write (model.safetensors, config.json, tokenizer.json, README.md)")
-    p.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload it to this Hub repo (needs a network and a token)")
-    p.add_argument("--format", choices=["recurformer", "transformers"], default="recurformer",
-                   help="transformers: also readable by AutoModelForCausalLM / AutoTokenizer (needs recurformer[hf])")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="the directory to write (model.safetensors, config.json, tokenizer.json, README.md)",
+    )
+    p.add_argument(
+        "--push-to-hub", metavar="REPO_ID", help="also upload it to this Hub repo (needs a network and a token)"
+    )
+    p.add_argument(
+        "--format",
+        choices=["recurformer", "transformers"],
+        default="recurformer",
+        help="transformers: also readable by AutoModelForCausalLM / AutoTokenizer (needs recurformer[hf])",
+    )
     return ap
 
 

@@ -25,7 +25,7 @@ def upgrade_weights(model: Any, tensors: dict[str, Tensor]) -> dict[str, Tensor]
     directory written by ``transformers`` is dropped."""
     own = model.state_dict()
     if tensors and all(k.startswith("model.") for k in tensors) and not any(k.startswith("model.") for k in own):
-        tensors = {k[len("model."):]: v for k, v in tensors.items()}  # written by transformers (recurformer.hf)
+        tensors = {k[len("model.") :]: v for k, v in tensors.items()}  # written by transformers (recurformer.hf)
     out: dict[str, Tensor] = {}
     for k, v in tensors.items():
         if k in ("init_memory", "initial_state") and k not in own:  # stacked per-layer initial states

@@ -151,7 +151,9 @@ def bundled_configs() -> list[str]:
     ``tinystories-cpu`` or ``repro/base``; each is usable wherever a config path is."""
     root = resources.files("recurformer") / "configs"
     names = [f.name[:-5] for f in root.iterdir() if f.name.endswith(".yaml")]
-    names += [f"{d.name}/{f.name[:-5]}" for d in root.iterdir() if d.is_dir() for f in d.iterdir() if f.name.endswith(".yaml")]
+    names += [
+        f"{d.name}/{f.name[:-5]}" for d in root.iterdir() if d.is_dir() for f in d.iterdir() if f.name.endswith(".yaml")
+    ]
     return sorted(names)
 
 
@@ -175,16 +177,36 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 # Numeric options, checked once for the command line, the Python API and config files alike:
 # name -> (lowest, is the lowest allowed, highest or None, is the highest allowed).
 RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
-    "lr": (0.0, False, None, False), "min_lr": (0.0, True, None, False), "weight_decay": (0.0, True, None, False),
-    "beta1": (0.0, True, 1.0, False), "beta2": (0.0, True, 1.0, False), "grad_clip": (0.0, True, None, False),
-    "warmup": (0, True, None, False), "eval_batches": (1, True, None, False), "keep_last": (0, True, None, False),
-    "max_new_tokens": (0, True, None, False), "temperature": (0.0, True, None, False), "top_k": (1, True, None, False),
-    "top_p": (0.0, False, 1.0, True), "last": (1, True, None, False), "windows": (1, True, None, False),
-    "chunk": (1, True, None, False), "batch_size": (1, True, None, False), "window": (1, True, None, False),
-    "context": (1, True, None, False), "warm_state": (0, True, None, False), "docs": (1, True, None, False),
-    "passage": (1, True, None, False), "span": (1, True, None, False), "warm_min": (0, True, None, False),
-    "length": (1, True, None, False), "distance": (1, True, None, False), "vocab_size": (258, True, 2**20, True),
-    "segments": (1, True, None, False), "rows": (1, True, None, False), "segment": (1, True, None, False),
+    "lr": (0.0, False, None, False),
+    "min_lr": (0.0, True, None, False),
+    "weight_decay": (0.0, True, None, False),
+    "beta1": (0.0, True, 1.0, False),
+    "beta2": (0.0, True, 1.0, False),
+    "grad_clip": (0.0, True, None, False),
+    "warmup": (0, True, None, False),
+    "eval_batches": (1, True, None, False),
+    "keep_last": (0, True, None, False),
+    "max_new_tokens": (0, True, None, False),
+    "temperature": (0.0, True, None, False),
+    "top_k": (1, True, None, False),
+    "top_p": (0.0, False, 1.0, True),
+    "last": (1, True, None, False),
+    "windows": (1, True, None, False),
+    "chunk": (1, True, None, False),
+    "batch_size": (1, True, None, False),
+    "window": (1, True, None, False),
+    "context": (1, True, None, False),
+    "warm_state": (0, True, None, False),
+    "docs": (1, True, None, False),
+    "passage": (1, True, None, False),
+    "span": (1, True, None, False),
+    "warm_min": (0, True, None, False),
+    "length": (1, True, None, False),
+    "distance": (1, True, None, False),
+    "vocab_size": (258, True, 2**20, True),
+    "segments": (1, True, None, False),
+    "rows": (1, True, None, False),
+    "segment": (1, True, None, False),
 }
 
 
@@ -208,7 +230,9 @@ def check_options(style: str = "python", **values: Any) -> None:
         ok = ok and (value >= low if low_ok else value > low)
         ok = ok and (high is None or (value <= high if high_ok else value < high))
         if not ok:
-            raise RecurformerError(f"{option_name(name, style)} must be {_range_text(low, low_ok, high, high_ok)}, got {value!r}")
+            raise RecurformerError(
+                f"{option_name(name, style)} must be {_range_text(low, low_ok, high, high_ok)}, got {value!r}"
+            )
 
 
 def option_name(name: str, style: str = "python") -> str:

@@ -54,13 +54,17 @@ class Schedule:
         if self.double_every < 0:
             raise RecurformerError(f"config key '{where}.double_every' must be >= 0, got {self.double_every}")
         if bool(self.double_every) != bool(self.double):
-            raise RecurformerError(f"{where}: 'double_every' and 'double' go together (got double_every={self.double_every}, double={self.double})")
+            raise RecurformerError(
+                f"{where}: 'double_every' and 'double' go together (got double_every={self.double_every}, double={self.double})"
+            )
         last = -1
         for i, st in enumerate(self.stages):
             if not isinstance(st, dict) or not isinstance(st.get("step"), int) or isinstance(st.get("step"), bool):
                 raise RecurformerError(f"config key '{where}.stages[{i}]' needs an integer 'step', got {st!r}")
             if st["step"] <= last:
-                raise RecurformerError(f"config key '{where}.stages' must start at increasing steps, got step {st['step']} after step {last}")
+                raise RecurformerError(
+                    f"config key '{where}.stages' must start at increasing steps, got step {st['step']} after step {last}"
+                )
             last = st["step"]
             for k, v in st.items():
                 if k != "step":
@@ -71,7 +75,9 @@ class Schedule:
             if b < 1:
                 raise RecurformerError(f"config key '{where}.double.{k}' doubles from {b}; set a base value >= 1")
             if v < b or v % b or (v // b) & (v // b - 1):
-                raise RecurformerError(f"config key '{where}.double.{k}' must be {b} (the base value) times a power of two, got {v}")
+                raise RecurformerError(
+                    f"config key '{where}.double.{k}' must be {b} (the base value) times a power of two, got {v}"
+                )
 
     @staticmethod
     def _check_value(name: str, key: str, value: Any, keys: tuple[str, ...]) -> None:
@@ -87,7 +93,13 @@ class Schedule:
         if self.double_every:
             k = 1
             while any(1 <= base[key] and base[key] << k <= top for key, top in self.double.items()):
-                out.append({**out[-1], "step": k * self.double_every, **{key: min(base[key] << k, top) for key, top in self.double.items()}})
+                out.append(
+                    {
+                        **out[-1],
+                        "step": k * self.double_every,
+                        **{key: min(base[key] << k, top) for key, top in self.double.items()},
+                    }
+                )
                 k += 1
         for st in self.stages:
             if st["step"] == 0:
@@ -133,7 +145,9 @@ def schedule_from(value: Any, where: str) -> Schedule:
     every = value.get("double_every", 0)
     if not isinstance(every, int) or isinstance(every, bool):
         raise RecurformerError(f"config key '{where}.double_every' must be an integer, got {every!r}")
-    return Schedule(stages=[dict(s) if isinstance(s, dict) else s for s in stages], double_every=every, double=dict(double))
+    return Schedule(
+        stages=[dict(s) if isinstance(s, dict) else s for s in stages], double_every=every, double=dict(double)
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +189,9 @@ def initial_state(
         return state.reset(rows)
     if kind == "passing":
         if batch_size < 2:
-            raise RecurformerError("state_init=passing needs a batch of at least 2 rows (a row takes another stream's state)")
+            raise RecurformerError(
+                "state_init=passing needs a batch of at least 2 rows (a row takes another stream's state)"
+            )
         shift = int(torch.randint(1, batch_size, (1,), generator=generator))
         perm = (torch.arange(batch_size) + shift) % batch_size
         given = state.detach().map(lambda t: t[perm.to(t.device)])
@@ -189,7 +205,12 @@ def initial_state(
             return t
         return t + sigma * torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t.device, t.dtype)
 
-    given = State(fresh=torch.zeros_like(fresh.fresh), start=torch.full_like(fresh.start, state.pos), pos=state.pos, layers=[s.map(noisy) for s in layers])
+    given = State(
+        fresh=torch.zeros_like(fresh.fresh),
+        start=torch.full_like(fresh.start, state.pos),
+        pos=state.pos,
+        layers=[s.map(noisy) for s in layers],
+    )
     return _where_rows(rows, given, state)
 
 
@@ -204,7 +225,9 @@ def _where_rows(rows: torch.Tensor, given: State, own: State) -> State:
     layers = []
     for g, o in zip(given.layers, own.layers):
         gt, ot = g.tensors(), o.tensors()
-        layers.append(dataclasses.replace(o, **{k: pick(gt[k], ot[k]) for k in ot if k in gt and gt[k].shape == ot[k].shape}))
+        layers.append(
+            dataclasses.replace(o, **{k: pick(gt[k], ot[k]) for k in ot if k in gt and gt[k].shape == ot[k].shape})
+        )
     return State(fresh=own.fresh & ~rows, start=pick(given.start, own.start), pos=own.pos, layers=layers)
 
 

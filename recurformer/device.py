@@ -31,9 +31,13 @@ def pick_device(name: str) -> torch.device:
         raise RecurformerError(f"unknown device '{name}'; use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise RecurformerError(f"device '{name}' asked for, but this machine has no CUDA GPU (torch {torch.__version__}); use --device cpu")
+            raise RecurformerError(
+                f"device '{name}' asked for, but this machine has no CUDA GPU (torch {torch.__version__}); use --device cpu"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise RecurformerError(f"device '{name}' asked for, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+            raise RecurformerError(
+                f"device '{name}' asked for, but this machine has {torch.cuda.device_count()} CUDA GPU(s)"
+            )
     elif dev.type != "cpu":
         raise RecurformerError(f"device type '{dev.type}' is not supported; use auto, cpu, cuda or cuda:N")
     return dev
@@ -77,8 +81,10 @@ def slow_bf16_warning(precision: str, device: torch.device) -> str | None:
     if precision != "bf16" or bf16_supported(device):
         return None
     what = "this GPU has no bf16" if device.type == "cuda" else "this CPU has no avx512_bf16/AMX"
-    return (f"warning: precision bf16 asked for, but {what}: bf16 matmuls are emulated, many times slower "
-            "than fp32; precision auto picks fp32 here")
+    return (
+        f"warning: precision bf16 asked for, but {what}: bf16 matmuls are emulated, many times slower "
+        "than fp32; precision auto picks fp32 here"
+    )
 
 
 def autocast_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import RecurformerError, check_options, option_name
+from .data.tokenizer import Tokenizer
 from .device import peak_memory_mb, reset_peak_memory, synchronize
 from .files import atomic_write
 from .nn import StreamingLM
@@ -48,9 +49,15 @@ class LengthResult:
     units: int  # how many bootstrap units (documents, or windows) the scored tokens fall in
     unit: str  # "documents" or "windows"
     tokens_per_s: float  # tokens read (windows x (warm + L)) per second
-    peak_memory_mb: float  # peak memory while evaluating this length (device.peak_memory_mb: RSS on CPU, allocated on CUDA)
-    doc_loss: np.ndarray = field(repr=False, compare=False, default_factory=lambda: np.zeros(0))  # summed loss per document
-    doc_tokens: np.ndarray = field(repr=False, compare=False, default_factory=lambda: np.zeros(0))  # scored tokens per document
+    peak_memory_mb: (
+        float  # peak memory while evaluating this length (device.peak_memory_mb: RSS on CPU, allocated on CUDA)
+    )
+    doc_loss: np.ndarray = field(
+        repr=False, compare=False, default_factory=lambda: np.zeros(0)
+    )  # summed loss per document
+    doc_tokens: np.ndarray = field(
+        repr=False, compare=False, default_factory=lambda: np.zeros(0)
+    )  # scored tokens per document
 
     def to_dict(self) -> dict:
         return {k: v for k, v in vars(self).items() if k not in ("doc_loss", "doc_tokens")}
@@ -65,8 +72,14 @@ class PairedDifference:
 
 
 @torch.no_grad()
-def score_rows(model: StreamingLM, windows: torch.Tensor, last: int, chunk: int, batch_size: int = 8,
-               progress: Callable[[int], object] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def score_rows(
+    model: StreamingLM,
+    windows: torch.Tensor,
+    last: int,
+    chunk: int,
+    batch_size: int = 8,
+    progress: Callable[[int], object] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """windows: [K, N + 1], read ``chunk`` tokens per call. Returns the cross-entropy and the
     argmax hits of the last ``last`` targets of each window, both [K, last] (float64);
     ``progress(n)`` is called after each batch of n windows."""
@@ -97,14 +110,23 @@ def score_rows(model: StreamingLM, windows: torch.Tensor, last: int, chunk: int,
     return torch.cat(losses), torch.cat(hits)
 
 
-def score_windows(model: StreamingLM, windows: torch.Tensor, last: int, chunk: int, batch_size: int = 8) -> tuple[float, float, int]:
+def score_windows(
+    model: StreamingLM, windows: torch.Tensor, last: int, chunk: int, batch_size: int = 8
+) -> tuple[float, float, int]:
     """(summed loss, summed correct, scored tokens) over the last ``last`` targets of each window."""
     loss, hits = score_rows(model, windows, last, chunk, batch_size)
     return float(loss.sum()), float(hits.sum()), loss.numel()
 
 
-def eval_tokens(tok, config: dict, *, data: str | None = None, dataset: str | None = None,  # type: ignore[no-untyped-def]
-                text: list[str] | None = None, cache: dict | None = None) -> np.ndarray:
+def eval_tokens(
+    tok: Tokenizer | None,
+    config: dict,
+    *,
+    data: str | None = None,
+    dataset: str | None = None,
+    text: list[str] | None = None,
+    cache: dict | None = None,
+) -> np.ndarray:
     """The evaluation token stream for one checkpoint: its own prepared val split (or the
     prepared directory ``data``) by default, or the val split of a bundled ``dataset`` / the
     ``text`` files encoded with the checkpoint's tokenizer ``tok`` (BOS before each document).
@@ -128,9 +150,13 @@ def eval_tokens(tok, config: dict, *, data: str | None = None, dataset: str | No
     if not data_dir:
         raise RecurformerError("the checkpoint does not name its data; give --data DIR, --dataset NAME or --text FILE")
     _, _, val, data_tok = load_prepared(data_dir)
-    probe = "the quick brown fox, 1984."  # lower case: an exported tokenizer may lower-case its input (hub.save_pretrained)
+    probe = (
+        "the quick brown fox, 1984."  # lower case: an exported tokenizer may lower-case its input (hub.save_pretrained)
+    )
     if tok is not None and data_tok.encode(probe) != tok.encode(probe):
-        raise RecurformerError(f"{data_dir} was tokenized with another tokenizer than the checkpoint's; use --dataset or --text")
+        raise RecurformerError(
+            f"{data_dir} was tokenized with another tokenizer than the checkpoint's; use --dataset or --text"
+        )
     return val
 
 
@@ -166,21 +192,35 @@ def ratio_interval(sums: np.ndarray, counts: np.ndarray, weights: np.ndarray) ->
     return float(low), float(high)
 
 
-def check_lengths(lengths: list[int], last: int, windows: int | None, chunk: int, warm: int, batch_size: int,
-                  context: int | None, style: str = "python") -> int:
+def check_lengths(
+    lengths: list[int],
+    last: int,
+    windows: int | None,
+    chunk: int,
+    warm: int,
+    batch_size: int,
+    context: int | None,
+    style: str = "python",
+) -> int:
     """The options of ``evaluate_lengths`` checked (one-line errors naming them as ``style`` does,
     see ``config.check_options``); returns the context the windows end after."""
-    check_options(style, last=last, windows=windows, chunk=chunk, warm_state=warm, batch_size=batch_size, context=context)
+    check_options(
+        style, last=last, windows=windows, chunk=chunk, warm_state=warm, batch_size=batch_size, context=context
+    )
     if not lengths:
         raise RecurformerError(f"{option_name('lengths', style)} is empty")
     for L in lengths:
         check_options(style, length=L)
         if L < last:
-            raise RecurformerError(f"{option_name('lengths', style)}: {L} is shorter than {option_name('last', style)} {last}")
+            raise RecurformerError(
+                f"{option_name('lengths', style)}: {L} is shorter than {option_name('last', style)} {last}"
+            )
     span = warm + max(lengths)
     context = span if context is None else context
     if context < span:
-        raise RecurformerError(f"{option_name('context', style)} {context} is shorter than warm-up + the longest length ({span})")
+        raise RecurformerError(
+            f"{option_name('context', style)} {context} is shorter than warm-up + the longest length ({span})"
+        )
     return context
 
 
@@ -204,7 +244,9 @@ def evaluate_lengths(
     each window is a unit). ``style`` names the options in errors (``"cli"``: ``--last``);
     ``progress(n)`` is called after each batch of n windows read."""
     if int(tokens.max()) >= model.config.vocab_size:
-        raise RecurformerError(f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}")
+        raise RecurformerError(
+            f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}"
+        )
     context = check_lengths(lengths, last, windows, chunk, warm, batch_size, context, style)
     ends = window_ends(len(tokens), context, last, windows)
     targets = ends[:, None] - last + np.arange(last)  # stream positions of the scored tokens
@@ -230,8 +272,23 @@ def evaluate_lengths(
         dt = time.perf_counter() - t0
         doc_loss = np.bincount(unit, weights=loss.numpy().reshape(-1), minlength=n_units)
         low, high = ratio_interval(doc_loss, doc_tokens, weights)
-        out.append(LengthResult(L, float(loss.mean()), low, high, float(hits.mean()), loss.numel(), len(ends), n_units, kind,
-                                len(ends) * (n - 1) / dt, peak_memory_mb(device), doc_loss, doc_tokens))
+        out.append(
+            LengthResult(
+                L,
+                float(loss.mean()),
+                low,
+                high,
+                float(hits.mean()),
+                loss.numel(),
+                len(ends),
+                n_units,
+                kind,
+                len(ends) * (n - 1) / dt,
+                peak_memory_mb(device),
+                doc_loss,
+                doc_tokens,
+            )
+        )
     return out
 
 
@@ -245,7 +302,9 @@ def paired_differences(model: list[LengthResult], reference: list[LengthResult])
         if b is None:
             continue
         if not np.array_equal(r.doc_tokens, b.doc_tokens):
-            raise RecurformerError(f"paired difference at length {r.length}: the two results did not score the same tokens")
+            raise RecurformerError(
+                f"paired difference at length {r.length}: the two results did not score the same tokens"
+            )
         d = r.doc_loss - b.doc_loss
         low, high = ratio_interval(d, r.doc_tokens, bootstrap_weights(len(d)))
         out.append(PairedDifference(r.length, float(d.sum() / r.doc_tokens.sum()), low, high))
@@ -267,26 +326,48 @@ def markdown_table(results: dict[str, list[LengthResult]]) -> str:
     rows = []
     for label, rs in results.items():
         by = {r.length: r for r in rs}
-        rows.append(f"| {label} | " + " | ".join(f"{by[L].loss:.3f} [{by[L].loss_low:.3f}, {by[L].loss_high:.3f}]" if L in by else ""
-                                                 for L in lengths) + " |")
+        rows.append(
+            f"| {label} | "
+            + " | ".join(
+                f"{by[L].loss:.3f} [{by[L].loss_low:.3f}, {by[L].loss_high:.3f}]" if L in by else "" for L in lengths
+            )
+            + " |"
+        )
     units = sorted({r.unit for rs in results.values() for r in rs})
     table = [f"loss on the last tokens, mean [95% bootstrap interval over {' / '.join(units)}]", "", head, sep, *rows]
     labels = list(results)
     if len(labels) > 1 and comparable(results):
         ref = labels[0]
-        table += ["", f"paired difference from {ref} (negative: lower loss than {ref}), mean [95% interval]", "", head, sep]
+        table += [
+            "",
+            f"paired difference from {ref} (negative: lower loss than {ref}), mean [95% interval]",
+            "",
+            head,
+            sep,
+        ]
         for label in labels[1:]:
             diffs = {d.length: d for d in paired_differences(results[label], results[ref])}
-            table.append(f"| {label} | " + " | ".join(f"{diffs[L].diff:+.3f} [{diffs[L].low:+.3f}, {diffs[L].high:+.3f}]" if L in diffs else ""
-                                                       for L in lengths) + " |")
+            table.append(
+                f"| {label} | "
+                + " | ".join(
+                    f"{diffs[L].diff:+.3f} [{diffs[L].low:+.3f}, {diffs[L].high:+.3f}]" if L in diffs else ""
+                    for L in lengths
+                )
+                + " |"
+            )
     return "\n".join(table)
 
 
 MIN_Y_SPAN = 0.5  # nats: the loss axis spans at least this much, so a 0.03-nat gap looks like one
 
 
-def figure(results: dict[str, list[LengthResult]], title: str, last: int, trained: dict[str, int | None] | None = None,
-           warm: int = 0) -> Any:
+def figure(
+    results: dict[str, list[LengthResult]],
+    title: str,
+    last: int,
+    trained: dict[str, int | None] | None = None,
+    warm: int = 0,
+) -> Any:
     """Loss against length, one series of points with 95% error bars per model (no lines: only
     the lengths measured are drawn); a point with no history before its scored tokens (L = last,
     no warm-up) is drawn hollow and labelled cold start. The y axis spans at least MIN_Y_SPAN."""
@@ -305,7 +386,9 @@ def figure(results: dict[str, list[LengthResult]], title: str, last: int, traine
         cold = np.array([warm == 0 and r.length == last for r in rs])
         bars = ax.errorbar(xs[~cold], ys[~cold], yerr=err[:, ~cold], fmt="o", capsize=3, label=label)
         if cold.any():
-            ax.errorbar(xs[cold], ys[cold], yerr=err[:, cold], fmt="o", mfc="white", capsize=3, color=bars[0].get_color())
+            ax.errorbar(
+                xs[cold], ys[cold], yerr=err[:, cold], fmt="o", mfc="white", capsize=3, color=bars[0].get_color()
+            )
     if any(warm == 0 and r.length == last for rs in results.values() for r in rs):
         ax.annotate("hollow: cold start (no history)", xy=(0.02, 0.02), xycoords="axes fraction", fontsize=8)
     ax.set_xscale("log", base=2)
@@ -331,8 +414,14 @@ def figure(results: dict[str, list[LengthResult]], title: str, last: int, traine
     return fig
 
 
-def plot(results: dict[str, list[LengthResult]], path: Path, title: str, last: int, trained: dict[str, int | None] | None = None,
-         warm: int = 0) -> None:
+def plot(
+    results: dict[str, list[LengthResult]],
+    path: Path,
+    title: str,
+    last: int,
+    trained: dict[str, int | None] | None = None,
+    warm: int = 0,
+) -> None:
     """``figure`` saved as a PNG at ``path``."""
     import matplotlib.pyplot as plt
 
@@ -349,7 +438,10 @@ def save_json(results: dict[str, list[LengthResult]], path: Path, meta: dict) ->
     paired = {}
     if len(labels) > 1 and comparable(results):
         paired = {lab: [vars(d) for d in paired_differences(results[lab], results[labels[0]])] for lab in labels[1:]}
-    doc = {"meta": meta, "results": {k: [r.to_dict() for r in v] for k, v in results.items()},
-           "paired_differences": {"reference": labels[0], "models": paired} if paired else None}
+    doc = {
+        "meta": meta,
+        "results": {k: [r.to_dict() for r in v] for k, v in results.items()},
+        "paired_differences": {"reference": labels[0], "models": paired} if paired else None,
+    }
     text = json.dumps(doc, indent=2)
     atomic_write(path, lambda tmp: tmp.write_text(text))

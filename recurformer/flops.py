@@ -134,7 +134,10 @@ def machine_name(device: torch.device | str = "cpu") -> str:
 
 
 def peak_cache_file() -> Path:
-    root = os.environ.get("RECURFORMER_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "recurformer"
+    root = (
+        os.environ.get("RECURFORMER_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "recurformer"
+    )
     return Path(root) / "matmul_peak.json"
 
 

@@ -59,7 +59,9 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
     return logits
 
 
-def sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator) -> Tensor:
+def sample(
+    logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator
+) -> Tensor:
     """[B, V] -> [B]. ``temperature == 0`` is greedy (argmax)."""
     check_options(temperature=temperature, top_k=top_k, top_p=top_p)
     if temperature == 0:
@@ -74,7 +76,9 @@ def read(model: StreamingModel, session: Session, tokens: Tensor) -> Session:
     out = model(tokens.to(session.state.fresh.device), state=session.state)
     logits = out.logits[:, -1].float()
     if not bool(torch.isfinite(logits).all()):
-        raise RecurformerError("the model gives non-finite logits (nan/inf) although its weights load; it cannot generate")
+        raise RecurformerError(
+            "the model gives non-finite logits (nan/inf) although its weights load; it cannot generate"
+        )
     session.state = out.state
     session.logits = logits
     return session
@@ -178,11 +182,15 @@ def load_session(path: str | Path, model: StreamingModel, model_name: str) -> Se
 class GenerationMixin:
     """``generate`` and ``stream`` as methods of a model (``nn.StreamingLM`` inherits them)."""
 
-    def generate(self: StreamingModel, prompt: Any, max_new_tokens: int, temperature: float, **kwargs: Any) -> list[list[int]]:
+    def generate(
+        self: StreamingModel, prompt: Any, max_new_tokens: int, temperature: float, **kwargs: Any
+    ) -> list[list[int]]:
         """Sample ``max_new_tokens`` after ``prompt`` (see ``recurformer.generate.generate``).
         ``temperature=0`` is greedy; there is no default on purpose."""
         return generate(self, prompt, max_new_tokens, temperature, **kwargs)
 
-    def stream(self: StreamingModel, prompt: Any, max_new_tokens: int, temperature: float, **kwargs: Any) -> Iterator[Tensor]:
+    def stream(
+        self: StreamingModel, prompt: Any, max_new_tokens: int, temperature: float, **kwargs: Any
+    ) -> Iterator[Tensor]:
         """Iterator form of ``generate``: yields the new tokens [B] one step at a time."""
         return stream(self, prompt, max_new_tokens, temperature, **kwargs)

@@ -58,7 +58,12 @@ CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ 
 
 
 # the standard config attributes transformers reads (beam search: vocab_size), from our model section
-DERIVED = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads"}
+DERIVED = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+}
 
 
 class RecurformerConfig(PretrainedConfig):
@@ -171,7 +176,9 @@ class RecurformerForCausalLM(PreTrainedModel, GenerationMixin):
             if module._non_persistent_buffers_set:
                 init = getattr(module, "init_buffers", None)
                 if not callable(init):
-                    raise RecurformerError(f"module '{name}' ({type(module).__name__}) has non-persistent buffers but no init_buffers()")
+                    raise RecurformerError(
+                        f"module '{name}' ({type(module).__name__}) has non-persistent buffers but no init_buffers()"
+                    )
                 init()
 
     @classmethod
@@ -220,7 +227,9 @@ class RecurformerForCausalLM(PreTrainedModel, GenerationMixin):
         transformers 5.24, ``past_key_values``); any other keyword is an error, so that a renamed
         cache argument can never be dropped silently (generating from a fresh state each step)."""
         if kwargs:
-            raise RecurformerError(f"{type(self).__name__}.forward got unknown keyword argument(s) {', '.join(sorted(kwargs))}")
+            raise RecurformerError(
+                f"{type(self).__name__}.forward got unknown keyword argument(s) {', '.join(sorted(kwargs))}"
+            )
         if past_key_values is not None and cache is not None:
             raise RecurformerError("give the cache as 'cache' or as 'past_key_values', not both")
         cache = cache if cache is not None else past_key_values
@@ -229,8 +238,10 @@ class RecurformerForCausalLM(PreTrainedModel, GenerationMixin):
         if output_attentions or output_hidden_states:
             raise RecurformerError("output_attentions / output_hidden_states are not supported by recurformer models")
         if attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise RecurformerError("attention_mask has padded positions: a recurrent state cannot skip tokens; "
-                                   "give rows of equal length without padding (or one row at a time)")
+            raise RecurformerError(
+                "attention_mask has padded positions: a recurrent state cannot skip tokens; "
+                "give rows of equal length without padding (or one row at a time)"
+            )
         if cache is not None and not isinstance(cache, RecurformerCache):
             raise RecurformerError(f"the cache must be a RecurformerCache, got a {type(cache).__name__}")
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -277,9 +288,16 @@ class RecurformerForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             n = (attention_mask.shape[1] if attention_mask is not None else input_ids.shape[1]) - done
         if not 0 < n <= input_ids.shape[1]:
-            raise RecurformerError(f"the cache has read {done} tokens and the input holds {input_ids.shape[1]}: "
-                                   "pass the whole sequence (the tokens the cache read, then the new ones)")
-        return {"input_ids": input_ids[:, -n:], "past_key_values": cache, "attention_mask": attention_mask, "use_cache": True}
+            raise RecurformerError(
+                f"the cache has read {done} tokens and the input holds {input_ids.shape[1]}: "
+                "pass the whole sequence (the tokens the cache read, then the new ones)"
+            )
+        return {
+            "input_ids": input_ids[:, -n:],
+            "past_key_values": cache,
+            "attention_mask": attention_mask,
+            "use_cache": True,
+        }
 
 
 AutoConfig.register(RecurformerConfig.model_type, RecurformerConfig, exist_ok=True)
@@ -291,8 +309,12 @@ def tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
     ``PreTrainedTokenizerFast`` with its BOS and EOS."""
     from .data.tokenizer import BOS, EOS
 
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-            "clean_up_tokenization_spaces": False}
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "clean_up_tokenization_spaces": False,
+    }
 
 
 def with_bos(path: Path, tokenizer: Tokenizer) -> None:
@@ -305,7 +327,9 @@ def with_bos(path: Path, tokenizer: Tokenizer) -> None:
     from .data.tokenizer import BOS
 
     hf = HFTokenizer.from_file(str(path))
-    hf.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, tokenizer.bos_id)])
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, tokenizer.bos_id)]
+    )
     hf.save(str(path))
 
 

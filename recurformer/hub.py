@@ -36,7 +36,9 @@ CARD = "README.md"
 FILES = ["model.safetensors", "config.json", "tokenizer.json", CARD]
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Any, str, Tokenizer | None, dict[str, Any]]:
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> tuple[Any, str, Tokenizer | None, dict[str, Any]]:
     """(model in eval mode, model name, tokenizer or None, run config dict) from a checkpoint, a
     run directory (its newest checkpoint) or a pretrained directory."""
     ck = load_checkpoint(path)
@@ -89,15 +91,20 @@ def results_row(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     return row
 
 
-def model_card(model: Any, config: dict[str, Any], results: dict[str, Any] | None = None,
-               lower_case: bool = False) -> ModelCard:
+def model_card(
+    model: Any, config: dict[str, Any], results: dict[str, Any] | None = None, lower_case: bool = False
+) -> ModelCard:
     """A Hub model card: metadata header, architecture, config, training data (``lower_case``:
     the tokenizer lower-cases its input), results row."""
     name = config["model"]["name"]
     data = config.get("data") or {}
     train = config.get("train") or {}
-    dataset = data.get("dataset") or ("text files: " + ", ".join(data.get("text_files", [])) if data.get("text_files") else None)
-    meta = ModelCardData(library_name="recurformer", tags=["recurformer", name, "recurrent-transformer", "text-generation"])
+    dataset = data.get("dataset") or (
+        "text files: " + ", ".join(data.get("text_files", [])) if data.get("text_files") else None
+    )
+    meta = ModelCardData(
+        library_name="recurformer", tags=["recurformer", name, "recurrent-transformer", "text-generation"]
+    )
     n = model.num_params()
     lines = [
         f"# recurformer {name}",
@@ -122,18 +129,25 @@ def model_card(model: Any, config: dict[str, Any], results: dict[str, Any] | Non
     if dataset:
         lines.append(f"{dataset}, {data.get('tokenizer', '?')} tokenizer (vocabulary {model.config.vocab_size}).")
         if lower_case:
-            lines.append("The tokenizer was learned from lower-case text: `tokenizer.json` lower-cases its input (a "
-                         "`Lowercase` normalizer), so write prompts in any case.")
+            lines.append(
+                "The tokenizer was learned from lower-case text: `tokenizer.json` lower-cases its input (a "
+                "`Lowercase` normalizer), so write prompts in any case."
+            )
         if train:
             per_step = train.get("batch_size", 0) * train.get("seq_len", 0) * train.get("grad_accum", 1)
-            lines.append(f"{train.get('steps')} steps of {per_step:,} tokens per rank (train.state={train.get('state')}, "
-                         f"data_order={train.get('data_order')}).")
+            lines.append(
+                f"{train.get('steps')} steps of {per_step:,} tokens per rank (train.state={train.get('state')}, "
+                f"data_order={train.get('data_order')})."
+            )
     else:
         lines.append("Not recorded (the model was saved outside a training run).")
     lines += ["", "## Results", ""]
     if results:
-        lines += ["| " + " | ".join(results) + " |", "|" + "---|" * len(results),
-                  "| " + " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in results.values()) + " |"]
+        lines += [
+            "| " + " | ".join(results) + " |",
+            "|" + "---|" * len(results),
+            "| " + " | ".join(f"{v:.4f}" if isinstance(v, float) else str(v) for v in results.values()) + " |",
+        ]
     else:
         lines.append("No results recorded.")
     return ModelCard(f"---\n{meta.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
@@ -183,7 +197,9 @@ def from_pretrained(
         try:
             path = Path(snapshot_download(str(dir_or_repo_id), revision=revision, allow_patterns=FILES))
         except (HfHubHTTPError, LocalEntryNotFoundError, HFValidationError, OSError) as e:
-            raise RecurformerError(f"{dir_or_repo_id} is no local directory, and getting it from the Hub failed: {str(e).splitlines()[0]}") from None
+            raise RecurformerError(
+                f"{dir_or_repo_id} is no local directory, and getting it from the Hub failed: {str(e).splitlines()[0]}"
+            ) from None
     model, _, tok, config = load_model(path, device)
     return model, tok, config
 
@@ -204,14 +220,20 @@ def push_to_hub(
         return upload(tmp, repo_id, private, token, commit_message)
 
 
-def upload(directory: str | Path, repo_id: str, private: bool = False, token: str | None = None,
-           commit_message: str = "Upload recurformer model") -> str:
+def upload(
+    directory: str | Path,
+    repo_id: str,
+    private: bool = False,
+    token: str | None = None,
+    commit_message: str = "Upload recurformer model",
+) -> str:
     """Upload a pretrained directory to the Hub repo ``repo_id`` (created if needed); returns
     the commit URL."""
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
-    info = api.upload_folder(repo_id=repo_id, folder_path=str(directory), commit_message=commit_message,
-                             allow_patterns=FILES)
+    info = api.upload_folder(
+        repo_id=repo_id, folder_path=str(directory), commit_message=commit_message, allow_patterns=FILES
+    )
     return str(info.commit_url)
 
 

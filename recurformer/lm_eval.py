@@ -57,12 +57,22 @@ def _positive_int(value: Any, key: str) -> int:
 class RecurformerLM(TemplateLM):
     """A recurformer checkpoint as an lm-eval model (see the module docstring)."""
 
-    def __init__(self, pretrained: str | None = None, device: str | None = None, batch_size: int | str = 1,
-                 chunk: int | str = 256, max_gen_toks: int | str = 256, max_batch_size: Any = None, **unknown: Any) -> None:
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        device: str | None = None,
+        batch_size: int | str = 1,
+        chunk: int | str = 256,
+        max_gen_toks: int | str = 256,
+        max_batch_size: Any = None,
+        **unknown: Any,
+    ) -> None:
         super().__init__()
         if unknown:
-            raise RecurformerError(f"unknown recurformer model_args {', '.join(sorted(unknown))}; "
-                                   "valid: pretrained, batch_size, chunk, max_gen_toks, device")
+            raise RecurformerError(
+                f"unknown recurformer model_args {', '.join(sorted(unknown))}; "
+                "valid: pretrained, batch_size, chunk, max_gen_toks, device"
+            )
         if pretrained is None:
             raise RecurformerError("recurformer model_args need pretrained=<run, checkpoint or pretrained directory>")
         self._device = pick_device(str(device) if device else "auto")
@@ -134,7 +144,9 @@ class RecurformerLM(TemplateLM):
                 out[j] = r
         return out
 
-    def _loglikelihood_tokens(self, requests: list[Any], disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests: list[Any], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
         seqs = [[*ctx, *cont] for _, ctx, cont in requests]
         results = self._batched(seqs, [len(ctx) for _, ctx, _ in requests], disable_tqdm)
         for (key, _, _), r in zip(requests, results):

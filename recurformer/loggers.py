@@ -83,7 +83,9 @@ def make_sinks(names: list[str], run_dir: Path, config: dict[str, Any]) -> tuple
             try:
                 import wandb  # noqa: F401
             except ImportError:
-                raise RecurformerError("train.loggers asks for wandb, but it is not installed (pip install wandb)") from None
+                raise RecurformerError(
+                    "train.loggers asks for wandb, but it is not installed (pip install wandb)"
+                ) from None
     sinks: list[Sink] = [JsonlSink(run_dir)]
     notes = [f"metrics: {run_dir / 'metrics.jsonl'}"]
     for name in names:
@@ -132,6 +134,8 @@ def run_header(trainer: Any, notes: list[str]) -> list[str]:
     warning = slow_bf16_warning(t.precision, trainer.device)
     if warning:
         fp32 = matmul_peak(torch.float32, str(trainer.device), seconds=0.2)
-        lines.append(f"{warning} (matmul peaks: bf16 {trainer.peak_flops / 1e9:,.1f} GFLOP/s, the mfu reference; fp32 "
-                     f"{fp32 / 1e9:,.1f} GFLOP/s measured now)")
+        lines.append(
+            f"{warning} (matmul peaks: bf16 {trainer.peak_flops / 1e9:,.1f} GFLOP/s, the mfu reference; fp32 "
+            f"{fp32 / 1e9:,.1f} GFLOP/s measured now)"
+        )
     return lines

@@ -28,7 +28,9 @@ class MLP(nn.Module):
     """d_in -> hidden -> d_out, no biases. swiglu: W2 (silu(W1 x) * W3 x) (Shazeer 2020; Llama);
     relu: W2 relu(W1 x). ``hidden(x)`` is the activation fed to W2 (what LSTM-style gates read)."""
 
-    def __init__(self, dim: int, hidden: int, out: int | None = None, kind: Literal["swiglu", "relu"] = "swiglu") -> None:
+    def __init__(
+        self, dim: int, hidden: int, out: int | None = None, kind: Literal["swiglu", "relu"] = "swiglu"
+    ) -> None:
         super().__init__()
         self.kind = kind
         self.w1 = nn.Linear(dim, hidden, bias=False)
@@ -80,7 +82,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: 
     projections around it keep bf16."""
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
-            o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal and mask is None)
+            o = F.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal and mask is None
+            )
         return o.to(torch.get_autocast_dtype("cpu"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
 

@@ -56,18 +56,24 @@ def haystack_tokens(tokenizer: Tokenizer, text: Sequence[str | Path] | None = No
     return [t for d in docs for t in tokenizer.encode(d + "\n\n")]
 
 
-def make_prompt(hay: list[int], tokenizer: Tokenizer, length: int, depth: float, rng: random.Random) -> tuple[list[int], list[int]]:
+def make_prompt(
+    hay: list[int], tokenizer: Tokenizer, length: int, depth: float, rng: random.Random
+) -> tuple[list[int], list[int]]:
     """(prompt of exactly ``length`` tokens, answer tokens) for one trial."""
     key = str(rng.randint(10000, 99999))
     needle, question = tokenizer.encode(NEEDLE.format(key=key)), tokenizer.encode(QUESTION)
     answer = tokenizer.encode(" " + key)
     body = length - 1 - len(needle) - len(question)
     if body < 1:
-        raise RecurformerError(f"length {length} leaves no room for the haystack (the needle and question take "
-                               f"{len(needle) + len(question) + 1} tokens)")
+        raise RecurformerError(
+            f"length {length} leaves no room for the haystack (the needle and question take "
+            f"{len(needle) + len(question) + 1} tokens)"
+        )
     if len(hay) < body:
-        raise RecurformerError(f"the haystack has {len(hay):,} tokens, fewer than the {body:,} that length {length:,} needs; "
-                               "give a longer text or shorter lengths")
+        raise RecurformerError(
+            f"the haystack has {len(hay):,} tokens, fewer than the {body:,} that length {length:,} needs; "
+            "give a longer text or shorter lengths"
+        )
     start = rng.randint(0, len(hay) - body)
     text = hay[start : start + body]
     at = round(depth / 100 * body)
@@ -81,6 +87,7 @@ def logits_fn(model: Any, chunk: int) -> Callable[[torch.Tensor, int], torch.Ten
     ``transformers`` model reads the whole sequence in one call."""
     ours = isinstance(model, StreamingLM)
     if ours or hasattr(model, "empty_cache"):  # recurformer's transformers class: read through its state cache
+
         def run(x: torch.Tensor, first: int) -> torch.Tensor:
             parts, state = [], None
             cache = None if ours else model.empty_cache()
@@ -94,13 +101,22 @@ def logits_fn(model: Any, chunk: int) -> Callable[[torch.Tensor, int], torch.Ten
                 if a + chunk > first:
                     parts.append(logits[:, max(first - a, 0) :].float())
             return torch.cat(parts, 1)
+
         return run
     return lambda x, first: model(input_ids=x).logits[:, first:].float()
 
 
 @torch.no_grad()
-def niah(model: Any, tokenizer: Tokenizer, lengths: Sequence[int] = (256, 512, 1024), depths: Sequence[float] = (0, 25, 50, 75, 100),
-         trials: int = 4, chunk: int = 256, text: Sequence[str | Path] | None = None, seed: int = 0) -> list[Cell]:
+def niah(
+    model: Any,
+    tokenizer: Tokenizer,
+    lengths: Sequence[int] = (256, 512, 1024),
+    depths: Sequence[float] = (0, 25, 50, 75, 100),
+    trials: int = 4,
+    chunk: int = 256,
+    text: Sequence[str | Path] | None = None,
+    seed: int = 0,
+) -> list[Cell]:
     """Every (depth, length) cell: ``trials`` prompts (one batch), scored at the answer."""
     for d in depths:
         if not 0 <= d <= 100:
@@ -135,7 +151,9 @@ def table(cells: Sequence[Cell]) -> str:
     at = {(c.depth, c.length): c for c in cells}
     lines = ["| depth \\ length | " + " | ".join(f"{L:,}" for L in lengths) + " |", "|---" * (len(lengths) + 1) + "|"]
     for d in depths:
-        lines.append(f"| {d:g}% | " + " | ".join(f"{at[d, L].exact:.2f} ({at[d, L].logprob:.2f})" for L in lengths) + " |")
+        lines.append(
+            f"| {d:g}% | " + " | ".join(f"{at[d, L].exact:.2f} ({at[d, L].logprob:.2f})" for L in lengths) + " |"
+        )
     return "\n".join(lines)
 
 

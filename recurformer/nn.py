@@ -25,8 +25,18 @@ from .registry import build_layer
 from .state import IGNORE_INDEX, Call, LayerState, Output, Room, State, reset_rows, writable
 
 __all__ = [
-    "IGNORE_INDEX", "Block", "Call", "Layer", "LayerState", "ModelConfig", "Output", "Room", "State", "StreamingLM",
-    "reset_rows", "writable",
+    "IGNORE_INDEX",
+    "Block",
+    "Call",
+    "Layer",
+    "LayerState",
+    "ModelConfig",
+    "Output",
+    "Room",
+    "State",
+    "StreamingLM",
+    "reset_rows",
+    "writable",
 ]
 
 
@@ -248,7 +258,9 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
         self.layers: list[Layer] = nn.ModuleList(build_layer(k, config, i) for i, k in enumerate(kinds))  # type: ignore[assignment]
         self.norm = RMSNorm(config.dim, config.norm_eps)
         if config.window is not None and not any(layer.kind == "window" for layer in self.layers):
-            raise RecurformerError("config key 'window' is set, but no layer is a 'window' layer (see config key 'layers')")
+            raise RecurformerError(
+                "config key 'window' is set, but no layer is a 'window' layer (see config key 'layers')"
+            )
         self.init_weights()
 
     def default_kind(self) -> str:
@@ -294,13 +306,17 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
         for layer, s in zip(self.layers, layers):
             h, s = layer(h, s, call)
             new.append(s)
-        return h, State(fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=new, any_fresh=False)
+        return h, State(
+            fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=new, any_fresh=False
+        )
 
     def features(self, tokens: Tensor, state: State | None = None) -> tuple[Tensor, State]:
         """Validated ``tokens`` [B, T] -> final-norm hidden states [B, T, D] (what the LM head
         reads) and the state after the last token."""
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise RecurformerError(f"tokens must be an integer tensor [batch, time], got {tuple(tokens.shape)} {tokens.dtype}")
+            raise RecurformerError(
+                f"tokens must be an integer tensor [batch, time], got {tuple(tokens.shape)} {tokens.dtype}"
+            )
         B, T = tokens.shape
         if T > 0 and self.check_tokens:
             lo, hi = int(tokens.min()), int(tokens.max())
@@ -393,7 +409,9 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
         stack = ", ".join(f"{i}:{layer.describe()}" for i, layer in enumerate(self.layers))
         ctx = self.max_context()
         where = [i for i, layer in enumerate(self.layers) if layer.reach(1 << 40) is None]
-        field_ = f"up to {ctx:,} tokens" if ctx is not None else f"unbounded (cache or recurrent state in layers {where})"
+        field_ = (
+            f"up to {ctx:,} tokens" if ctx is not None else f"unbounded (cache or recurrent state in layers {where})"
+        )
         return [f"layers: {stack}", f"receptive field of a logit: {field_}"]
 
     def num_params(self) -> int:

@@ -31,7 +31,9 @@ def make_optimizer(
 
 def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     sd = opt.state_dict()
-    tensors = {f"opt.{pid}.{k}": v for pid, st in sd["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)}
+    tensors = {
+        f"opt.{pid}.{k}": v for pid, st in sd["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)
+    }
     groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
     return tensors, {"param_groups": groups}
 

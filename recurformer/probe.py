@@ -95,8 +95,16 @@ def _prefix(stream: np.ndarray, end: int, length: int) -> np.ndarray:
     return stream[idx]
 
 
-def _repeat_sample(prefix: np.ndarray, head: np.ndarray, s1: np.ndarray, gap: np.ndarray, marker: np.ndarray,
-                   s2: np.ndarray, tail: np.ndarray, alt: np.ndarray) -> Sample:
+def _repeat_sample(
+    prefix: np.ndarray,
+    head: np.ndarray,
+    s1: np.ndarray,
+    gap: np.ndarray,
+    marker: np.ndarray,
+    s2: np.ndarray,
+    tail: np.ndarray,
+    alt: np.ndarray,
+) -> Sample:
     """Rows [prefix, head, s1, gap, marker, s2, tail] and the same with s1 replaced by ``alt``.
     copy_gain(k) is filed under k (the contexts of s1[k] and s2[k] agree on their last k tokens);
     swap_Δ(k) under k + |gap| + |marker|, the distance back to the nearest swapped token."""
@@ -131,8 +139,13 @@ def split_copy_document(doc: np.ndarray, marker: np.ndarray, tail: int) -> tuple
 
 
 def repeat_samples(
-    tok: Tokenizer, dataset: str | None, text: Sequence[str] | None, n_docs: int, passage: int,
-    warm: tuple[int, int], rng: np.random.Generator,
+    tok: Tokenizer,
+    dataset: str | None,
+    text: Sequence[str] | None,
+    n_docs: int,
+    passage: int,
+    warm: tuple[int, int],
+    rng: np.random.Generator,
 ) -> list[Sample]:
     """Copy documents. Documents that hold the marker (``tinystories-repeat``: BOS, story,
     marker, story, EOS, as trained on; or text files of ``s1 gap marker s1`` documents, e.g.
@@ -145,7 +158,9 @@ def repeat_samples(
     else:
         texts, eos = documents(dataset, text), False
         if not any(MARKER_TEXT in t for t in texts):
-            return repeat_samples_from_stream(np.concatenate(_encode(tok, texts, eos)), marker, n_docs, passage, warm, rng)
+            return repeat_samples_from_stream(
+                np.concatenate(_encode(tok, texts, eos)), marker, n_docs, passage, warm, rng
+            )
     docs = _encode(tok, texts, eos)
     parts = [split_copy_document(d, marker, int(eos)) for d in docs]
     usable = [i for i, x in enumerate(parts) if x is not None]
@@ -176,8 +191,9 @@ def _elsewhere(stream: np.ndarray, at: int, length: int, rng: np.random.Generato
     return stream[o : o + length]
 
 
-def repeat_samples_from_stream(stream: np.ndarray, marker: np.ndarray, n_docs: int, passage: int,
-                               warm: tuple[int, int], rng: np.random.Generator) -> list[Sample]:
+def repeat_samples_from_stream(
+    stream: np.ndarray, marker: np.ndarray, n_docs: int, passage: int, warm: tuple[int, int], rng: np.random.Generator
+) -> list[Sample]:
     """Copy documents ``prefix, s1, marker, s1`` with s1 a ``passage``-token piece of ``stream``,
     and the swapped passage a piece from elsewhere in the stream."""
     if passage < 1:
@@ -199,8 +215,14 @@ def repeat_samples_from_stream(stream: np.ndarray, marker: np.ndarray, n_docs: i
     return samples
 
 
-def swap_samples(stream: np.ndarray, n_docs: int, distances: Sequence[int], span: int, warm: tuple[int, int],
-                 rng: np.random.Generator) -> list[Sample]:
+def swap_samples(
+    stream: np.ndarray,
+    n_docs: int,
+    distances: Sequence[int],
+    span: int,
+    warm: tuple[int, int],
+    rng: np.random.Generator,
+) -> list[Sample]:
     """For each sample: a true history of ``max(distances)`` + a random warm prefix, ``span``
     targets after it, and one row per distance d whose history older than d is other text."""
     if not distances or min(distances) < 0:
@@ -254,8 +276,20 @@ def text_stream(tok: Tokenizer, dataset: str | None, text: Sequence[str] | None)
     return np.concatenate(_encode(tok, documents(dataset, text), append_eos=dataset == "tinystories-repeat"))
 
 
-def make_samples(tok: Tokenizer, task: str, dataset: str | None, text: Sequence[str] | None, vocab_size: int, *,
-                 docs: int, passage: int, distances: Sequence[int], span: int, warm: tuple[int, int], seed: int) -> list[Sample]:
+def make_samples(
+    tok: Tokenizer,
+    task: str,
+    dataset: str | None,
+    text: Sequence[str] | None,
+    vocab_size: int,
+    *,
+    docs: int,
+    passage: int,
+    distances: Sequence[int],
+    span: int,
+    warm: tuple[int, int],
+    seed: int,
+) -> list[Sample]:
     """The documents of a ``task`` probe (``repeat`` or ``swap``), checked against the model's
     vocabulary; the same ``seed`` gives the same documents for every checkpoint."""
     if task not in TASKS:
@@ -276,8 +310,14 @@ def make_samples(tok: Tokenizer, task: str, dataset: str | None, text: Sequence[
 
 
 @torch.no_grad()
-def row_losses(model: StreamingLM, rows: Sequence[np.ndarray], chunk: int = 256, batch_size: int = 16,
-               precision: str = "fp32", progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
+def row_losses(
+    model: StreamingLM,
+    rows: Sequence[np.ndarray],
+    chunk: int = 256,
+    batch_size: int = 16,
+    precision: str = "fp32",
+    progress: Callable[[int], None] | None = None,
+) -> list[np.ndarray]:
     """Per-position losses of each row: ``out[r][p]`` = cross-entropy of token p given tokens < p
     (``out[r][0]`` is NaN). Rows of any lengths are batched with padding at their end (which no
     earlier position can see) and read ``chunk`` tokens per call, carrying the state."""
@@ -286,7 +326,11 @@ def row_losses(model: StreamingLM, rows: Sequence[np.ndarray], chunk: int = 256,
     device = model.tok_emb.weight.device
     order = np.argsort([len(r) for r in rows], kind="stable")
     out: list[np.ndarray] = [np.empty(0)] * len(rows)
-    cast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else torch.autocast(device.type, enabled=False)
+    cast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if precision == "bf16"
+        else torch.autocast(device.type, enabled=False)
+    )
     for start in range(0, len(rows), batch_size):
         idx = order[start : start + batch_size]
         T = max(len(rows[i]) for i in idx)
@@ -326,7 +370,9 @@ def distance_bins(max_distance: int) -> list[tuple[int, int]]:
     return bins
 
 
-def bootstrap_mean(values: np.ndarray, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+def bootstrap_mean(
+    values: np.ndarray, n_boot: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
     """Mean of per-document values with a percentile-bootstrap interval that resamples documents."""
     values = np.asarray(values, dtype=np.float64)
     if values.size == 0:
@@ -348,7 +394,9 @@ class BinStat:
     tokens: int
 
 
-def aggregate(samples: Sequence[Sample], losses: Sequence[Sequence[np.ndarray]], metric: str, seed: int = 0) -> list[BinStat]:
+def aggregate(
+    samples: Sequence[Sample], losses: Sequence[Sequence[np.ndarray]], metric: str, seed: int = 0
+) -> list[BinStat]:
     """Per-document bin means of ``metric``, then mean and bootstrap interval over documents."""
     per_doc: list[tuple[np.ndarray, np.ndarray]] = []
     dmax = 0
@@ -402,7 +450,9 @@ def run_facts(ckpt_dir: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError):
         return facts
     try:
-        rows = [json.loads(line) for line in (ckpt_dir.parent / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows = [
+            json.loads(line) for line in (ckpt_dir.parent / "metrics.jsonl").read_text().splitlines() if line.strip()
+        ]
     except (OSError, json.JSONDecodeError):
         return facts
     rows = [r for r in rows if r.get("step", 0) <= facts["step"]]
@@ -413,9 +463,16 @@ def run_facts(ckpt_dir: Path) -> dict[str, Any]:
     return facts
 
 
-def probe_model(model: StreamingLM, samples: Sequence[Sample], metrics: Sequence[str], chunk: int = 256,
-                batch_size: int = 16, precision: str = "fp32", seed: int = 0,
-                progress: Callable[[int], None] | None = None) -> dict[str, list[BinStat]]:
+def probe_model(
+    model: StreamingLM,
+    samples: Sequence[Sample],
+    metrics: Sequence[str],
+    chunk: int = 256,
+    batch_size: int = 16,
+    precision: str = "fp32",
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, list[BinStat]]:
     """Read every row of every sample and aggregate each metric by distance bin."""
     model.eval()
     flat = [r for s in samples for r in s.rows]
@@ -440,15 +497,27 @@ def markdown_tables(results: Sequence[ProbeResult]) -> str:
     out = []
     for metric in dict.fromkeys(m for r in results for m in r.metrics):
         bins = sorted({(b.lo, b.hi) for r in results for b in r.metrics.get(metric, [])})
-        head = "| checkpoint | R | val loss | train tok/s | " + " | ".join(f"{lo}–{hi - 1}" if hi - lo > 1 else f"{lo}" for lo, hi in bins) + " |"
-        lines = [f"**{metric}** by distance (tokens back), mean over documents [95% bootstrap interval]", "", head,
-                 "|---|---|---|---|" + "---|" * len(bins)]
+        head = (
+            "| checkpoint | R | val loss | train tok/s | "
+            + " | ".join(f"{lo}–{hi - 1}" if hi - lo > 1 else f"{lo}" for lo, hi in bins)
+            + " |"
+        )
+        lines = [
+            f"**{metric}** by distance (tokens back), mean over documents [95% bootstrap interval]",
+            "",
+            head,
+            "|---|---|---|---|" + "---|" * len(bins),
+        ]
         for r in results:
             by = {(b.lo, b.hi): b for b in r.metrics.get(metric, [])}
             R = "∞" if r.receptive_field is None else str(r.receptive_field)
             val = f"{r.val_loss:.3f}" if r.val_loss is not None else "–"
             tps = f"{r.train_tok_per_s:,.0f}" if r.train_tok_per_s is not None else "–"
-            lines.append(f"| {r.label} | {R} | {val} | {tps} | " + " | ".join(_cell(by[k]) if k in by else "" for k in bins) + " |")
+            lines.append(
+                f"| {r.label} | {R} | {val} | {tps} | "
+                + " | ".join(_cell(by[k]) if k in by else "" for k in bins)
+                + " |"
+            )
         out.append("\n".join(lines))
     return "\n\n".join(out)
 
@@ -458,7 +527,20 @@ def to_json(results: Sequence[ProbeResult], meta: dict[str, Any]) -> dict[str, A
 
 
 # the settings two probe runs must share for their rows to be compared in one table
-SAME_SETTINGS = ("task", "dataset_used", "text", "docs", "passage", "distances", "span", "warm_min", "warm_max", "chunk", "seed", "precision")
+SAME_SETTINGS = (
+    "task",
+    "dataset_used",
+    "text",
+    "docs",
+    "passage",
+    "distances",
+    "span",
+    "warm_min",
+    "warm_max",
+    "chunk",
+    "seed",
+    "precision",
+)
 
 
 def merge(files: Sequence[Path]) -> tuple[list[ProbeResult], dict[str, Any]]:
@@ -485,13 +567,18 @@ def merge(files: Sequence[Path]) -> tuple[list[ProbeResult], dict[str, Any]]:
                 )
         if meta.get("text_sha256"):  # files of older runs lack it
             if digest not in (None, meta["text_sha256"]):
-                raise RecurformerError(f"cannot merge {first[0]} and {f}: their --text files have the same names but other contents")
+                raise RecurformerError(
+                    f"cannot merge {first[0]} and {f}: their --text files have the same names but other contents"
+                )
             digest = meta["text_sha256"]
         for r in rows:
             stats = {m: [BinStat(**b) for b in bs] for m, bs in r.pop("metrics").items()}
             results.append(ProbeResult(**r, metrics=stats))
     assert first is not None
-    return results, {k: first[1].get(k) for k in SAME_SETTINGS} | {"text_sha256": digest, "merged_from": [str(f) for f in files]}
+    return results, {k: first[1].get(k) for k in SAME_SETTINGS} | {
+        "text_sha256": digest,
+        "merged_from": [str(f) for f in files],
+    }
 
 
 def text_sha256(files: Sequence[str] | None) -> str | None:

@@ -38,7 +38,11 @@ class Readout:
     grad_norm: list[float]  # k = 1..K: ||d L_k / d S_0|| (nan where segment k scores nothing)
 
     def to_json(self) -> dict[str, Any]:
-        return {"segment": self.segment, "share": {str(k): v for k, v in self.share.items()}, "grad_norm": self.grad_norm}
+        return {
+            "segment": self.segment,
+            "share": {str(k): v for k, v in self.share.items()},
+            "grad_norm": self.grad_norm,
+        }
 
 
 def default_segment(model: StreamingLM) -> int:
@@ -72,7 +76,9 @@ def state_gradient(model: StreamingLM, inputs: Tensor, targets: Tensor, segment:
     ``inputs`` [B, T >= (k + 1) * segment], L_j the mean cross-entropy on ``targets`` (the same
     shape; IGNORE_INDEX where not scored) of segment j; nan for a segment that scores nothing."""
     if inputs.shape[1] < (k + 1) * segment:
-        raise RecurformerError(f"the gradient read-out needs {(k + 1) * segment} tokens per row ({k + 1} segments of {segment}), got {inputs.shape[1]}")
+        raise RecurformerError(
+            f"the gradient read-out needs {(k + 1) * segment} tokens per row ({k + 1} segments of {segment}), got {inputs.shape[1]}"
+        )
     model.eval()
     with torch.no_grad():
         s0 = model(inputs[:, :segment]).state
@@ -90,7 +96,11 @@ def state_gradient(model: StreamingLM, inputs: Tensor, targets: Tensor, segment:
         out = model(inputs[:, j * segment : (j + 1) * segment], state=state)
         y = targets[:, j * segment : (j + 1) * segment]
         scored = bool((y != IGNORE_INDEX).any())
-        losses.append(F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX) if scored else None)
+        losses.append(
+            F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+            if scored
+            else None
+        )
         state = out.state
     norms = []
     for loss in losses:
@@ -106,20 +116,33 @@ def readout(model: StreamingLM, inputs: Tensor, targets: Tensor, segment: int | 
     """Both read-outs over ``inputs`` [B, T] (``targets``: the next tokens, IGNORE_INDEX where not scored)."""
     segment = segment or default_segment(model)
     if segment < 1 or segment % model.reset_boundary:
-        raise RecurformerError(f"--segment must be a positive multiple of the model's chunk/segment/block length ({model.reset_boundary}), got {segment}")
+        raise RecurformerError(
+            f"--segment must be a positive multiple of the model's chunk/segment/block length ({model.reset_boundary}), got {segment}"
+        )
     return Readout(segment, memory_share(model, inputs, segment), state_gradient(model, inputs, targets, segment, k))
 
 
 def table(r: Readout, kinds: list[str]) -> str:
     """Markdown: the memory share per layer (first segments and the mean of the rest), then the gradient norms."""
-    lines = [f"memory share of the tokens' read, per segment of {r.segment} tokens", "", "| layer | kind | seg 0 | seg 1 | seg 2 | later (mean) |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"memory share of the tokens' read, per segment of {r.segment} tokens",
+        "",
+        "| layer | kind | seg 0 | seg 1 | seg 2 | later (mean) |",
+        "|---|---|---|---|---|---|",
+    ]
     for i, s in r.share.items():
         cells = [f"{v:.4f}" for v in s[:3]] + ["-"] * max(0, 3 - len(s))
         later = f"{sum(s[3:]) / len(s[3:]):.4f}" if len(s) > 3 else "-"
         lines.append(f"| {i} | {kinds[i]} | " + " | ".join(cells) + f" | {later} |")
     if not r.share:
         lines.append("| - | no layer with a memory path | | | | |")
-    lines += ["", "gradient norm reaching the state after segment 0 from the loss of segment k", "", "| k | norm |", "|---|---|"]
+    lines += [
+        "",
+        "gradient norm reaching the state after segment 0 from the loss of segment k",
+        "",
+        "| k | norm |",
+        "|---|---|",
+    ]
     lines += [f"| {j} | {g:.3e} |" for j, g in enumerate(r.grad_norm, start=1)]
     return "\n".join(lines)
 

@@ -72,10 +72,14 @@ def description(name: str) -> str:
 def build_layer(kind: str, cfg: Any, index: int) -> Any:
     """Layer ``index`` of kind ``kind`` ('full', 'window', 'memory', 'xl', ...) for config ``cfg``."""
     if kind not in LAYER_KINDS:
-        raise RecurformerError(f"unknown layer kind '{kind}' for layer {index}{suggest(kind, sorted(LAYER_KINDS)).replace('keys', 'kinds')}")
+        raise RecurformerError(
+            f"unknown layer kind '{kind}' for layer {index}{suggest(kind, sorted(LAYER_KINDS)).replace('keys', 'kinds')}"
+        )
     entry = LAYER_KINDS[kind]
     if not isinstance(cfg, entry.config):
-        raise RecurformerError(f"a '{kind}' layer needs the config of a {entry.config.__name__}, not {type(cfg).__name__}")
+        raise RecurformerError(
+            f"a '{kind}' layer needs the config of a {entry.config.__name__}, not {type(cfg).__name__}"
+        )
     return entry.make(cfg, index)
 
 

@@ -82,7 +82,9 @@ class State:
         return self.fresh.shape[0]
 
     def map(self, fn: Callable[[Tensor], Tensor]) -> "State":
-        return dataclasses.replace(self, fresh=fn(self.fresh), start=fn(self.start), layers=[s.map(fn) for s in self.layers])
+        return dataclasses.replace(
+            self, fresh=fn(self.fresh), start=fn(self.start), layers=[s.map(fn) for s in self.layers]
+        )
 
     def detach(self) -> "State":
         """Cut the autograd graph (the TBPTT boundary)."""
@@ -104,7 +106,9 @@ class State:
         known: bool | None = None
         if self.any_fresh:
             known = True
-        elif not isinstance(mask, Tensor) or mask.device.type == "cpu":  # a host mask: any() needs no wait for the device
+        elif (
+            not isinstance(mask, Tensor) or mask.device.type == "cpu"
+        ):  # a host mask: any() needs no wait for the device
             known = True if bool(torch.as_tensor(mask).any()) else self.any_fresh
         mask = torch.as_tensor(mask, dtype=torch.bool, device=self.fresh.device)
         if mask.shape != self.fresh.shape:
@@ -113,7 +117,12 @@ class State:
 
     def to_flat(self) -> dict[str, Tensor]:
         """``{name: tensor}`` for safetensors: fresh, start, pos, layers.n, layers.<i>.<field>."""
-        out = {"fresh": self.fresh, "start": self.start, "pos": torch.tensor(self.pos), "layers.n": torch.tensor(len(self.layers))}
+        out = {
+            "fresh": self.fresh,
+            "start": self.start,
+            "pos": torch.tensor(self.pos),
+            "layers.n": torch.tensor(len(self.layers)),
+        }
         for i, s in enumerate(self.layers):
             out.update({f"layers.{i}.{k}": t for k, t in s.tensors().items()})
         return {k: t.detach().contiguous() for k, t in out.items()}

@@ -103,15 +103,21 @@ class SynthConfig:
             raise RecurformerError(f"synth key 'warmup' is a fraction of the steps in [0, 1), got {self.warmup}")
         if any(L < 0 for L in self.eval_lengths):
             raise RecurformerError(f"synth key 'eval_lengths' must be >= 0, got {self.eval_lengths}")
-        if self.train_lengths and (len(self.train_lengths) != 2 or not 0 <= self.train_lengths[0] <= self.train_lengths[1]):
-            raise RecurformerError(f"synth key 'train_lengths' must be [lo, hi] with 0 <= lo <= hi, got {self.train_lengths}")
+        if self.train_lengths and (
+            len(self.train_lengths) != 2 or not 0 <= self.train_lengths[0] <= self.train_lengths[1]
+        ):
+            raise RecurformerError(
+                f"synth key 'train_lengths' must be [lo, hi] with 0 <= lo <= hi, got {self.train_lengths}"
+            )
         if self.truncation < 0:
             raise RecurformerError(f"synth key 'truncation' must be >= 0 (0: the whole row), got {self.truncation}")
         if self.state_noise < 0:
             raise RecurformerError(f"synth key 'state_noise' must be >= 0, got {self.state_noise}")
         sched = self.curriculum()
         if self.train_lengths and sched.sets("length"):
-            raise RecurformerError("give either synth.train_lengths (mixed lengths) or a length in synth.schedule, not both")
+            raise RecurformerError(
+                "give either synth.train_lengths (mixed lengths) or a length in synth.schedule, not both"
+            )
 
     def curriculum(self) -> Schedule:
         return schedule_from(self.schedule, "synth.schedule")
@@ -188,7 +194,13 @@ class CompressionDecoder(nn.Module):
     def __init__(self, dim: int, vocab_size: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.mlp = nn.Sequential(
-            RMSNorm(dim, eps), nn.Linear(dim, dim), nn.GELU(), RMSNorm(dim, eps), nn.Linear(dim, dim), nn.GELU(), RMSNorm(dim, eps)
+            RMSNorm(dim, eps),
+            nn.Linear(dim, dim),
+            nn.GELU(),
+            RMSNorm(dim, eps),
+            nn.Linear(dim, dim),
+            nn.GELU(),
+            RMSNorm(dim, eps),
         )
         self.unembed = nn.Linear(dim, vocab_size)
         for m in self.modules():
@@ -216,7 +228,11 @@ class Learner(nn.Module):
     def __init__(self, model: StreamingLM, task: Task) -> None:
         super().__init__()
         self.model = model
-        self.decoder = CompressionDecoder(model.config.dim, model.config.vocab_size, model.config.norm_eps) if task.head == "autoencoder" else None
+        self.decoder = (
+            CompressionDecoder(model.config.dim, model.config.vocab_size, model.config.norm_eps)
+            if task.head == "autoencoder"
+            else None
+        )
 
     def loss(self, x: Tensor, y: Tensor) -> Tensor:
         if self.decoder is None:
@@ -239,7 +255,12 @@ class Learner(nn.Module):
         total, pending, kept = 0.0, None, None
         for a, b in zip(cuts[:-1], cuts[1:]):
             out = self.model(x[:, a:b], state=state)
-            loss = F.cross_entropy(out.logits.float().flatten(0, 1), y[:, a:b].flatten(), ignore_index=IGNORE_INDEX, reduction="sum") / n
+            loss = (
+                F.cross_entropy(
+                    out.logits.float().flatten(0, 1), y[:, a:b].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+                )
+                / n
+            )
             pending = loss if pending is None else pending + loss
             state = out.state
             if b == (T // boundary) * boundary:
@@ -274,7 +295,12 @@ def evaluate(learner: Learner, data: TaskData, chunk: int, batch_size: int) -> S
     """Teacher-forced argmax at the scored positions, reading each row ``chunk`` tokens per call."""
     learner.eval()
     device = learner.model.tok_emb.weight.device
-    preds = torch.cat([learner.predict(data.inputs[lo : lo + batch_size].to(device), chunk).cpu() for lo in range(0, len(data.inputs), batch_size)])
+    preds = torch.cat(
+        [
+            learner.predict(data.inputs[lo : lo + batch_size].to(device), chunk).cpu()
+            for lo in range(0, len(data.inputs), batch_size)
+        ]
+    )
     scored = data.targets != IGNORE_INDEX
     correct = (preds == data.targets) & scored
     tgt = data.targets[scored]
@@ -283,7 +309,9 @@ def evaluate(learner: Learner, data: TaskData, chunk: int, batch_size: int) -> S
     per_class = torch.stack([hit[tgt == c].mean() for c in classes])
     rows = scored.any(1)
     exact = (correct.sum(1) == scored.sum(1))[rows]
-    return Scores(float(hit.mean()), float(per_class.mean()), float(exact.float().mean()), int(scored.sum()), int(rows.sum()))
+    return Scores(
+        float(hit.mean()), float(per_class.mean()), float(exact.float().mean()), int(scored.sum()), int(rows.sum())
+    )
 
 
 class FreshRows:
@@ -308,7 +336,9 @@ class FreshRows:
     def batch(self, step: int) -> TaskData:
         L = self.length(step)
         params = self.params if L is None else self.t.at_length(self.params, L)
-        return make_split(self.task, self.cfg.batch_size, 10**9 + self.cfg.seed * 10**6 + step, params, exclude=self.exclude)
+        return make_split(
+            self.task, self.cfg.batch_size, 10**9 + self.cfg.seed * 10**6 + step, params, exclude=self.exclude
+        )
 
 
 def stage_base(t: Task, params: dict[str, Any], cfg: SynthConfig) -> dict[str, int]:
@@ -319,7 +349,9 @@ def stage_base(t: Task, params: dict[str, Any], cfg: SynthConfig) -> dict[str, i
     return base
 
 
-def train_model(learner: Learner, data: TaskData | FreshRows, cfg: SynthConfig, lr: float, progress: bool = False) -> float:
+def train_model(
+    learner: Learner, data: TaskData | FreshRows, cfg: SynthConfig, lr: float, progress: bool = False
+) -> float:
     """AdamW with warmup + cosine over ``cfg.steps`` steps of random batches (epoch order, seeded),
     or of fresh batches (``FreshRows``). With ``truncation``, ``state_init`` other than zero, or a
     schedule, each batch goes through ``Learner.backward``. Returns the mean training loss over the
@@ -336,7 +368,9 @@ def train_model(learner: Learner, data: TaskData | FreshRows, cfg: SynthConfig, 
     plain = learner.decoder is not None or (sched.values("truncation", base) == [0] and cfg.state_init == "zero")
     passed: State | None = None
     learner.train()
-    for step in tqdm(range(cfg.steps), desc=f"lr {lr:g}", unit="step", leave=False, disable=not progress, dynamic_ncols=True):
+    for step in tqdm(
+        range(cfg.steps), desc=f"lr {lr:g}", unit="step", leave=False, disable=not progress, dynamic_ncols=True
+    ):
         if isinstance(data, TaskData):
             if pos + cfg.batch_size > n:
                 order, pos = torch.randperm(n, generator=gen), 0
@@ -357,7 +391,9 @@ def train_model(learner: Learner, data: TaskData | FreshRows, cfg: SynthConfig, 
                 truncation = sched.at(step, base)["truncation"]
                 rows = torch.ones(x.shape[0], dtype=torch.bool)
                 noise = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-                state = initial_state(learner.model, cfg.state_init, rows, passed, x.shape[0], device, noise, cfg.state_noise)
+                state = initial_state(
+                    learner.model, cfg.state_init, rows, passed, x.shape[0], device, noise, cfg.state_noise
+                )
                 loss, passed = learner.backward(x, y, state, truncation * cfg.context, learner.model.reset_boundary)
         torch.nn.utils.clip_grad_norm_(learner.parameters(), cfg.grad_clip)
         opt.step()
@@ -378,9 +414,13 @@ def check_recipe(t: Task, params: dict[str, Any], cfg: SynthConfig) -> None:
         raise RecurformerError(f"synth key 'train_lengths' needs a task with a length; task {t.name} has none")
     truncations = sched.values("truncation", base)
     if t.head != "lm" and (truncations != [0] or cfg.state_init != "zero"):
-        raise RecurformerError(f"task {t.name} is read by a decoder from the whole row: synth.truncation and synth.state_init do not apply")
+        raise RecurformerError(
+            f"task {t.name} is read by a decoder from the whole row: synth.truncation and synth.state_init do not apply"
+        )
     if cfg.state_init == "passing" and cfg.batch_size < 2:
-        raise RecurformerError("synth key 'state_init' = passing needs batch_size >= 2 (a row takes another row's state)")
+        raise RecurformerError(
+            "synth key 'state_init' = passing needs batch_size >= 2 (a row takes another row's state)"
+        )
     if t.length_key:
         lengths = [cfg.train_lengths[0]] if cfg.train_lengths else sched.values("length", base)
         shortest = min(make_split(t.name, 1, 0, t.at_length(params, L)).inputs.shape[1] for L in lengths)
@@ -416,7 +456,9 @@ def run_synth(
     if cfg.n_train is not None and cfg.n_train < cfg.batch_size:
         raise RecurformerError(f"n_train ({cfg.n_train}) must be at least batch_size ({cfg.batch_size})")
     if cfg.eval_lengths and not t.length_key:
-        raise RecurformerError(f"task {task} has no length to sweep; eval_lengths applies to {[n for n, x in TASKS.items() if x.length_key]}")
+        raise RecurformerError(
+            f"task {task} has no length to sweep; eval_lengths applies to {[n for n, x in TASKS.items() if x.length_key]}"
+        )
     values = model_values(model_name, dict(model_over or {}), int(params["vocab_size"]), cfg.context)
     build_model(model_name, values)  # validate before generating data
     check_recipe(t, params, cfg)
@@ -427,11 +469,16 @@ def run_synth(
         seen = val.row_keys()
         test = make_split(task, cfg.n_test, cfg.seed + 2, params, exclude=seen)
         seen |= test.row_keys()
-        length_data = {L: make_split(task, cfg.n_length_test, cfg.seed + 3 + L, t.at_length(params, L), exclude=seen) for L in cfg.eval_lengths}
+        length_data = {
+            L: make_split(task, cfg.n_length_test, cfg.seed + 3 + L, t.at_length(params, L), exclude=seen)
+            for L in cfg.eval_lengths
+        }
         for d in length_data.values():
             seen |= d.row_keys()
         train = FreshRows(task, params, cfg, seen)
-        log(f"{task} {params}: fresh training rows for each of {cfg.steps} steps / {cfg.n_val} val / {cfg.n_test} test rows of {val.inputs.shape[1]} tokens")
+        log(
+            f"{task} {params}: fresh training rows for each of {cfg.steps} steps / {cfg.n_val} val / {cfg.n_test} test rows of {val.inputs.shape[1]} tokens"
+        )
     else:
         train = make_split(task, cfg.n_train or t.train_size, cfg.seed, params)
         seen = train.row_keys()
@@ -439,8 +486,13 @@ def run_synth(
         seen |= val.row_keys()
         test = make_split(task, cfg.n_test, cfg.seed + 2, params, exclude=seen)
         seen |= test.row_keys()
-        length_data = {L: make_split(task, cfg.n_length_test, cfg.seed + 3 + L, t.at_length(params, L), exclude=seen) for L in cfg.eval_lengths}
-        log(f"{task} {params}: {len(train.inputs)} train / {cfg.n_val} val / {cfg.n_test} test rows of {train.inputs.shape[1]} tokens")
+        length_data = {
+            L: make_split(task, cfg.n_length_test, cfg.seed + 3 + L, t.at_length(params, L), exclude=seen)
+            for L in cfg.eval_lengths
+        }
+        log(
+            f"{task} {params}: {len(train.inputs)} train / {cfg.n_val} val / {cfg.n_test} test rows of {train.inputs.shape[1]} tokens"
+        )
 
     best: tuple[float, float, Learner] | None = None
     sweep = []
@@ -463,9 +515,20 @@ def run_synth(
         by_length[L] = evaluate(learner, data, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
         log(f"  {task} at length {L}: test accuracy {by_length[L]:.4f}")
     return SynthResult(
-        task=task, model=model_name, metric=t.metric, accuracy=scores.headline(t.metric), lr=lr, test=scores, val_accuracy=val_acc,
-        sweep=sweep, by_length=by_length, task_params=params, model_config=dataclasses.asdict(learner.model.config),
-        num_params=learner.model.num_params(), bounded_state=learner.model.bounded_state, seconds=time.perf_counter() - t0,
+        task=task,
+        model=model_name,
+        metric=t.metric,
+        accuracy=scores.headline(t.metric),
+        lr=lr,
+        test=scores,
+        val_accuracy=val_acc,
+        sweep=sweep,
+        by_length=by_length,
+        task_params=params,
+        model_config=dataclasses.asdict(learner.model.config),
+        num_params=learner.model.num_params(),
+        bounded_state=learner.model.bounded_state,
+        seconds=time.perf_counter() - t0,
     )
 
 
@@ -488,4 +551,16 @@ def summary(r: SynthResult) -> str:
     )
 
 
-__all__ = ["CompressionDecoder", "Learner", "SynthConfig", "SynthResult", "Scores", "evaluate", "run_synth", "split_overrides", "synth_config", "summary", "result_dict"]
+__all__ = [
+    "CompressionDecoder",
+    "Learner",
+    "SynthConfig",
+    "SynthResult",
+    "Scores",
+    "evaluate",
+    "run_synth",
+    "split_overrides",
+    "synth_config",
+    "summary",
+    "result_dict",
+]

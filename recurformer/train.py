@@ -84,7 +84,9 @@ class DataConfig:
         ``prepared/text-<content hash>-<tokenizer><vocab>`` for text files."""
         if self.dir:
             return Path(self.dir)
-        name = self.dataset or f"text-{(self.source_key() or '')[:12]}"  # text_files: __post_init__ leaves no third case
+        name = (
+            self.dataset or f"text-{(self.source_key() or '')[:12]}"
+        )  # text_files: __post_init__ leaves no third case
         return Path("prepared") / f"{name}-{self.tokenizer}{self.vocab_size if self.tokenizer == 'bpe' else ''}"
 
 
@@ -123,13 +125,34 @@ class TrainConfig:
     loggers: list[str] = field(default_factory=lambda: ["tensorboard"])  # + metrics.jsonl; see loggers.py
 
     def __post_init__(self) -> None:
-        for k in ("batch_size", "seq_len", "steps", "grad_accum", "truncation", "eval_every", "log_every", "save_every"):
+        for k in (
+            "batch_size",
+            "seq_len",
+            "steps",
+            "grad_accum",
+            "truncation",
+            "eval_every",
+            "log_every",
+            "save_every",
+        ):
             if getattr(self, k) < 1:
                 raise RecurformerError(f"config key 'train.{k}' must be >= 1, got {getattr(self, k)}")
         if self.grad_accum % self.truncation:
-            raise RecurformerError(f"train.grad_accum ({self.grad_accum}) must be a multiple of train.truncation ({self.truncation})")
-        check_options("train", lr=self.lr, min_lr=self.min_lr, warmup=self.warmup, weight_decay=self.weight_decay, beta1=self.beta1,
-                      beta2=self.beta2, grad_clip=self.grad_clip, eval_batches=self.eval_batches, keep_last=self.keep_last)
+            raise RecurformerError(
+                f"train.grad_accum ({self.grad_accum}) must be a multiple of train.truncation ({self.truncation})"
+            )
+        check_options(
+            "train",
+            lr=self.lr,
+            min_lr=self.min_lr,
+            warmup=self.warmup,
+            weight_decay=self.weight_decay,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            grad_clip=self.grad_clip,
+            eval_batches=self.eval_batches,
+            keep_last=self.keep_last,
+        )
         sched = self.curriculum()
         sched.check("train.schedule", SCHEDULED, self.base_values())
         for v in sched.values("truncation", self.base_values()):
@@ -141,7 +164,9 @@ class TrainConfig:
         if self.state_noise < 0:
             raise RecurformerError(f"config key 'train.state_noise' must be >= 0, got {self.state_noise}")
         if self.state_init == "passing" and self.batch_size < 2:
-            raise RecurformerError("config key 'train.state_init' = passing needs train.batch_size >= 2 (a row takes another stream's state)")
+            raise RecurformerError(
+                "config key 'train.state_init' = passing needs train.batch_size >= 2 (a row takes another stream's state)"
+            )
 
     def base_values(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in SCHEDULED}
@@ -302,7 +327,9 @@ class CarriedState:
         tr = self.trainer
         local = tr.state.to("cpu").to_flat() if tr.state is not None else None
         everyone = gather(local, tr.world)
-        sd: dict[str, Any] = {f"rank{r}.state.{k}": v for r, flat in enumerate(everyone) if flat for k, v in flat.items()}
+        sd: dict[str, Any] = {
+            f"rank{r}.state.{k}": v for r, flat in enumerate(everyone) if flat for k, v in flat.items()
+        }
         sd["state_class"] = type(tr.model.init_state(1, "cpu")).__name__
         return sd
 
@@ -316,6 +343,7 @@ class CarriedState:
 
 # ----------------------------------------------------------------------------------------------
 # the run directory
+
 
 class TrainingInterrupted(Exception):
     """SIGINT or SIGTERM stopped training (after writing a checkpoint, when there was a step to save)."""
@@ -378,7 +406,11 @@ class Trainer:
     allows deleting the later ones) or ``overwrite`` allows replacing it."""
 
     def __init__(
-        self, cfg: RunConfig, resume: str | None = None, show_progress: bool = True, overwrite: bool = False,
+        self,
+        cfg: RunConfig,
+        resume: str | None = None,
+        show_progress: bool = True,
+        overwrite: bool = False,
         stop: StopSignals | None = None,
     ) -> None:
         from .data import load_prepared, prepare
@@ -420,7 +452,11 @@ class Trainer:
         if (data_dir / "meta.json").is_file():
             found_key = json.loads((data_dir / "meta.json").read_text()).get("source_key")
             if expected_key and found_key and found_key != expected_key:
-                what = "the data this run started with" if resumed is not None else "the configured data source and tokenizer"
+                what = (
+                    "the data this run started with"
+                    if resumed is not None
+                    else "the configured data source and tokenizer"
+                )
                 raise RecurformerError(
                     f"prepared data {data_dir} was made from other data than {what} (source key {found_key[:12]}, "
                     f"expected {expected_key[:12]}); point data.dir elsewhere or delete it"
@@ -428,8 +464,11 @@ class Trainer:
         else:
             if self.rank == 0:
                 prepare(
-                    data_dir, dataset=cfg.data.dataset, text_files=cfg.data.text_files or None,
-                    tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
+                    data_dir,
+                    dataset=cfg.data.dataset,
+                    text_files=cfg.data.text_files or None,
+                    tokenizer=cfg.data.tokenizer,
+                    vocab_size=cfg.data.vocab_size,
                 )
             if self.world > 1:
                 dist.barrier()
@@ -441,7 +480,9 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.model = build_from_run_config(cfg, self.meta["vocab_size"]).to(self.device)
         if self.model.config.vocab_size < self.meta["vocab_size"]:
-            raise RecurformerError(f"model.vocab_size {self.model.config.vocab_size} < the data's vocabulary {self.meta['vocab_size']}")
+            raise RecurformerError(
+                f"model.vocab_size {self.model.config.vocab_size} < the data's vocabulary {self.meta['vocab_size']}"
+            )
         self.model.check_tokens = False  # every token id of the data is < its vocabulary: no per-step check
         if t.seq_len % self.model.reset_boundary:
             raise RecurformerError(
@@ -451,7 +492,9 @@ class Trainer:
             raise RecurformerError(
                 f"{cfg.model['name']} carries a KV cache that grows without bound; train it with train.state=reset"
             )
-        self.opt = make_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), fused=self.device.type == "cuda")
+        self.opt = make_optimizer(
+            self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), fused=self.device.type == "cuda"
+        )
         # tokens/s as a fraction of this machine's matmul peak, measured once and cached (flops.py)
         self.flops_per_token = train_flops_per_token(self.model, t.seq_len, self.device)
         bf16 = resolve_precision(t.precision, self.device) == "bf16"
@@ -488,9 +531,16 @@ class Trainer:
         t = self.cfg.train
         if t.data_order == "contiguous":
             return ContiguousStreams(
-                self.train_tokens, t.batch_size, seq_len, rank=self.rank, world_size=self.world, bos_id=self.meta["bos_id"]
+                self.train_tokens,
+                t.batch_size,
+                seq_len,
+                rank=self.rank,
+                world_size=self.world,
+                bos_id=self.meta["bos_id"],
             )
-        return ShuffledWindows(self.train_tokens, t.batch_size, seq_len, rank=self.rank, world_size=self.world, seed=seed)
+        return ShuffledWindows(
+            self.train_tokens, t.batch_size, seq_len, rank=self.rank, world_size=self.world, seed=seed
+        )
 
     def _apply_schedule(self) -> int:
         """Enter the schedule's stage for the step about to be taken; returns its truncation.
@@ -527,7 +577,9 @@ class Trainer:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("world_size", 1) != self.world:
-            raise RecurformerError(f"checkpoint was written by {sd.get('world_size')} ranks; resume it on the same number (got {self.world})")
+            raise RecurformerError(
+                f"checkpoint was written by {sd.get('world_size')} ranks; resume it on the same number (got {self.world})"
+            )
         self.step, self.tokens_seen = sd["step"], sd["tokens_seen"]
 
     def save(self) -> Path | None:
@@ -540,7 +592,11 @@ class Trainer:
         weights = sd.pop("model")
         train = {k: v for part in sd.values() for k, v in part.items()}
         path = ckpt.save_checkpoint(
-            self.out_dir, self.step, weights, self._config_dict(), self.tokenizer_json,
+            self.out_dir,
+            self.step,
+            weights,
+            self._config_dict(),
+            self.tokenizer_json,
             {k: v for k, v in train.items() if isinstance(v, torch.Tensor)},
             {k: v for k, v in train.items() if not isinstance(v, torch.Tensor)},
             keep_last=self.cfg.train.keep_last,
@@ -555,12 +611,16 @@ class Trainer:
             part.load_state_dict(resumed["model"] if name == "model" else train)
 
     # -- the loop ----------------------------------------------------------------------------------
-    def _segment(self, batch: Any, state: State | None, index: int = 0, evaluating: bool = False) -> tuple[torch.Tensor, State]:
+    def _segment(
+        self, batch: Any, state: State | None, index: int = 0, evaluating: bool = False
+    ) -> tuple[torch.Tensor, State]:
         """Loss and state after segment ``index`` of the step: a fresh state in ``reset`` mode or at
         the start, rows whose stream wrapped reset (in training, from ``train.state_init``), the
         forward under autocast; ``evaluating``: the model itself (no DDP), from the zero state."""
         t = self.cfg.train
-        if t.state_init != "zero" and not evaluating:  # rows that start a document take a noisy or another stream's state
+        if (
+            t.state_init != "zero" and not evaluating
+        ):  # rows that start a document take a noisy or another stream's state
             rows = torch.ones(t.batch_size, dtype=torch.bool) if t.state == "reset" else batch.wrapped
             gen = torch.Generator().manual_seed(((t.seed * 1_000_003 + self.step) * 4099 + index) * 1031 + self.rank)
             state = initial_state(self.model, t.state_init, rows, state, t.batch_size, self.device, gen, t.state_noise)
@@ -699,9 +759,13 @@ class Trainer:
                     if line.startswith("warning:"):
                         print(line, file=sys.stderr, flush=True)
             if self.resumed_from is not None:
-                self._say(f"resuming from {self.resumed_from} at step {self.step} of {t.steps}, writing to {self.out_dir}")
+                self._say(
+                    f"resuming from {self.resumed_from} at step {self.step} of {t.steps}, writing to {self.out_dir}"
+                )
             self.model.train()
-            bar = tqdm(total=t.steps, initial=self.step, disable=not self.show_progress, desc="train", dynamic_ncols=True)
+            bar = tqdm(
+                total=t.steps, initial=self.step, disable=not self.show_progress, desc="train", dynamic_ncols=True
+            )
             try:
                 return self._loop(bar)
             finally:
@@ -725,9 +789,18 @@ class Trainer:
                 mfu = mean_tps * self.flops_per_token / (self.peak_flops * self.world)
                 lr = lr_at(self.step - 1, t.lr, t.min_lr, t.warmup, t.steps)
                 # tok_per_s: the last log interval's rate; mean_tok_per_s and mfu: the run so far
-                last = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen, "tok_per_s": tps,
-                        "mean_tok_per_s": mean_tps, "mfu": mfu}
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mean_tok_s=f"{mean_tps:,.0f}", mfu=f"{mfu:.0%}")
+                last = {
+                    "step": self.step,
+                    "loss": loss,
+                    "lr": lr,
+                    "tokens": self.tokens_seen,
+                    "tok_per_s": tps,
+                    "mean_tok_per_s": mean_tps,
+                    "mfu": mfu,
+                }
+                bar.set_postfix(
+                    loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mean_tok_s=f"{mean_tps:,.0f}", mfu=f"{mfu:.0%}"
+                )
                 self.log(last)
             paused = time.perf_counter()  # tokens/s counts training time only
             if self.step % t.eval_every == 0 or self.step == t.steps:
@@ -748,7 +821,9 @@ class Trainer:
         return last
 
 
-def resolve_run_config(config: str | Path | dict[str, Any] | None, over: dict[str, Any], resume: str | None) -> RunConfig:
+def resolve_run_config(
+    config: str | Path | dict[str, Any] | None, over: dict[str, Any], resume: str | None
+) -> RunConfig:
     """The config of a run: ``config`` (a YAML path, a bundled config name or a dict) or, to resume
     without one, the run's own config; merged with ``over``. A resumed run writes into its own
     directory unless ``over`` sets ``train.out_dir``."""
@@ -765,8 +840,11 @@ def resolve_run_config(config: str | Path | dict[str, Any] | None, over: dict[st
 
 
 def train_main(
-    config: str | Path | dict[str, Any] | None, over: dict[str, Any], resume: str | None = None,
-    overwrite: bool = False, show_progress: bool = True,
+    config: str | Path | dict[str, Any] | None,
+    over: dict[str, Any],
+    resume: str | None = None,
+    overwrite: bool = False,
+    show_progress: bool = True,
 ) -> tuple[Trainer, dict[str, Any]]:
     """Train (or ``resume``) a run to ``train.steps``; returns the trainer and its last metrics.
     SIGINT/SIGTERM are handled from the start: a signal while the run is set up stops it before

@@ -69,7 +69,9 @@ def launch(args: list[str], marker: Path, log: Path) -> subprocess.Popen:
     marker.unlink(missing_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **{MARKER_ENV: str(marker)})
     with open(log, "a") as f:
-        return subprocess.Popen([sys.executable, __file__, "--child", *args], stdout=f, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            [sys.executable, __file__, "--child", *args], stdout=f, stderr=subprocess.STDOUT, env=env
+        )
 
 
 def wait_for(path: Path, proc: subprocess.Popen) -> None:
@@ -92,8 +94,17 @@ def metric_rows(run: Path) -> list[tuple[int, str]]:
     return [(r["step"], "val" if "val_loss" in r else "train") for r in rows]
 
 
-def trial(i: int, sig: signal.Signals, work: Path, config: Path, steps: int, duration: float, rng: random.Random,
-          ref: dict, ref_rows: list) -> tuple[bool, int, int, int, str]:
+def trial(
+    i: int,
+    sig: signal.Signals,
+    work: Path,
+    config: Path,
+    steps: int,
+    duration: float,
+    rng: random.Random,
+    ref: dict,
+    ref_rows: list,
+) -> tuple[bool, int, int, int, str]:
     """(survived, signals sent, of which before the final checkpoint, of which mid-checkpoint, a
     one-line account). Each signal comes at a uniformly random moment of the training still to do
     (``duration`` is that of all of it); a run whose final checkpoint exists is not hit again."""
@@ -131,7 +142,10 @@ def trial(i: int, sig: signal.Signals, work: Path, config: Path, steps: int, dur
             finished = newest == steps  # a signal after the end: exit 0, or killed by default while exiting
             if rc != 128 + signal.SIGTERM and not (finished and rc in (0, -signal.SIGTERM)):
                 problems.append(f"exit {rc} after SIGTERM")
-            elif last.startswith("recurformer: stopped by SIGTERM") and f"saved {run / f'step_{newest:06d}'};" not in last:
+            elif (
+                last.startswith("recurformer: stopped by SIGTERM")
+                and f"saved {run / f'step_{newest:06d}'};" not in last
+            ):
                 problems.append(f"said '{last}' but the newest checkpoint is step {newest}")
         again = ["--resume", str(run)] if saved else [*fresh, "--overwrite"]  # died before its first checkpoint
         proc = launch(again, marker, log)
@@ -167,13 +181,19 @@ def main() -> int:
     words = "the a cat dog ran sat on mat big small red blue happy sad tree house went saw".split()
     wr = random.Random(0)
     corpus = work / "corpus.txt"
-    corpus.write_text("<|endoftext|>".join(" ".join(wr.choice(words) for _ in range(wr.randint(20, 80))) + "." for _ in range(200)))
+    corpus.write_text(
+        "<|endoftext|>".join(" ".join(wr.choice(words) for _ in range(wr.randint(20, 80))) + "." for _ in range(200))
+    )
     config = work / "config.yaml"
     config.write_text(CONFIG % {"corpus": corpus, "data": work / "data", "steps": args.steps})
 
     ref_run = work / "reference"
     t0 = time.perf_counter()
-    proc = launch(["--config", str(config), "--set", f"train.out_dir={ref_run}"], work / "reference.started", work / "reference.log")
+    proc = launch(
+        ["--config", str(config), "--set", f"train.out_dir={ref_run}"],
+        work / "reference.started",
+        work / "reference.log",
+    )
     wait_for(work / "reference.started", proc)
     t1 = time.perf_counter()
     wait_for(ref_run / f"step_{args.steps:06d}", proc)  # the signals aim at training, not at the exit after it
@@ -181,7 +201,9 @@ def main() -> int:
     if proc.wait() != 0:
         print(f"the reference run failed: see {work / 'reference.log'}")
         return 1
-    print(f"reference: {args.steps} steps, a checkpoint after each, {duration:.1f}s of training ({t1 - t0:.1f}s start-up)")
+    print(
+        f"reference: {args.steps} steps, a checkpoint after each, {duration:.1f}s of training ({t1 - t0:.1f}s start-up)"
+    )
     ref, ref_rows = final_state(ref_run), metric_rows(ref_run)
 
     rng = random.Random(args.seed)

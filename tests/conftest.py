@@ -36,8 +36,12 @@ def offline(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
         for key, value in (("HF_HUB_OFFLINE", True), ("HF_HOME", str(home)), ("HF_HUB_CACHE", str(home / "hub"))):
             monkeypatch.setattr(hub, key, value)
     if (ds := sys.modules.get("datasets.config")) is not None:
-        for key, value in (("HF_DATASETS_OFFLINE", True), ("HF_HUB_OFFLINE", True), ("HF_CACHE_HOME", str(home)),
-                           ("HF_DATASETS_CACHE", home / "datasets")):
+        for key, value in (
+            ("HF_DATASETS_OFFLINE", True),
+            ("HF_HUB_OFFLINE", True),
+            ("HF_CACHE_HOME", str(home)),
+            ("HF_DATASETS_CACHE", home / "datasets"),
+        ):
             monkeypatch.setattr(ds, key, value)
 
     def refuse(self, address, *args):  # type: ignore[no-untyped-def]

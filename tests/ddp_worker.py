@@ -16,8 +16,12 @@ tr.save()
 rank = int(os.environ.get("RANK", 0))
 flat = tr.state.to_flat()
 torch.save(
-    {"params": {k: v.detach().clone() for k, v in tr.model.state_dict().items()}, "state": flat, "losses": losses,
-     "streams": tr.streams.state_dict()},
+    {
+        "params": {k: v.detach().clone() for k, v in tr.model.state_dict().items()},
+        "state": flat,
+        "losses": losses,
+        "streams": tr.streams.state_dict(),
+    },
     os.path.join(out, f"rank{rank}.pt"),
 )
 if tr.world > 1:

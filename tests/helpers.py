@@ -21,9 +21,26 @@ TEST_CONFIGS: dict[str, list[dict]] = {
     ],
     "memory_attention": [
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8),
-        dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, chunk_size=5, memory_qkv="separate", memory_source="post_wo", init_memory="learned"),
+        dict(
+            vocab_size=61,
+            dim=24,
+            n_layers=3,
+            n_heads=2,
+            chunk_size=5,
+            memory_qkv="separate",
+            memory_source="post_wo",
+            init_memory="learned",
+        ),
         dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, chunk_size=3, memory_ffn=False),
-        dict(vocab_size=61, dim=32, n_layers=4, n_heads=4, chunk_size=4, window=3, layers=["window", "window", "memory", "window"]),
+        dict(
+            vocab_size=61,
+            dim=32,
+            n_layers=4,
+            n_heads=4,
+            chunk_size=4,
+            window=3,
+            layers=["window", "window", "memory", "window"],
+        ),
         dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, chunk_size=5, memory_layers=[1], init_memory="learned"),
         # (2 layers with chunks of 3 recur 25 times over the fixture's 77 tokens: at std 0.3 that
         # chaos turns float64 rounding into 1e-8, in a plain 2-layer Memory Attention as well)
@@ -31,23 +48,107 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         # (the gated update recurs more chaotically still: with chunks of 5 at std 0.3, float64
         # rounding grows to 1e-9 by token 77 with the gate and 3e-12 without; both stay at 4e-14 at std 0.2)
         dict(vocab_size=61, dim=24, n_layers=2, n_heads=2, chunk_size=8, memory_update="gated"),
-        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=9, memory_update="gated", memory_source="post_wo", init_memory="learned"),
+        dict(
+            vocab_size=61,
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            chunk_size=9,
+            memory_update="gated",
+            memory_source="post_wo",
+            init_memory="learned",
+        ),
     ],
     "transformer_xl": [
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=8),
         dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, segment_len=5, mem_len=7, clamp_len=6),
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=6, mem_len=4, same_length=True),
         dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, segment_len=3, mem_len=0),
-        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, segment_len=4, mem_len=5, window=3, layers=["window", "xl", "full"]),
+        dict(
+            vocab_size=61,
+            dim=32,
+            n_layers=3,
+            n_heads=4,
+            segment_len=4,
+            mem_len=5,
+            window=3,
+            layers=["window", "xl", "full"],
+        ),
     ],
     "block_recurrent": [  # all six gate x cell combinations; query tiles smaller than a block in four
         dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="fixed", cell="skip", query_tile=3),
-        dict(vocab_size=61, dim=32, n_layers=2, n_heads=2, block_size=5, gate="fixed", cell="single", num_states=3, position="rope", recurrent_layers=(0,), query_tile=2),
-        dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, block_size=3, gate="fixed", cell="dual", recurrent_layers=(0, 2), mlp="relu"),
-        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="lstm", cell="skip", num_states=6, position="rope", query_tile=1),
-        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, block_size=6, gate="lstm", cell="single", recurrent_layers=(-1,), mlp="relu", query_tile=4),
-        dict(vocab_size=61, dim=24, n_layers=1, n_heads=2, block_size=4, gate="lstm", cell="dual", recurrent_layers=(0,), t5_buckets=4, t5_max_distance=3),
-        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="fixed", cell="skip", recurrent_layers=(1,), window=3, layers=["window", "block_recurrent", "full"]),
+        dict(
+            vocab_size=61,
+            dim=32,
+            n_layers=2,
+            n_heads=2,
+            block_size=5,
+            gate="fixed",
+            cell="single",
+            num_states=3,
+            position="rope",
+            recurrent_layers=(0,),
+            query_tile=2,
+        ),
+        dict(
+            vocab_size=61,
+            dim=24,
+            n_layers=3,
+            n_heads=2,
+            block_size=3,
+            gate="fixed",
+            cell="dual",
+            recurrent_layers=(0, 2),
+            mlp="relu",
+        ),
+        dict(
+            vocab_size=61,
+            dim=32,
+            n_layers=3,
+            n_heads=4,
+            block_size=4,
+            gate="lstm",
+            cell="skip",
+            num_states=6,
+            position="rope",
+            query_tile=1,
+        ),
+        dict(
+            vocab_size=61,
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            block_size=6,
+            gate="lstm",
+            cell="single",
+            recurrent_layers=(-1,),
+            mlp="relu",
+            query_tile=4,
+        ),
+        dict(
+            vocab_size=61,
+            dim=24,
+            n_layers=1,
+            n_heads=2,
+            block_size=4,
+            gate="lstm",
+            cell="dual",
+            recurrent_layers=(0,),
+            t5_buckets=4,
+            t5_max_distance=3,
+        ),
+        dict(
+            vocab_size=61,
+            dim=32,
+            n_layers=3,
+            n_heads=4,
+            block_size=4,
+            gate="fixed",
+            cell="skip",
+            recurrent_layers=(1,),
+            window=3,
+            layers=["window", "block_recurrent", "full"],
+        ),
     ],
     "recurrent_transformer": [
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4),
@@ -56,7 +157,9 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(vocab_size=61, dim=24, n_layers=2, n_heads=2, position="rope", block_size=3, impl="naive", qk_norm=False),
         dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, block_size=5),
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, block_size=4, impl="naive"),
-        dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=3, window=2, layers=["recurrent", "window", "full"]),
+        dict(
+            vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=3, window=2, layers=["recurrent", "window", "full"]
+        ),
     ],
     "rmt": [  # segment lengths that divide none of the fixtures' lengths (77, 40, 23, 24)
         # (the memory runs through every layer once per segment: at std 0.3 that recurrence is
@@ -76,7 +179,11 @@ def all_cases() -> list[tuple[str, dict]]:
 
 def case_id(case: tuple[str, dict]) -> str:
     name, cfg = case
-    return name + "-" + "-".join(f"{k}={v}" for k, v in cfg.items() if k not in ("vocab_size", "dim", "n_layers", "n_heads"))
+    return (
+        name
+        + "-"
+        + "-".join(f"{k}={v}" for k, v in cfg.items() if k not in ("vocab_size", "dim", "n_layers", "n_heads"))
+    )
 
 
 def randomize_params(model: torch.nn.Module, std: float = 0.3) -> None:

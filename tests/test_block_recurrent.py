@@ -27,7 +27,9 @@ def t5_bucket_ref(n: int, num_buckets: int, max_distance: int) -> int:
     exact = num_buckets // 2
     if n < exact:
         return n
-    return min(num_buckets - 1, exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact)))
+    return min(
+        num_buckets - 1, exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact))
+    )
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:
@@ -65,18 +67,27 @@ def reference(model: BlockRecurrent, tokens: torch.Tensor) -> torch.Tensor:
                         ks, vs = K[b, [j + W for j in js], h], V[b, [j + W for j in js], h]
                         qq = q[b, t, h]
                         if c.position == "rope":  # window positions: previous block 0..W-1, current W..2W-1
-                            cs = rope_cos_sin(torch.tensor([p - (blk - 1) * W for p in [t] + js]), d, c.rope_theta, x.dtype)
+                            cs = rope_cos_sin(
+                                torch.tensor([p - (blk - 1) * W for p in [t] + js]), d, c.rope_theta, x.dtype
+                            )
                             rot = apply_rope(torch.cat((qq[None], ks)), *cs)
                             qq, ks = rot[0], rot[1:]
                             bias = torch.zeros(len(js), dtype=x.dtype)
                         else:
-                            bias = torch.stack([layer.attn.rel_bias.weight[t5_bucket_ref(t - j, c.t5_buckets, c.t5_max_distance), h] for j in js])
+                            bias = torch.stack(
+                                [
+                                    layer.attn.rel_bias.weight[t5_bucket_ref(t - j, c.t5_buckets, c.t5_max_distance), h]
+                                    for j in js
+                                ]
+                            )
                         s = layer.attn.qk.scale[h] if c.qk_norm else 1.0
                         o_all[b, t, h * d : (h + 1) * d] = attn_ref(qq, ks, vs, s, bias, c.qk_norm, d)
                         if cell is not None:
                             q2 = layer.attn.wq2(xn[b, t]).view(H, d)[h]
                             s2 = layer.attn.qk2.scale[h] if c.qk_norm else 1.0
-                            o_all[b, t, D + h * d : D + (h + 1) * d] = attn_ref(q2, Ks[b, :, h], Vs[b, :, h], s2, 0.0, c.qk_norm, d)
+                            o_all[b, t, D + h * d : D + (h + 1) * d] = attn_ref(
+                                q2, Ks[b, :, h], Vs[b, :, h], s2, 0.0, c.qk_norm, d
+                            )
             if cell is not None and blk * W + W <= T:  # block complete: state update
                 lo, hi = blk * W, blk * W + 2 * W  # positions blk*W - W .. blk*W + W - 1 in K
                 Kx, Vx = K[:, lo:hi], V[:, lo:hi]
@@ -90,8 +101,12 @@ def reference(model: BlockRecurrent, tokens: torch.Tensor) -> torch.Tensor:
                         for h in range(H):
                             s1 = cell.qk_self.scale[h] if c.qk_norm else 1.0
                             s2 = cell.qk_cross.scale[h] if c.qk_norm else 1.0
-                            y[b, i, h * d : (h + 1) * d] = attn_ref(Qs[b, i, h], Ks[b, :, h], Vs[b, :, h], s1, 0.0, c.qk_norm, d)
-                            y[b, i, D + h * d : D + (h + 1) * d] = attn_ref(Qs2[b, i, h], Kx[b, :, h], Vx[b, :, h], s2, 0.0, c.qk_norm, d)
+                            y[b, i, h * d : (h + 1) * d] = attn_ref(
+                                Qs[b, i, h], Ks[b, :, h], Vs[b, :, h], s1, 0.0, c.qk_norm, d
+                            )
+                            y[b, i, D + h * d : D + (h + 1) * d] = attn_ref(
+                                Qs2[b, i, h], Kx[b, :, h], Vx[b, :, h], s2, 0.0, c.qk_norm, d
+                            )
                 state = cell_update_ref(cell, c, state, y)
         x = x + layer.attn.wo(o_all)
         x = x + layer.ffn(layer.ffn_norm(x))
@@ -122,7 +137,11 @@ def cell_update_ref(cell, c, state, y):
     return state
 
 
-@pytest.mark.parametrize("cfg", CFGS + [dict(CFGS[0], qk_norm=False), dict(CFGS[3], qk_norm=False)], ids=lambda c: f"{c['gate']}-{c['cell']}-{c.get('position', 't5')}-qk{c.get('qk_norm', True)}")
+@pytest.mark.parametrize(
+    "cfg",
+    CFGS + [dict(CFGS[0], qk_norm=False), dict(CFGS[3], qk_norm=False)],
+    ids=lambda c: f"{c['gate']}-{c['cell']}-{c.get('position', 't5')}-qk{c.get('qk_norm', True)}",
+)
 def test_matches_slow_reference(cfg) -> None:
     model = build_model("block_recurrent", cfg).double().eval()
     randomize_params(model, 0.3)
@@ -220,7 +239,10 @@ def test_gradient_of_block5_loss_reaches_state_after_block1() -> None:
     rec = next(i for i, layer in enumerate(model.layers) if layer.attn.cell is not None)
 
     def replaced(state, cell, ks):  # the state with the recurrent cell and the window keys replaced
-        layers = [dataclasses.replace(s, k=k, cell=cell if i == rec else s.cell) for i, (s, k) in enumerate(zip(state.layers, ks))]
+        layers = [
+            dataclasses.replace(s, k=k, cell=cell if i == rec else s.cell)
+            for i, (s, k) in enumerate(zip(state.layers, ks))
+        ]
         return dataclasses.replace(state, layers=layers)
 
     leaf = s1.layers[rec].cell.clone().requires_grad_()
@@ -252,7 +274,9 @@ def test_reset_restores_learned_initial_state_and_gets_gradient() -> None:
     s = model(x).state.reset(torch.tensor([False, True]))
     out = model(x[:, :W], state=s, targets=x[:, :W])
     out.loss.backward()
-    assert all(layer.attn.initial_state.grad.abs().max() > 0 for layer in model.layers if layer.attn.cell is not None)  # reset lazily: the learned state is trained
+    assert all(
+        layer.attn.initial_state.grad.abs().max() > 0 for layer in model.layers if layer.attn.cell is not None
+    )  # reset lazily: the learned state is trained
     with torch.no_grad():
         torch.testing.assert_close(out.logits[1], model(x[1:, :W]).logits[0], rtol=1e-10, atol=1e-10)
 
@@ -283,8 +307,16 @@ def test_config_errors(values, match) -> None:
 # the paper's base configuration
 
 BASE = dict(
-    vocab_size=32000, dim=1024, n_layers=12, n_heads=8, ffn_hidden=4096, mlp="relu",
-    block_size=512, recurrent_layers=(-3,), gate="fixed", cell="skip",
+    vocab_size=32000,
+    dim=1024,
+    n_layers=12,
+    n_heads=8,
+    ffn_hidden=4096,
+    mlp="relu",
+    block_size=512,
+    recurrent_layers=(-3,),
+    gate="fixed",
+    cell="skip",
 )
 
 

@@ -75,7 +75,11 @@ def test_rank_split_equals_single_rank_rows() -> None:
 @pytest.mark.parametrize("kind", ["contiguous", "shuffled"])
 def test_state_dict_resume_is_exact(kind: str) -> None:
     tokens = np.arange(3000, dtype=np.uint16)
-    make = (lambda: ContiguousStreams(tokens, 3, 8)) if kind == "contiguous" else (lambda: ShuffledWindows(tokens, 3, 8, seed=5))
+    make = (
+        (lambda: ContiguousStreams(tokens, 3, 8))
+        if kind == "contiguous"
+        else (lambda: ShuffledWindows(tokens, 3, 8, seed=5))
+    )
     a = make()
     for _ in range(130):  # past a wrap for the contiguous streams
         a.next_batch()

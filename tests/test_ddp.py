@@ -38,18 +38,40 @@ def data_dir(tmp_path_factory) -> Path:
 
 def overrides(data: Path, out: Path, batch: int) -> list[str]:
     return [
-        "model.name=memory_attention", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.chunk_size=8",
-        "data.dataset=null", f"data.dir={data}", "data.tokenizer=byte", f"train.out_dir={out}", f"train.batch_size={batch}",
-        "train.seq_len=16", "train.grad_accum=2", "train.precision=fp32", "train.warmup=1", "train.eval_every=1000",
+        "model.name=memory_attention",
+        "model.dim=32",
+        "model.n_layers=2",
+        "model.n_heads=2",
+        "model.chunk_size=8",
+        "data.dataset=null",
+        f"data.dir={data}",
+        "data.tokenizer=byte",
+        f"train.out_dir={out}",
+        f"train.batch_size={batch}",
+        "train.seq_len=16",
+        "train.grad_accum=2",
+        "train.precision=fp32",
+        "train.warmup=1",
+        "train.eval_every=1000",
         "train.save_every=1000",
     ]
 
 
 def launch(n: int, out: Path, steps: int, data: Path, batch: int, resume: Path | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(HERE / "ddp_worker.py"), str(out), str(steps), str(resume or "-"),
-           *overrides(data, out / "run", batch)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={n}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(HERE / "ddp_worker.py"),
+        str(out),
+        str(steps),
+        str(resume or "-"),
+        *overrides(data, out / "run", batch),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
     subprocess.run(cmd, check=True, env=env, timeout=600, capture_output=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(n)]

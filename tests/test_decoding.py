@@ -14,7 +14,9 @@ from recurformer import build_model
 from recurformer.models.llama import KVRoom
 from recurformer.models.transformer_xl import XLRoom
 
-CASES = [("llama", cfg) for cfg in TEST_CONFIGS["llama"]] + [("transformer_xl", cfg) for cfg in TEST_CONFIGS["transformer_xl"]]
+CASES = [("llama", cfg) for cfg in TEST_CONFIGS["llama"]] + [
+    ("transformer_xl", cfg) for cfg in TEST_CONFIGS["transformer_xl"]
+]
 
 
 def model_of(name: str, cfg: dict):

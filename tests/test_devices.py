@@ -31,7 +31,10 @@ def test_unknown_device_is_one_line(name) -> None:
 def test_cuda_without_a_gpu_is_one_line(capsys) -> None:
     with pytest.raises(RecurformerError, match="no CUDA GPU"):
         pick_device("cuda")
-    assert cli_main(["train", "--config", "tinystories-cpu", "--device", "cuda", "--set", "train.out_dir=/nonexistent/x"]) == 2
+    assert (
+        cli_main(["train", "--config", "tinystories-cpu", "--device", "cuda", "--set", "train.out_dir=/nonexistent/x"])
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no CUDA GPU" in err[0]
 
@@ -82,8 +85,13 @@ def test_the_optimizer_step_equals_the_reference_adamw(device) -> None:
     assert bool(opt.param_groups[0]["fused"]) == (dev.type == "cuda")
     decay = [p for p in ref.parameters() if p.dim() >= 2]  # weight decay on matrices only
     rest = [p for p in ref.parameters() if p.dim() < 2]
-    plain = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2,
-                              betas=(0.9, 0.95), foreach=False, fused=False)
+    plain = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        foreach=False,
+        fused=False,
+    )
     x = torch.randint(0, 61, (2, 32), device=dev)
     reset_peak_memory(dev)
     for m, o in ((model, opt), (ref, plain)):

@@ -74,7 +74,9 @@ def test_eval_is_deterministic_and_shared_by_lengths() -> None:
         assert (a.loss, a.loss_low, a.loss_high, a.accuracy) == (b.loss, b.loss_low, b.loss_high, b.accuracy)
     short, long = runs[0]
     assert np.array_equal(short.doc_tokens, long.doc_tokens) and short.units == long.units and short.unit == "documents"
-    assert short.windows == len(window_ends(3000, 120, 40)) and short.units == len(np.unique(np.cumsum(tokens == 0)[81:2961]))
+    assert short.windows == len(window_ends(3000, 120, 40)) and short.units == len(
+        np.unique(np.cumsum(tokens == 0)[81:2961])
+    )
     one_doc = evaluate_lengths(model, np.where(tokens == 0, 1, tokens), [40], last=40, chunk=16, bos=0)[0]
     assert one_doc.unit == "windows" and one_doc.units == one_doc.windows and one_doc.loss_low < one_doc.loss_high
     for r in runs[0]:
@@ -132,7 +134,9 @@ def test_table_json_and_plot_show_intervals(tmp_path) -> None:
     ax = fig.axes[0]
     low, high = ax.get_ylim()
     assert high - low >= 0.5  # nats: a small gap is drawn small
-    assert all(line.get_linestyle() in ("None", "") for line in ax.lines if len(line.get_xdata()) > 1)  # no line between lengths
+    assert all(
+        line.get_linestyle() in ("None", "") for line in ax.lines if len(line.get_xdata()) > 1
+    )  # no line between lengths
     assert "cold start" in " ".join(t.get_text() for t in ax.texts)
 
 
@@ -152,8 +156,13 @@ print(json.dumps({"peak": r.peak_memory_mb}))
 
 
 def peak(name: str, L: int) -> float:
-    out = subprocess.run([sys.executable, "-c", PROBE, name, str(L)], capture_output=True, text=True, check=True,
-                         env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, name, str(L)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": ""},
+    )
     return json.loads(out.stdout)["peak"]
 
 

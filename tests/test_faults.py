@@ -46,14 +46,34 @@ def corpus(tmp_path_factory) -> Path:
 
 def tiny(corpus: Path, out: Path | str, data: Path | str | None, **train) -> list[str]:
     """``--config`` and ``--set`` arguments of a tiny Memory Attention run (a second per run)."""
-    values = {"model.name": "memory_attention", "model.dim": 32, "model.n_layers": 1, "model.n_heads": 2, "model.chunk_size": 8,
-              "data.dataset": "null", "data.text_files": f"[{corpus}]", "data.tokenizer": "byte",
-              "train.out_dir": out, "train.batch_size": 2, "train.seq_len": 16, "train.steps": 6, "train.warmup": 2,
-              "train.precision": "fp32", "train.eval_every": 3, "train.eval_batches": 1, "train.save_every": 3, "train.log_every": 1}
+    values = {
+        "model.name": "memory_attention",
+        "model.dim": 32,
+        "model.n_layers": 1,
+        "model.n_heads": 2,
+        "model.chunk_size": 8,
+        "data.dataset": "null",
+        "data.text_files": f"[{corpus}]",
+        "data.tokenizer": "byte",
+        "train.out_dir": out,
+        "train.batch_size": 2,
+        "train.seq_len": 16,
+        "train.steps": 6,
+        "train.warmup": 2,
+        "train.precision": "fp32",
+        "train.eval_every": 3,
+        "train.eval_batches": 1,
+        "train.save_every": 3,
+        "train.log_every": 1,
+    }
     if data is not None:
         values["data.dir"] = data
     values.update({f"train.{k}": v for k, v in train.items()})
-    return ["--config", str(corpus.parent / "tiny.yaml"), *(a for k, v in values.items() for a in ("--set", f"{k}={v}"))]
+    return [
+        "--config",
+        str(corpus.parent / "tiny.yaml"),
+        *(a for k, v in values.items() for a in ("--set", f"{k}={v}")),
+    ]
 
 
 def train(*args: str) -> int:
@@ -89,7 +109,9 @@ def test_rerun_into_a_run_directory_is_refused_and_overwrite_replaces_it(corpus,
     capsys.readouterr()
     assert train(*tiny(corpus, run, tmp_path / "data", steps=2, save_every=1)) == 2
     err = last_error(capsys)
-    assert err.startswith(f"recurformer: error: {run} already holds a run") and "--resume" in err and "--overwrite" in err
+    assert (
+        err.startswith(f"recurformer: error: {run} already holds a run") and "--resume" in err and "--overwrite" in err
+    )
     assert steps_in(run) == [3, 6] and all(torch.equal(before[k], v) for k, v in weights(run).items())
     assert train(*tiny(corpus, run, tmp_path / "data", steps=2, save_every=1), "--overwrite") == 0
     assert steps_in(run) == [1, 2] and ckpt.resolve(run).name == "step_000002"
@@ -103,7 +125,11 @@ def test_retention_orders_by_step_and_keeps_what_was_just_written(tmp_path) -> N
         ckpt.save_checkpoint(tmp_path, step, w, {}, None, keep_last=2)
     assert steps_in(tmp_path) == [999_999, 1_000_000]
     assert ckpt.resolve(tmp_path).name == "step_1000000"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_1000000", "step_999999"]  # nothing half-deleted
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "step_1000000",
+        "step_999999",
+    ]  # nothing half-deleted
 
 
 # -- reproduction 2: prepared data and the data source ------------------------------------------------
@@ -114,11 +140,16 @@ def test_text_files_get_their_own_prepared_data(corpus, tmp_path, monkeypatch) -
     a = write_corpus(tmp_path / "a.txt", 1, WORDS[:9])
     b = write_corpus(tmp_path / "b.txt", 2, WORDS[9:])
     assert DataConfig(text_files=[str(a)]).resolved_dir() != DataConfig(text_files=[str(b)]).resolved_dir()
-    assert DataConfig(text_files=[str(a)]).resolved_dir() != DataConfig(text_files=[str(a)], tokenizer="byte").resolved_dir()
+    assert (
+        DataConfig(text_files=[str(a)]).resolved_dir()
+        != DataConfig(text_files=[str(a)], tokenizer="byte").resolved_dir()
+    )
     for path, words in ((a, WORDS[:9]), (b, WORDS[9:])):
         cfg = load_run_config(None, tiny(corpus, tmp_path / path.stem, None)[3::2] + [f"data.text_files=[{path}]"])
         tr = Trainer(cfg, show_progress=False)
-        read = re.findall(r"[a-z]+", tr.tokenizer.decode([int(t) for t in tr.val_tokens[:2000]]))[1:-1]  # ends may be cut
+        read = re.findall(r"[a-z]+", tr.tokenizer.decode([int(t) for t in tr.val_tokens[:2000]]))[
+            1:-1
+        ]  # ends may be cut
         assert set(read) <= set(words)  # b's run reads b's tokens, not a's
     # an explicit data.dir holding other data is refused, not silently reused
     cfg = load_run_config(None, tiny(corpus, tmp_path / "c", tmp_path / "a-data")[3::2] + [f"data.text_files=[{a}]"])
@@ -184,8 +215,10 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(corpus, tmp_path,
         signal.signal(signal.SIGTERM, fallback)
     err = last_error(capsys)
     assert rc == 128 + sig
-    assert err == (f"recurformer: stopped by {sig.name} after step 2; saved {run / 'step_000002'}; "
-                   f"continue with: recurformer train --resume {run}")
+    assert err == (
+        f"recurformer: stopped by {sig.name} after step 2; saved {run / 'step_000002'}; "
+        f"continue with: recurformer train --resume {run}"
+    )
     assert steps_in(run) == [2]
     monkeypatch.setattr(Trainer, "train_step", real)
     assert train("--resume", str(run)) == 0
@@ -245,7 +278,9 @@ def test_resume_truncates_metrics_refuses_mixed_histories_and_reports_a_finished
     assert steps_in(run) == [3, 4] and metric_steps(run)[-1] == (4, "val")
 
 
-def test_checkpoint_paths_resolve_from_anywhere_and_resume_writes_into_the_given_run(corpus, tmp_path, monkeypatch, capsys) -> None:
+def test_checkpoint_paths_resolve_from_anywhere_and_resume_writes_into_the_given_run(
+    corpus, tmp_path, monkeypatch, capsys
+) -> None:
     home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
     home.mkdir()
     elsewhere.mkdir()
@@ -314,7 +349,10 @@ def test_eval_and_generate_check_their_outputs_and_arguments_first(trained, tmp_
     blocker.write_text("x")
     ev = ["eval", "--checkpoint", str(trained), "--lengths", "32", "--last", "16", "--windows", "1", "--chunk", "16"]
     cases = {
-        ("--json", str(blocker / "e.json")): f"cannot write --json file {blocker / 'e.json'}: {blocker} is not a directory",
+        (
+            "--json",
+            str(blocker / "e.json"),
+        ): f"cannot write --json file {blocker / 'e.json'}: {blocker} is not a directory",
         ("--json", str(tmp_path / "e.json"), "--chunk", "0"): "--chunk must be >= 1, got 0",
         ("--json", str(tmp_path / "e.json"), "--batch-size", "0"): "--batch-size must be >= 1, got 0",
         ("--json", str(tmp_path / "e.json"), "--lengths", "0"): "--lengths must be positive integers, got '0'",
@@ -333,7 +371,10 @@ def test_eval_and_generate_check_their_outputs_and_arguments_first(trained, tmp_
     gen = ["generate", "--checkpoint", str(trained), "--prompt", "the cat", "--max-new-tokens", "3"]
     assert cli([*gen, "--save-state", str(blocker / "s.safetensors")]) == 2
     got = capsys.readouterr()
-    assert got.err.strip() == f"recurformer: error: cannot write --save-state file {blocker / 's.safetensors'}: {blocker} is not a directory"
+    assert (
+        got.err.strip()
+        == f"recurformer: error: cannot write --save-state file {blocker / 's.safetensors'}: {blocker} is not a directory"
+    )
     assert got.out == ""  # refused before generating
 
 
@@ -345,8 +386,26 @@ def test_non_finite_logits_from_finite_weights_are_one_line_errors(trained, tmp_
     assert all(bool(torch.isfinite(v).all()) for v in w.values())
     save_file(w, broken / "model.safetensors")
     out = tmp_path / "e.json"
-    assert cli(["eval", "--checkpoint", str(broken), "--lengths", "32", "--last", "16", "--windows", "1", "--chunk", "16",
-                "--json", str(out)]) == 2
+    assert (
+        cli(
+            [
+                "eval",
+                "--checkpoint",
+                str(broken),
+                "--lengths",
+                "32",
+                "--last",
+                "16",
+                "--windows",
+                "1",
+                "--chunk",
+                "16",
+                "--json",
+                str(out),
+            ]
+        )
+        == 2
+    )
     err = last_error(capsys)
     assert err.startswith(f"recurformer: error: {broken} gives non-finite logits (loss nan at length 32)")
     assert not out.exists()
@@ -357,8 +416,21 @@ def test_non_finite_logits_from_finite_weights_are_one_line_errors(trained, tmp_
 def test_closed_output_pipe_ends_quietly(trained) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "recurformer.cli", "generate", "--checkpoint", str(trained), "--prompt", "the cat",
-         "--max-new-tokens", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        [
+            sys.executable,
+            "-m",
+            "recurformer.cli",
+            "generate",
+            "--checkpoint",
+            str(trained),
+            "--prompt",
+            "the cat",
+            "--max-new-tokens",
+            "50",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
     )
     proc.stdout.close()  # like `| head` that has already exited
     err = proc.stderr.read().decode()
@@ -380,9 +452,14 @@ def test_prepare_removes_its_temporary_directory_and_stale_ones(corpus, tmp_path
 
     monkeypatch.setattr(prep, "_write_tokens", full_disk)
     assert cli(["prepare", "--text", str(corpus), "--tokenizer", "byte", "--out", str(tmp_path / "p")]) == 2
-    assert last_error(capsys) == f"recurformer: error: cannot write prepared data {tmp_path / 'p'}: No space left on device"
+    assert (
+        last_error(capsys)
+        == f"recurformer: error: cannot write prepared data {tmp_path / 'p'}: No space left on device"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == [running.name]
     monkeypatch.undo()
     assert cli(["prepare", "--text", str(corpus), "--tokenizer", "byte", "--out", str(tmp_path / "p")]) == 0
-    assert json.loads((tmp_path / "p" / "meta.json").read_text())["source_key"] == DataConfig(
-        text_files=[str(corpus)], tokenizer="byte").source_key()
+    assert (
+        json.loads((tmp_path / "p" / "meta.json").read_text())["source_key"]
+        == DataConfig(text_files=[str(corpus)], tokenizer="byte").source_key()
+    )

@@ -80,5 +80,7 @@ def test_block_recurrent_count_does_not_depend_on_query_tiles() -> None:
     """Query tiles read W + m - 1 keys of which W are visible: the count is the visible pairs, the
     same at any tile size (a dense count of the tiles' keys would not be)."""
     cfg = dict(CFG, block_size=8)
-    counts = {m: forward_flops_per_token(build_model("block_recurrent", dict(cfg, query_tile=m)), 20) for m in (1, 3, 8)}
+    counts = {
+        m: forward_flops_per_token(build_model("block_recurrent", dict(cfg, query_tile=m)), 20) for m in (1, 3, 8)
+    }
     assert counts[1] == counts[3] == counts[8]

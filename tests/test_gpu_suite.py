@@ -20,8 +20,14 @@ import gpu_suite  # noqa: E402
 
 def suite(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_dry_run_writes_every_stage(tmp_path: Path) -> None:
@@ -37,7 +43,11 @@ def test_dry_run_writes_every_stage(tmp_path: Path) -> None:
     assert all(x["train_tokens_per_s"] > 0 for x in r["throughput"]["rows"])
     assert [x["N"] for x in r["tiling"]["forward"]["rows"]] == [32, 64] and len(r["tiling"]["train"]["training"]) == 2
     for row in r["streaming"]["models"].values():
-        assert [m["tokens"] for m in row["eval"]] == [64, 128, 256] and [m["tokens"] for m in row["generate"]] == [64, 128, 256]
+        assert [m["tokens"] for m in row["eval"]] == [64, 128, 256] and [m["tokens"] for m in row["generate"]] == [
+            64,
+            128,
+            256,
+        ]
     assert {n: x["checkpoint_step"] for n, x in r["paper"]["runs"].items()} == dict.fromkeys(gpu_suite.PAPER_RUNS, 2)
     assert set(r["paper"]["eval"]["results"]) == set(gpu_suite.PAPER_RUNS)
     summary = (tmp_path / "summary.md").read_text()
@@ -85,7 +95,9 @@ def test_plan_shrinks_then_skips() -> None:
     full = gpu_suite.plan(every, 25, dry=False)
     fixed = sum(gpu_suite.STAGES[n].cost for n in every if n != "paper")
     assert full == {**{n: gpu_suite.STAGES[n].cost for n in every if n != "paper"}, "paper": pytest.approx(25 - fixed)}
-    short = gpu_suite.plan(["env", "tests", "throughput"], 6, dry=False)  # 9.5 planned: tests shrinks to leave throughput its least
+    short = gpu_suite.plan(
+        ["env", "tests", "throughput"], 6, dry=False
+    )  # 9.5 planned: tests shrinks to leave throughput its least
     assert short == {"env": 0.5, "tests": 3.0, "throughput": 2.5}
     tight = gpu_suite.plan(["env", "tests", "paper"], 4, dry=False)  # tests shrinks to its least, paper does not fit
     assert tight["tests"] == gpu_suite.STAGES["tests"].least and tight["paper"] == 0.0

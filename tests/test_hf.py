@@ -24,7 +24,9 @@ AutoModelForCausalLM = transformers.AutoModelForCausalLM
 CASES = all_cases()
 
 
-def wrapped(name: str, cfg: dict, dtype: torch.dtype = torch.float32) -> tuple[recurformer.StreamingLM, RecurformerForCausalLM]:
+def wrapped(
+    name: str, cfg: dict, dtype: torch.dtype = torch.float32
+) -> tuple[recurformer.StreamingLM, RecurformerForCausalLM]:
     model = build_model(name, cfg)
     randomize_params(model, std=0.2)
     model = model.to(dtype).eval()
@@ -81,9 +83,11 @@ def test_continue_from_returned_cache_equals_one_run(name, offline) -> None:
     first = hf.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kw)
     cache = getattr(first, "cache", None) or first.past_key_values
     assert isinstance(cache, RecurformerCache) and cache.get_seq_length() == 5 + 4 - 1  # the last token is not read yet
-    second = hf.generate(first.sequences, cache=cache, max_new_tokens=7, min_new_tokens=7, **kw) \
-        if "cache" in type(first).__dataclass_fields__ else \
-        hf.generate(first.sequences, past_key_values=cache, max_new_tokens=7, min_new_tokens=7, **kw)
+    second = (
+        hf.generate(first.sequences, cache=cache, max_new_tokens=7, min_new_tokens=7, **kw)
+        if "cache" in type(first).__dataclass_fields__
+        else hf.generate(first.sequences, past_key_values=cache, max_new_tokens=7, min_new_tokens=7, **kw)
+    )
     assert second.sequences.tolist() == whole.tolist()
 
 
@@ -149,7 +153,12 @@ def test_export_format_transformers(offline) -> None:
     tok = Tokenizer.train_bpe(text, 300)
     model = build_model("llama", dict(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4)).eval()
     model.save_pretrained(offline / "ours", tokenizer=tok)
-    assert cli_main(["export", "--checkpoint", str(offline / "ours"), "--out", str(offline / "hf"), "--format", "transformers"]) == 0
+    assert (
+        cli_main(
+            ["export", "--checkpoint", str(offline / "ours"), "--out", str(offline / "hf"), "--format", "transformers"]
+        )
+        == 0
+    )
     hf = AutoModelForCausalLM.from_pretrained(offline / "hf")
     ids = torch.tensor([[tok.bos_id, *tok.encode("the cat sat")]])
     with torch.no_grad():

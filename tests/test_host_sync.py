@@ -27,8 +27,22 @@ from torch.utils._pytree import tree_leaves
 from recurformer.train import Trainer
 
 READS = {
-    "item", "tolist", "cpu", "numpy", "__array__", "__bool__", "__float__", "__int__", "__index__", "__format__",
-    "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "repeat_interleave",
+    "item",
+    "tolist",
+    "cpu",
+    "numpy",
+    "__array__",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__index__",
+    "__format__",
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "unique",
+    "unique_consecutive",
+    "repeat_interleave",
 }
 
 
@@ -100,7 +114,9 @@ def test_the_emulation_sees_a_read() -> None:
 
 
 def test_training_steps_do_not_wait_for_the_device(corpus, tmp_path) -> None:  # noqa: F811
-    tr = Trainer(run_config(corpus, tmp_path, truncation=2, grad_accum=2, grad_clip=1.0, state="carry"), show_progress=False)
+    tr = Trainer(
+        run_config(corpus, tmp_path, truncation=2, grad_accum=2, grad_clip=1.0, state="carry"), show_progress=False
+    )
     mode = watched(tr)
     with mode:
         losses = [tr.train_step(read=False) for _ in range(4)]
@@ -119,7 +135,9 @@ def test_the_loop_reads_once_per_log_interval(corpus, tmp_path) -> None:  # noqa
     mode = watched(tr)
     with mode:
         tr.run()
-    asked = [next((f for f in ("read_loss", "evaluate", "save") if f" {f} >" in site + " >"), None) for _, site in mode.reads]
+    asked = [
+        next((f for f in ("read_loss", "evaluate", "save") if f" {f} >" in site + " >"), None) for _, site in mode.reads
+    ]
     assert asked.count("read_loss") == 2
     assert None not in asked, [r for r, a in zip(mode.reads, asked) if a is None]
     assert {"evaluate", "save"} <= set(asked)  # the emulation sees these reads

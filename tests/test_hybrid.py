@@ -17,12 +17,21 @@ def kinds(model) -> list[str]:
 
 
 def test_layer_kinds_from_config() -> None:
-    assert kinds(build_model("memory_attention", dict(BASE, n_layers=3, chunk_size=4, memory_layers=[1]))) == ["full", "memory", "full"]
-    m = build_model("memory_attention", dict(BASE, n_layers=4, chunk_size=4, window=8, layers=["window", "window", "memory", "window"]))
+    assert kinds(build_model("memory_attention", dict(BASE, n_layers=3, chunk_size=4, memory_layers=[1]))) == [
+        "full",
+        "memory",
+        "full",
+    ]
+    m = build_model(
+        "memory_attention",
+        dict(BASE, n_layers=4, chunk_size=4, window=8, layers=["window", "window", "memory", "window"]),
+    )
     assert kinds(m) == ["window", "window", "memory", "window"]
     assert m.info_lines()[0] == "layers: 0:window(W=8), 1:window(W=8), 2:memory(C=4), 3:window(W=8)"
     assert m.reset_boundary == 4 and m.bounded_state
-    assert not build_model("memory_attention", dict(BASE, n_layers=2, chunk_size=4, memory_layers=[0])).bounded_state  # a full KV cache
+    assert not build_model(
+        "memory_attention", dict(BASE, n_layers=2, chunk_size=4, memory_layers=[0])
+    ).bounded_state  # a full KV cache
     xl = build_model("transformer_xl", dict(BASE, n_layers=2, segment_len=4, window=3, layers=["xl", "window"]))
     assert kinds(xl) == ["xl", "window"] and xl.reset_boundary == 4
 
@@ -32,10 +41,18 @@ def test_layer_kinds_from_config() -> None:
     [
         ("llama", dict(n_layers=2, layers=["full"]), "'layers' names 1 layers, n_layers is 2"),
         ("llama", dict(n_layers=2, layers=["full", "windw"]), "unknown layer kind 'windw' for layer 1 .*'window'"),
-        ("llama", dict(n_layers=2, layers=["full", "memory"]), "a 'memory' layer needs the config of a MemoryAttentionConfig"),
+        (
+            "llama",
+            dict(n_layers=2, layers=["full", "memory"]),
+            "a 'memory' layer needs the config of a MemoryAttentionConfig",
+        ),
         ("llama", dict(n_layers=2, layers=["full", "window"]), "layer 1 is a 'window' layer: set config key 'window'"),
         ("memory_attention", dict(n_layers=2, memory_layers=[2]), "'memory_layers' names layer 2, outside 0..1"),
-        ("memory_attention", dict(n_layers=2, memory_layers=[0], layers=["memory", "full"]), "either 'layers' or 'memory_layers'"),
+        (
+            "memory_attention",
+            dict(n_layers=2, memory_layers=[0], layers=["memory", "full"]),
+            "either 'layers' or 'memory_layers'",
+        ),
         ("memory_attention", dict(n_layers=2, window=8), "'window' is set, but no layer is a 'window' layer"),
     ],
 )

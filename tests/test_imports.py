@@ -160,9 +160,14 @@ def test_no_module_imports_a_module_shadowed_by_an_api_function():
         if name == "__init__":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and (node.module == "recurformer" or (node.level == 1 and not node.module)):
+            if isinstance(node, ast.ImportFrom) and (
+                node.module == "recurformer" or (node.level == 1 and not node.module)
+            ):
                 found += [f"{name}: from ... import {a.name}" for a in node.names if a.name in SHADOWED]
             elif isinstance(node, ast.Import):
-                found += [f"{name}: import {a.name} as {a.asname}" for a in node.names
-                          if a.asname and a.name.removeprefix("recurformer.") in SHADOWED]
+                found += [
+                    f"{name}: import {a.name} as {a.asname}"
+                    for a in node.names
+                    if a.asname and a.name.removeprefix("recurformer.") in SHADOWED
+                ]
     assert found == []

@@ -46,8 +46,14 @@ def save_model(tmp: Path, name: str, tok: Tokenizer) -> tuple[Path, torch.nn.Mod
 
 def write_tasks(tmp: Path) -> tuple[list[dict], list[dict]]:
     rng = random.Random(1)
-    mc = [{"question": sentence(rng, rng.randint(3, 12)), "choices": [sentence(rng, rng.randint(1, 4)) for _ in range(3)],
-           "answer": rng.randint(0, 2)} for _ in range(7)]
+    mc = [
+        {
+            "question": sentence(rng, rng.randint(3, 12)),
+            "choices": [sentence(rng, rng.randint(1, 4)) for _ in range(3)],
+            "answer": rng.randint(0, 2),
+        }
+        for _ in range(7)
+    ]
     docs = [{"text": sentence(rng, rng.randint(40, 160)) + "."} for _ in range(3)]
     for name, rows in (("mc", mc), ("docs", docs)):
         (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -55,7 +61,7 @@ def write_tasks(tmp: Path) -> tuple[list[dict], list[dict]]:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {tmp / 'mc.jsonl'}
+    test: {tmp / "mc.jsonl"}
 test_split: test
 output_type: multiple_choice
 doc_to_text: "{{{{question}}}}"
@@ -68,7 +74,7 @@ metric_list:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {tmp / 'docs.jsonl'}
+    test: {tmp / "docs.jsonl"}
 test_split: test
 output_type: loglikelihood_rolling
 doc_to_text: ""
@@ -86,7 +92,9 @@ def run(path: Path, tmp: Path, batch_size: int, chunk: int = 5) -> dict:
 
     lm = RecurformerLM(pretrained=str(path), batch_size=batch_size, chunk=chunk, device="cpu")
     tasks = TaskManager(include_path=str(tmp), include_defaults=False)  # only the tasks this test wrote
-    return lm_eval.simple_evaluate(model=lm, tasks=["rf_mc", "rf_docs"], task_manager=tasks, log_samples=True, bootstrap_iters=0)
+    return lm_eval.simple_evaluate(
+        model=lm, tasks=["rf_mc", "rf_docs"], task_manager=tasks, log_samples=True, bootstrap_iters=0
+    )
 
 
 def first(sample: dict) -> list[float]:
@@ -129,7 +137,9 @@ def test_lm_eval_numbers_equal_ours(name, tokenizer, offline) -> None:
         assert n == ids.shape[1] - 1
         assert first(s) == pytest.approx([-loss], rel=1e-5)
         total_ll, total_bytes = total_ll - loss, total_bytes + len(text.encode())
-    assert one["results"]["rf_docs"]["byte_perplexity,none"] == pytest.approx(math.exp(-total_ll / total_bytes), rel=1e-5)
+    assert one["results"]["rf_docs"]["byte_perplexity,none"] == pytest.approx(
+        math.exp(-total_ll / total_bytes), rel=1e-5
+    )
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
@@ -149,7 +159,9 @@ def test_rolling_and_generation_every_model(name, tokenizer, offline) -> None:
         assert ll == pytest.approx(-loss, rel=1e-5)
     ctx = sentence(rng, 8)
     text = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": ["zzz"], "max_gen_toks": 12}), 0)])[0]
-    ours = model.generate([tokenizer.bos_id, *tokenizer.encode(ctx)], 12, temperature=0, stop_tokens=[tokenizer.eos_id])[0]
+    ours = model.generate(
+        [tokenizer.bos_id, *tokenizer.encode(ctx)], 12, temperature=0, stop_tokens=[tokenizer.eos_id]
+    )[0]
     assert text == tokenizer.decode([t for t in ours if t != tokenizer.eos_id])
 
 
@@ -157,12 +169,27 @@ def test_launcher(tokenizer, offline, capsys, monkeypatch) -> None:
     from lm_eval.tasks import TaskManager
 
     init = TaskManager.__init__  # lm-eval's CLI indexes its thousands of built-in tasks first: skip them here
-    monkeypatch.setattr(TaskManager, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "include_defaults": False}))
+    monkeypatch.setattr(
+        TaskManager, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "include_defaults": False})
+    )
     path, _ = save_model(offline, "memory_attention", tokenizer)
     write_tasks(offline)
     out = offline / "results"
-    code = cli_main(["lm-eval", "--model_args", f"pretrained={path}", "--tasks", "rf_mc", "--include_path", str(offline),
-                     "--output_path", str(out), "--batch_size", "2"])
+    code = cli_main(
+        [
+            "lm-eval",
+            "--model_args",
+            f"pretrained={path}",
+            "--tasks",
+            "rf_mc",
+            "--include_path",
+            str(offline),
+            "--output_path",
+            str(out),
+            "--batch_size",
+            "2",
+        ]
+    )
     assert code == 0
     assert list(out.rglob("results*.json"))
     capsys.readouterr()

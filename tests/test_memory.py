@@ -49,9 +49,13 @@ def test_learner_backward_matches_the_whole_row_and_a_hand_truncation() -> None:
     n = (y != IGNORE_INDEX).sum()
     F = torch.nn.functional
     out = lr.model(x[:, :8])
-    (F.cross_entropy(out.logits.flatten(0, 1), y[:, :8].flatten(), ignore_index=IGNORE_INDEX, reduction="sum") / n).backward()
+    (
+        F.cross_entropy(out.logits.flatten(0, 1), y[:, :8].flatten(), ignore_index=IGNORE_INDEX, reduction="sum") / n
+    ).backward()
     out = lr.model(x[:, 8:], state=out.state.detach())
-    (F.cross_entropy(out.logits.flatten(0, 1), y[:, 8:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum") / n).backward()
+    (
+        F.cross_entropy(out.logits.flatten(0, 1), y[:, 8:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum") / n
+    ).backward()
     ref = grads(lr)
     lr.backward(x, y, None, 8, 4)
     got = grads(lr)
@@ -71,8 +75,12 @@ def test_fresh_rows_follow_the_schedule_and_mixed_lengths() -> None:
     assert [doubling.length(s) for s in range(8)] == [4, 4, 8, 8, 16, 16, 16, 16]
     mixed = FreshRows("mqar", p, synth_config({"train_lengths": [3, 9], "batch_size": 4}), set())
     lengths = [mixed.length(s) for s in range(200)]
-    assert set(lengths) == set(range(3, 10)) and lengths == [mixed.length(s) for s in range(200)]  # every length, seeded
-    held = make_split("mqar", 4, 10**9 + 0 * 10**6 + 1, TASKS["mqar"].at_length(p, mixed.length(1)))  # what batch 1 would draw first
+    assert set(lengths) == set(range(3, 10)) and lengths == [
+        mixed.length(s) for s in range(200)
+    ]  # every length, seeded
+    held = make_split(
+        "mqar", 4, 10**9 + 0 * 10**6 + 1, TASKS["mqar"].at_length(p, mixed.length(1))
+    )  # what batch 1 would draw first
     again = FreshRows("mqar", p, synth_config({"train_lengths": [3, 9], "batch_size": 4}), held.row_keys()).batch(1)
     assert not (again.row_keys() & held.row_keys()) and len(again.row_keys()) == 4
 
@@ -80,14 +88,29 @@ def test_fresh_rows_follow_the_schedule_and_mixed_lengths() -> None:
 @pytest.mark.parametrize(
     "name, synth",
     [
-        ("memory_attention", {"schedule": {"double_every": 2, "double": {"length": 16}}, "truncation": 2, "state_init": "passing"}),
+        (
+            "memory_attention",
+            {"schedule": {"double_every": 2, "double": {"length": 16}}, "truncation": 2, "state_init": "passing"},
+        ),
         ("block_recurrent", {"train_lengths": [4, 12], "state_init": "noise"}),
         ("transformer_xl", {"fresh_data": True, "truncation": 1}),
     ],
 )
 def test_recipes_end_to_end(name: str, synth: dict) -> None:
-    cfg = synth_config({"steps": 6, "batch_size": 4, "n_val": 8, "n_test": 8, "lrs": [1e-3], "context": 4, "chunk": 8,
-                        "eval_lengths": [4, 64], "n_length_test": 8, **synth})
+    cfg = synth_config(
+        {
+            "steps": 6,
+            "batch_size": 4,
+            "n_val": 8,
+            "n_test": 8,
+            "lrs": [1e-3],
+            "context": 4,
+            "chunk": 8,
+            "eval_lengths": [4, 64],
+            "n_length_test": 8,
+            **synth,
+        }
+    )
     r = run_synth("mqar", name, TINY, {"num_pairs": 2, "num_queries": 2, "distance": 4}, cfg)
     assert math.isfinite(r.sweep[0]["train_loss"]) and set(r.by_length) == {4, 64} and r.test.rows == 8
 
@@ -95,17 +118,51 @@ def test_recipes_end_to_end(name: str, synth: dict) -> None:
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["synth.schedule={stages: [{step: 5, length: 8}, {step: 2, length: 4}]}"], "'synth.schedule.stages' must start at increasing steps, got step 2 after step 5"),
-        (["synth.truncation=3"], "synth key 'truncation' = 3: more segments of 4 tokens (synth.context) than the shortest training row (10 tokens) has"),
-        (["synth.state_init=warm"], "config key 'synth.state_init' must be one of ['zero', 'noise', 'passing'], got 'warm'"),
-        (["synth.train_lengths=[4, 8]", "synth.schedule={stages: [{step: 1, length: 8}]}"], "give either synth.train_lengths"),
+        (
+            ["synth.schedule={stages: [{step: 5, length: 8}, {step: 2, length: 4}]}"],
+            "'synth.schedule.stages' must start at increasing steps, got step 2 after step 5",
+        ),
+        (
+            ["synth.truncation=3"],
+            "synth key 'truncation' = 3: more segments of 4 tokens (synth.context) than the shortest training row (10 tokens) has",
+        ),
+        (
+            ["synth.state_init=warm"],
+            "config key 'synth.state_init' must be one of ['zero', 'noise', 'passing'], got 'warm'",
+        ),
+        (
+            ["synth.train_lengths=[4, 8]", "synth.schedule={stages: [{step: 1, length: 8}]}"],
+            "give either synth.train_lengths",
+        ),
         (["task.distance=100", "task.seq_len=50"], "task parameter 'distance' = 100 does not fit in seq_len 50"),
-        (["synth.schedule={double_every: 2, double: {length: 9}}"], "'synth.schedule.double.length' must be 3 (the base value) times a power of two, got 9"),
+        (
+            ["synth.schedule={double_every: 2, double: {length: 9}}"],
+            "'synth.schedule.double.length' must be 3 (the base value) times a power of two, got 9",
+        ),
     ],
 )
 def test_bad_recipes_are_one_line_errors(capsys, sets, message) -> None:
-    args = ["synth", "--task", "mqar", "--model", "memory_attention", "--steps", "2", "--set", "dim=16", "--set", "n_heads=2",
-            "--set", "synth.context=4", "--set", "task.num_pairs=2", "--set", "task.num_queries=2", "--set", "task.distance=3"]
+    args = [
+        "synth",
+        "--task",
+        "mqar",
+        "--model",
+        "memory_attention",
+        "--steps",
+        "2",
+        "--set",
+        "dim=16",
+        "--set",
+        "n_heads=2",
+        "--set",
+        "synth.context=4",
+        "--set",
+        "task.num_pairs=2",
+        "--set",
+        "task.num_queries=2",
+        "--set",
+        "task.distance=3",
+    ]
     for s in sets:
         args += ["--set", s]
     assert main(args) == 2
@@ -175,7 +232,9 @@ def test_rmt_share_of_uniform_attention_is_known_and_streams() -> None:
 
 def test_block_recurrent_share_is_zero_or_one_when_a_path_is_cut() -> None:
     torch.manual_seed(0)
-    m = build_model("block_recurrent", {**TINY, "vocab_size": 64, "n_layers": 1, "block_size": 4, "recurrent_layers": [-1]})
+    m = build_model(
+        "block_recurrent", {**TINY, "vocab_size": 64, "n_layers": 1, "block_size": 4, "recurrent_layers": [-1]}
+    )
     randomize_params(m)
     x = torch.randint(0, 64, (2, 12))
     attn = m.layers[0].attn
@@ -215,11 +274,35 @@ def test_state_gradient_is_zero_where_the_state_cannot_matter() -> None:
 
 def test_readout_cli_on_a_saved_synth_model(tmp_path, capsys) -> None:
     cfg = SynthConfig(steps=2, batch_size=4, n_train=8, n_val=4, n_test=4, lrs=[1e-3], context=4)
-    run_synth("mqar", "memory_attention", TINY, {"num_pairs": 2, "num_queries": 2, "distance": 12}, cfg, save=str(tmp_path / "m"))
+    run_synth(
+        "mqar",
+        "memory_attention",
+        TINY,
+        {"num_pairs": 2, "num_queries": 2, "distance": 12},
+        cfg,
+        save=str(tmp_path / "m"),
+    )
     capsys.readouterr()
     out = tmp_path / "r.json"
-    args = ["readout", "--checkpoint", str(tmp_path / "m"), "--task", "mqar", "--set", "task.num_pairs=2", "--set", "task.num_queries=2",
-            "--set", "task.distance=12", "--segments", "3", "--rows", "4", "--json", str(out)]
+    args = [
+        "readout",
+        "--checkpoint",
+        str(tmp_path / "m"),
+        "--task",
+        "mqar",
+        "--set",
+        "task.num_pairs=2",
+        "--set",
+        "task.num_queries=2",
+        "--set",
+        "task.distance=12",
+        "--segments",
+        "3",
+        "--rows",
+        "4",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "| 0 | memory |" in text and "| 3 |" in text
@@ -237,12 +320,32 @@ def test_synth_config_files(tmp_path, capsys) -> None:
     from recurformer.config import bundled_configs, load_yaml
 
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
-    a.write_text("model: {dim: 16, n_heads: 2, ffn_hidden: 32}\ntask: {num_pairs: 2, num_queries: 2, distance: 3}\n"
-                 "synth: {steps: 2, batch_size: 4, n_train: 8, n_val: 4, n_test: 4, lrs: [1e-3], context: 4}\n")
+    a.write_text(
+        "model: {dim: 16, n_heads: 2, ffn_hidden: 32}\ntask: {num_pairs: 2, num_queries: 2, distance: 3}\n"
+        "synth: {steps: 2, batch_size: 4, n_train: 8, n_val: 4, n_test: 4, lrs: [1e-3], context: 4}\n"
+    )
     b.write_text("task: {distance: 5}\n")
     out = tmp_path / "r.json"
-    assert main(["synth", "--task", "mqar", "--model", "llama", "--config", str(a), "--config", str(b), "--set", "task.num_queries=1",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "synth",
+                "--task",
+                "mqar",
+                "--model",
+                "llama",
+                "--config",
+                str(a),
+                "--config",
+                str(b),
+                "--set",
+                "task.num_queries=1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["task_params"]["distance"] == 5 and r["task_params"]["num_queries"] == 1 and r["model_config"]["dim"] == 16
     b.write_text("train: {steps: 3}\n")

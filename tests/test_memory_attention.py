@@ -45,7 +45,9 @@ def test_gated_update_limits() -> None:
     seed = build_model("memory_attention", CFG).double().eval()
     randomize_params(seed, 0.2)
     gated = build_model("memory_attention", dict(CFG, memory_update="gated")).double().eval()
-    assert set(gated.state_dict()) - set(seed.state_dict()) == {f"layers.{i}.attn.mem_gate.{p}" for i in range(2) for p in ("weight", "bias")}
+    assert set(gated.state_dict()) - set(seed.state_dict()) == {
+        f"layers.{i}.attn.mem_gate.{p}" for i in range(2) for p in ("weight", "bias")
+    }
     gated.load_state_dict(seed.state_dict(), strict=False)
     with torch.no_grad():
         want = seed(tokens).logits
@@ -111,7 +113,19 @@ def test_shared_qkv_saves_two_d_squared_per_layer() -> None:
 
 @pytest.mark.parametrize("name,expected", [("memory_attention", 11.14e6), ("llama", 7.16e6)])
 def test_seed_config_parameter_count(name, expected, capsys) -> None:
-    args = ["info", "--model", name, "--set", "dim=288", "--set", "n_layers=6", "--set", "n_heads=6", "--set", "vocab_size=4096"]
+    args = [
+        "info",
+        "--model",
+        name,
+        "--set",
+        "dim=288",
+        "--set",
+        "n_layers=6",
+        "--set",
+        "n_heads=6",
+        "--set",
+        "vocab_size=4096",
+    ]
     if name == "memory_attention":
         args += ["--set", "chunk_size=32", "--set", "memory_qkv=shared"]
     assert cli_main(args) == 0

@@ -46,7 +46,9 @@ def test_prompt_has_length_and_needle_at_depth(hay_file) -> None:
         body = 300 - 1 - len(needle) - len(TOK.encode(" What is the secret passkey? The secret passkey is"))
         at = 1 + round(depth / 100 * body)
         assert prompt[at : at + len(needle)] == needle
-    with pytest.raises(RecurformerError, match=r"the haystack has 1,000 tokens, fewer than the 1,8\d\d that length 2,000 needs"):
+    with pytest.raises(
+        RecurformerError, match=r"the haystack has 1,000 tokens, fewer than the 1,8\d\d that length 2,000 needs"
+    ):
         make_prompt(hay[:1000], TOK, 2000, 50, random.Random(0))
 
 
@@ -102,7 +104,15 @@ def test_through_the_transformers_class(hay_file, offline) -> None:
 
     model = model_of("memory_attention")
     ours = niah(model, TOK, lengths=[200], depths=[0, 100], trials=2, chunk=9, text=[hay_file])
-    theirs = niah(RecurformerForCausalLM.from_model(model), TOK, lengths=[200], depths=[0, 100], trials=2, chunk=9, text=[hay_file])
+    theirs = niah(
+        RecurformerForCausalLM.from_model(model),
+        TOK,
+        lengths=[200],
+        depths=[0, 100],
+        trials=2,
+        chunk=9,
+        text=[hay_file],
+    )
     for a, b in zip(ours, theirs):
         assert (a.exact, a.logprob) == (b.exact, pytest.approx(b.logprob, abs=1e-5))
 
@@ -111,12 +121,48 @@ def test_cli_writes_json_and_heatmap(hay_file, tmp_path, capsys) -> None:
     model_of("block_recurrent").save_pretrained(tmp_path / "m", tokenizer=TOK)
     out = tmp_path / "n.json"
     assert len(haystack_tokens(TOK)) > 500_000  # the default haystack: the bundled books
-    assert cli_main(["niah", "--checkpoint", str(tmp_path / "m"), "--lengths", "160,256", "--depths", "0,50,100",
-                     "--trials", "2", "--chunk", "16", "--device", "cpu", "--json", str(out), "--text", str(hay_file)]) == 0
+    assert (
+        cli_main(
+            [
+                "niah",
+                "--checkpoint",
+                str(tmp_path / "m"),
+                "--lengths",
+                "160,256",
+                "--depths",
+                "0,50,100",
+                "--trials",
+                "2",
+                "--chunk",
+                "16",
+                "--device",
+                "cpu",
+                "--json",
+                str(out),
+                "--text",
+                str(hay_file),
+            ]
+        )
+        == 0
+    )
     cells = json.loads(out.read_text())["cells"]
     assert [(c["length"], c["depth"]) for c in cells] == [(L, d) for L in (160, 256) for d in (0.0, 50.0, 100.0)]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| 50% |" in capsys.readouterr().out
-    assert cli_main(["niah", "--checkpoint", str(tmp_path / "m"), "--lengths", "20000", "--text", str(hay_file),
-                     "--json", str(tmp_path / "x.json")]) == 2
+    assert (
+        cli_main(
+            [
+                "niah",
+                "--checkpoint",
+                str(tmp_path / "m"),
+                "--lengths",
+                "20000",
+                "--text",
+                str(hay_file),
+                "--json",
+                str(tmp_path / "x.json"),
+            ]
+        )
+        == 2
+    )
     assert "fewer than" in capsys.readouterr().err and not (tmp_path / "x.json").exists()

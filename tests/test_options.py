@@ -25,19 +25,33 @@ def files(root) -> set:
     return {p for p in root.rglob("*")}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["train", "--config", "tinystories-cpu", "--set", "train.lr=-1"], "config key 'train.lr' must be > 0, got -1.0"),
-    (["generate", "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
-    (["generate", "--top-k", "0"], "--top-k must be >= 1, got 0"),
-    (["generate", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 0, got -3"),
-    (["generate", "--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
-    (["eval", "--lengths", "100"], "--lengths: 100 is shorter than --last 256"),
-    (["eval", "--windows", "0"], "--windows must be >= 1, got 0"),
-    (["probe", "--docs", "0"], "--docs must be >= 1, got 0"),
-    (["prepare", "--dataset", "tinystories-sample", "--vocab-size", "10"], "--vocab-size must be in [258, 1048576], got 10"),
-    (["train", "--config", "tinystories-cpu", "--set", "data.vocab_size=10"], "config key 'data.vocab_size' must be in [258, 1048576], got 10"),
-])
-def test_cli_bad_number_is_one_line_and_nothing_is_written(argv, message, pretrained, tmp_path, monkeypatch, capsys) -> None:
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["train", "--config", "tinystories-cpu", "--set", "train.lr=-1"],
+            "config key 'train.lr' must be > 0, got -1.0",
+        ),
+        (["generate", "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+        (["generate", "--top-k", "0"], "--top-k must be >= 1, got 0"),
+        (["generate", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 0, got -3"),
+        (["generate", "--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
+        (["eval", "--lengths", "100"], "--lengths: 100 is shorter than --last 256"),
+        (["eval", "--windows", "0"], "--windows must be >= 1, got 0"),
+        (["probe", "--docs", "0"], "--docs must be >= 1, got 0"),
+        (
+            ["prepare", "--dataset", "tinystories-sample", "--vocab-size", "10"],
+            "--vocab-size must be in [258, 1048576], got 10",
+        ),
+        (
+            ["train", "--config", "tinystories-cpu", "--set", "data.vocab_size=10"],
+            "config key 'data.vocab_size' must be in [258, 1048576], got 10",
+        ),
+    ],
+)
+def test_cli_bad_number_is_one_line_and_nothing_is_written(
+    argv, message, pretrained, tmp_path, monkeypatch, capsys
+) -> None:
     monkeypatch.chdir(tmp_path)
     if argv[0] not in ("train", "prepare"):
         argv = [argv[0], "--checkpoint", str(pretrained), *argv[1:]]
@@ -66,15 +80,22 @@ def test_python_evaluate_names_its_own_arguments() -> None:
         recurformer.evaluate(model, tokens=tokens, lengths=[256], windows=0)
 
 
-@pytest.mark.parametrize("call, kwargs, message", [
-    ("evaluate_checkpoints", {"lengths": [100]}, "lengths: 100 is shorter than last 256"),
-    ("evaluate_checkpoints", {"lengths": [256], "window": 0}, "window must be >= 1, got 0"),
-    ("evaluate_checkpoints", {"lengths": [256], "context": 100}, "context 100 is shorter than warm-up + the longest length (256)"),
-    ("probe_checkpoints", {"warm": (5, 2)}, "warm must be (min, max) with min <= max, got (5, 2)"),
-    ("probe_checkpoints", {"task": "nope"}, "unknown probe task 'nope'; valid tasks: repeat, swap"),
-    ("generate_text", {"top_k": 0}, "top_k must be >= 1, got 0"),
-    ("readout_checkpoint", {"segments": 0}, "segments must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "call, kwargs, message",
+    [
+        ("evaluate_checkpoints", {"lengths": [100]}, "lengths: 100 is shorter than last 256"),
+        ("evaluate_checkpoints", {"lengths": [256], "window": 0}, "window must be >= 1, got 0"),
+        (
+            "evaluate_checkpoints",
+            {"lengths": [256], "context": 100},
+            "context 100 is shorter than warm-up + the longest length (256)",
+        ),
+        ("probe_checkpoints", {"warm": (5, 2)}, "warm must be (min, max) with min <= max, got (5, 2)"),
+        ("probe_checkpoints", {"task": "nope"}, "unknown probe task 'nope'; valid tasks: repeat, swap"),
+        ("generate_text", {"top_k": 0}, "top_k must be >= 1, got 0"),
+        ("readout_checkpoint", {"segments": 0}, "segments must be >= 1, got 0"),
+    ],
+)
 def test_python_commands_check_their_options_first(call, kwargs, message, pretrained, tmp_path, monkeypatch) -> None:
     """What the CLI commands run, called from Python: the options are named as Python arguments and
     checked before any checkpoint is read or anything is written (the checkpoint does not exist)."""
@@ -88,11 +109,16 @@ def test_python_commands_check_their_options_first(call, kwargs, message, pretra
     assert files(tmp_path) == set()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"top_p": 2.0}, "top_p must be in (0, 1], got 2.0"), ({"top_k": 0}, "top_k must be >= 1, got 0"),
-    ({"max_new_tokens": -3}, "max_new_tokens must be >= 0, got -3"), ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
-    ({"temperature": float("nan")}, "temperature must be >= 0, got nan"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"top_p": 2.0}, "top_p must be in (0, 1], got 2.0"),
+        ({"top_k": 0}, "top_k must be >= 1, got 0"),
+        ({"max_new_tokens": -3}, "max_new_tokens must be >= 0, got -3"),
+        ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+        ({"temperature": float("nan")}, "temperature must be >= 0, got nan"),
+    ],
+)
 def test_python_generate_bad_number(kwargs, message) -> None:
     model = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0])
     args = {"max_new_tokens": 3, "temperature": 0.8, **kwargs}
@@ -129,12 +155,44 @@ def test_eval_and_probe_write_beside_the_checkpoint(pretrained, tmp_path, monkey
     text.write_text("once upon a time there was a cat. " * 40)
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    argv = ["eval", "--checkpoint", str(model_dir), "--text", str(text), "--lengths", "64", "--last", "32", "--windows", "2",
-            "--chunk", "16"]
+    argv = [
+        "eval",
+        "--checkpoint",
+        str(model_dir),
+        "--text",
+        str(text),
+        "--lengths",
+        "64",
+        "--last",
+        "32",
+        "--windows",
+        "2",
+        "--chunk",
+        "16",
+    ]
     assert cli_main(argv) == 0
     assert f"wrote {model_dir / 'eval.json'} and {model_dir / 'eval.png'}" in capsys.readouterr().out
-    argv = ["probe", "--checkpoint", str(model_dir), "--task", "swap", "--text", str(text), "--docs", "2", "--distances", "1,8",
-            "--span", "8", "--warm-min", "4", "--warm-max", "20", "--chunk", "16"]
+    argv = [
+        "probe",
+        "--checkpoint",
+        str(model_dir),
+        "--task",
+        "swap",
+        "--text",
+        str(text),
+        "--docs",
+        "2",
+        "--distances",
+        "1,8",
+        "--span",
+        "8",
+        "--warm-min",
+        "4",
+        "--warm-max",
+        "20",
+        "--chunk",
+        "16",
+    ]
     assert cli_main(argv) == 0
     assert (model_dir / "probe.json").is_file() and (model_dir / "probe.png").is_file()
     assert list((tmp_path / "cwd").iterdir()) == []
@@ -151,6 +209,11 @@ def test_openmp_waits_passively_unless_the_user_says_otherwise() -> None:
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "PASSIVE"
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.strip() == "ACTIVE"

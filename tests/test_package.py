@@ -44,9 +44,26 @@ def corpus(tmp_path_factory) -> Path:
 def tiny_config(corpus: Path, tmp: Path, tokenizer: str = "byte") -> dict:
     return {
         "model": dict(MODEL),
-        "data": {"dataset": None, "text_files": [str(corpus)], "tokenizer": tokenizer, "vocab_size": 300, "dir": str(tmp / "prepared")},
-        "train": {"out_dir": str(tmp / "run"), "batch_size": 3, "seq_len": 32, "steps": 4, "warmup": 2, "precision": "fp32",
-                  "eval_every": 2, "eval_batches": 2, "save_every": 2, "log_every": 1, "loggers": []},
+        "data": {
+            "dataset": None,
+            "text_files": [str(corpus)],
+            "tokenizer": tokenizer,
+            "vocab_size": 300,
+            "dir": str(tmp / "prepared"),
+        },
+        "train": {
+            "out_dir": str(tmp / "run"),
+            "batch_size": 3,
+            "seq_len": 32,
+            "steps": 4,
+            "warmup": 2,
+            "precision": "fp32",
+            "eval_every": 2,
+            "eval_batches": 2,
+            "save_every": 2,
+            "log_every": 1,
+            "loggers": [],
+        },
     }
 
 
@@ -120,13 +137,24 @@ def test_configs_load_by_name_from_a_built_wheel(tmp_path) -> None:
     shutil.copytree(ROOT / "recurformer", src / "recurformer", ignore=shutil.ignore_patterns("__pycache__"))
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / f, src / f)
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(src)],
-                           capture_output=True, text=True)
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True,
+        text=True,
+    )
     assert build.returncode == 0, build.stderr
     (wheel,) = (tmp_path / "dist").glob("recurformer-*.whl")
-    code = ("import recurformer; from recurformer.config import load_yaml; from recurformer.train import load_run_config; "
-            "print(recurformer.__file__); print(load_run_config('tinystories-cpu').model['name'], load_yaml('memory-attention-paper')['model']['name'])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(wheel)})
+    code = (
+        "import recurformer; from recurformer.config import load_yaml; from recurformer.train import load_run_config; "
+        "print(recurformer.__file__); print(load_run_config('tinystories-cpu').model['name'], load_yaml('memory-attention-paper')['model']['name'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(wheel)},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [str(wheel / "recurformer" / "__init__.py"), "memory_attention memory_attention"]
 
@@ -143,7 +171,9 @@ def test_train_returns_the_run(run) -> None:
     assert run.config["model"]["chunk_size"] == 8 and run.tokenizer.kind == "byte" and not run.model.training
     model, tok = recurformer.load(run.dir)
     x = torch.randint(0, 258, (2, 40))
-    assert torch.equal(model(x).logits, run.model(x).logits) and tok.encode("the cat") == run.tokenizer.encode("the cat")
+    assert torch.equal(model(x).logits, run.model(x).logits) and tok.encode("the cat") == run.tokenizer.encode(
+        "the cat"
+    )
 
 
 def test_train_overrides_and_resume(corpus, tmp_path) -> None:
@@ -158,13 +188,30 @@ def test_train_overrides_and_resume(corpus, tmp_path) -> None:
 
 def test_evaluate_matches_the_cli(run, corpus, tmp_path, capsys) -> None:
     out = tmp_path / "e.json"
-    argv = ["eval", "--checkpoint", str(run.dir), "--text", str(corpus), "--lengths", "64,128", "--last", "32", "--windows", "3",
-            "--chunk", "24", "--json", str(out)]
+    argv = [
+        "eval",
+        "--checkpoint",
+        str(run.dir),
+        "--text",
+        str(corpus),
+        "--lengths",
+        "64,128",
+        "--last",
+        "32",
+        "--windows",
+        "3",
+        "--chunk",
+        "24",
+        "--json",
+        str(out),
+    ]
     assert cli_main(argv) == 0
     (cli_rows,) = json.loads(out.read_text())["results"].values()
     model, tok = recurformer.load(run.checkpoint)
     rs = recurformer.evaluate(model, tok, text=[corpus], lengths=[64, 128], last=32, windows=3, chunk=24)
-    assert [r.loss for r in rs] == [r["loss"] for r in cli_rows] and [r.accuracy for r in rs] == [r["accuracy"] for r in cli_rows]
+    assert [r.loss for r in rs] == [r["loss"] for r in cli_rows] and [r.accuracy for r in rs] == [
+        r["accuracy"] for r in cli_rows
+    ]
     assert [r.loss_low for r in rs] == [r["loss_low"] for r in cli_rows]
     with pytest.raises(RecurformerError, match="exactly one of dataset"):
         recurformer.evaluate(model, tok)
@@ -172,12 +219,35 @@ def test_evaluate_matches_the_cli(run, corpus, tmp_path, capsys) -> None:
 
 def test_probe_matches_the_cli(run, corpus, tmp_path) -> None:
     out = tmp_path / "p.json"
-    argv = ["probe", "--checkpoint", str(run.dir), "--task", "swap", "--text", str(corpus), "--docs", "6", "--distances", "1,8",
-            "--span", "8", "--warm-min", "4", "--warm-max", "40", "--chunk", "16", "--json", str(out)]
+    argv = [
+        "probe",
+        "--checkpoint",
+        str(run.dir),
+        "--task",
+        "swap",
+        "--text",
+        str(corpus),
+        "--docs",
+        "6",
+        "--distances",
+        "1,8",
+        "--span",
+        "8",
+        "--warm-min",
+        "4",
+        "--warm-max",
+        "40",
+        "--chunk",
+        "16",
+        "--json",
+        str(out),
+    ]
     assert cli_main(argv) == 0
     (cli_result,) = json.loads(out.read_text())["results"]
     model, tok = recurformer.load(run.dir)
-    r = recurformer.probe(model, tok, task="swap", text=[corpus], docs=6, distances=[1, 8], span=8, warm=(4, 40), chunk=16)
+    r = recurformer.probe(
+        model, tok, task="swap", text=[corpus], docs=6, distances=[1, 8], span=8, warm=(4, 40), chunk=16
+    )
     assert [b.mean for b in r.metrics["swap_delta"]] == [b["mean"] for b in cli_result["metrics"]["swap_delta"]]
     with pytest.raises(RecurformerError, match="unknown probe task"):
         recurformer.probe(model, tok, task="copy")
@@ -187,7 +257,9 @@ def test_probe_matches_the_cli(run, corpus, tmp_path) -> None:
 
 
 def test_save_pretrained_round_trip_and_card(run, tmp_path) -> None:
-    out = run.model.save_pretrained(tmp_path / "hf", tokenizer=run.tokenizer, config=run.config, results={"val_loss": 1.25})
+    out = run.model.save_pretrained(
+        tmp_path / "hf", tokenizer=run.tokenizer, config=run.config, results={"val_loss": 1.25}
+    )
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors", "tokenizer.json"]
     model = type(run.model).from_pretrained(out)
     x = torch.randint(0, 258, (1, 30))
@@ -206,7 +278,9 @@ def test_export_command_writes_the_results_row(run, tmp_path, capsys) -> None:
     assert cli_main(["export", "--checkpoint", str(run.dir), "--out", str(tmp_path / "x")]) == 0
     assert "wrote" in capsys.readouterr().out
     card = (tmp_path / "x" / "README.md").read_text()
-    last_val = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines() if "val_loss" in line][-1]
+    last_val = [
+        json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines() if "val_loss" in line
+    ][-1]
     assert f"{last_val['val_loss']:.4f}" in card and "4 steps of 96 tokens" in card
     assert cli_main(["generate", "--checkpoint", str(tmp_path / "x"), "--prompt", "the", "--max-new-tokens", "3"]) == 0
     assert cli_main(["export", "--checkpoint", str(tmp_path / "missing"), "--out", str(tmp_path / "y")]) == 2
@@ -241,7 +315,11 @@ def test_export_holds_no_path_of_this_machine(run, tmp_path) -> None:
             text = f.read_text()
             assert str(tmp_path.anchor + tmp_path.parts[1]) not in text, f.name  # e.g. no /tmp/... anywhere
     config = json.loads((out / "config.json").read_text())
-    assert "dir" not in config["data"] and "out_dir" not in config["train"] and config["data"]["text_files"] == ["corpus.txt"]
+    assert (
+        "dir" not in config["data"]
+        and "out_dir" not in config["train"]
+        and config["data"]["text_files"] == ["corpus.txt"]
+    )
 
 
 def test_exported_tokenizer_file_lower_cases_as_we_do(tmp_path) -> None:
@@ -250,7 +328,9 @@ def test_exported_tokenizer_file_lower_cases_as_we_do(tmp_path) -> None:
     from tokenizers import Tokenizer as HFTokenizer
 
     lower = Tokenizer.train_bpe([" ".join(random.Random(i).choices(WORDS, k=50)) for i in range(50)], 300)
-    model = build_model("memory_attention", {**{k: v for k, v in MODEL.items() if k != "name"}, "vocab_size": lower.vocab_size})
+    model = build_model(
+        "memory_attention", {**{k: v for k, v in MODEL.items() if k != "name"}, "vocab_size": lower.vocab_size}
+    )
     out = model.save_pretrained(tmp_path / "lc", tokenizer=lower, config={"data": {"dataset": "tinystories-sample"}})
     text = "The Cat SAT on the mat. A Big red Tree"
     hf = HFTokenizer.from_file(str(out / "tokenizer.json"))
@@ -284,15 +364,21 @@ def test_from_pretrained_repo_id_downloads_offline(run, tmp_path, monkeypatch) -
 
     local = run.model.save_pretrained(tmp_path / "snap", tokenizer=run.tokenizer)
     calls = []
-    monkeypatch.setattr(hub, "snapshot_download", lambda repo, revision, allow_patterns: calls.append(repo) or str(local))
+    monkeypatch.setattr(
+        hub, "snapshot_download", lambda repo, revision, allow_patterns: calls.append(repo) or str(local)
+    )
     model, tok = recurformer.load("someone/tiny-ma")
-    assert calls == ["someone/tiny-ma"] and tok is not None and torch.equal(model.tok_emb.weight, run.model.tok_emb.weight)
+    assert (
+        calls == ["someone/tiny-ma"] and tok is not None and torch.equal(model.tok_emb.weight, run.model.tok_emb.weight)
+    )
 
     def offline(*a, **k):
         raise LocalEntryNotFoundError("no network and no cached copy")
 
     monkeypatch.setattr(hub, "snapshot_download", offline)
-    with pytest.raises(RecurformerError, match="someone/tiny-ma is no local directory, and getting it from the Hub failed: no network"):
+    with pytest.raises(
+        RecurformerError, match="someone/tiny-ma is no local directory, and getting it from the Hub failed: no network"
+    ):
         recurformer.load("someone/tiny-ma")
     with pytest.raises(RecurformerError, match="neither a local directory nor a Hub repo id"):
         recurformer.load(str(tmp_path / "nowhere"))
@@ -302,7 +388,9 @@ def test_push_to_hub_uploads_the_pretrained_directory(run, monkeypatch) -> None:
     from huggingface_hub import HfApi
 
     seen: dict = {}
-    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, private, exist_ok: seen.update(repo=repo_id, private=private))
+    monkeypatch.setattr(
+        HfApi, "create_repo", lambda self, repo_id, private, exist_ok: seen.update(repo=repo_id, private=private)
+    )
 
     def upload_folder(self, repo_id, folder_path, commit_message, allow_patterns):
         seen["files"] = sorted(p.name for p in Path(folder_path).iterdir())
@@ -331,7 +419,9 @@ def test_run_header(corpus, tmp_path, capsys) -> None:
     assert f"data: {corpus} (byte, vocabulary 258) from {tmp_path / 'prepared'}" in head
     assert f"checkpoints: {tmp_path / 'run'}/step_XXXXXX every 2 steps (keeping the last 3)" in head
     assert f"metrics: {tmp_path / 'run' / 'metrics.jsonl'}" in head
-    assert re.search(r"the matmul peak, [\d,]+ GFLOP/s (measured now and cached|cached) in \S+matmul_peak.json for ", head)
+    assert re.search(
+        r"the matmul peak, [\d,]+ GFLOP/s (measured now and cached|cached) in \S+matmul_peak.json for ", head
+    )
 
 
 @pytest.mark.parametrize("has_bf16", [False, True])
@@ -348,8 +438,14 @@ def test_run_header_warns_of_emulated_bf16(corpus, tmp_path, capsys, monkeypatch
     if has_bf16:
         assert warned == []
     else:
-        assert len(warned) == 1 and "this CPU has no avx512_bf16/AMX" in warned[0] and "precision auto picks fp32" in warned[0]
-        assert re.search(r"matmul peaks: bf16 [\d.,]+ GFLOP/s, the mfu reference; fp32 [\d.,]+ GFLOP/s measured now\)$", warned[0])
+        assert (
+            len(warned) == 1
+            and "this CPU has no avx512_bf16/AMX" in warned[0]
+            and "precision auto picks fp32" in warned[0]
+        )
+        assert re.search(
+            r"matmul peaks: bf16 [\d.,]+ GFLOP/s, the mfu reference; fp32 [\d.,]+ GFLOP/s measured now\)$", warned[0]
+        )
     assert recurformer.device.slow_bf16_warning("auto", torch.device("cpu")) is None
     assert recurformer.device.slow_bf16_warning("fp32", torch.device("cpu")) is None
 
@@ -447,7 +543,10 @@ def test_synth_shows_progress(capsys) -> None:
 def _results(*lengths: int):
     from recurformer.evaluate import LengthResult
 
-    return [LengthResult(L, 3.0 - 0.1 * i, 2.9 - 0.1 * i, 3.1 - 0.1 * i, 0.3, 100, 4, 4, "windows", 1000.0, 10.0) for i, L in enumerate(lengths)]
+    return [
+        LengthResult(L, 3.0 - 0.1 * i, 2.9 - 0.1 * i, 3.1 - 0.1 * i, 0.3, 100, 4, 4, "windows", 1000.0, 10.0)
+        for i, L in enumerate(lengths)
+    ]
 
 
 def test_eval_plot_labels_follow_last_and_training_lengths() -> None:
@@ -461,7 +560,10 @@ def test_eval_plot_labels_follow_last_and_training_lengths() -> None:
     assert ax.get_xlabel() == "sequence length L (trained at: a 256, b 1024)"
     plt.close(fig)
     fig = figure({"a": _results(256)}, "t", last=64, trained={"a": 512})
-    assert fig.axes[0].get_xlabel() == "sequence length L (trained at 512)" and fig.axes[0].get_ylabel() == "loss on the last 64 tokens (95% interval)"
+    assert (
+        fig.axes[0].get_xlabel() == "sequence length L (trained at 512)"
+        and fig.axes[0].get_ylabel() == "loss on the last 64 tokens (95% interval)"
+    )
     plt.close(fig)
     fig = figure({"a": _results(256)}, "t", last=64)
     assert fig.axes[0].get_xlabel() == "sequence length L"
@@ -486,8 +588,11 @@ def test_synthetic_grid_has_one_legend_titled_panels_and_visible_markers() -> No
 
     from benchmarks.synthetic import figure
 
-    results = [{"task": t, "model": m, "accuracy": 0.5, "by_length": {"16": 1.0, "64": 1.0} if t == "passkey" else {}}
-               for t in ("passkey", "in_context_recall") for m in ("llama", "memory_attention", "transformer_xl")]
+    results = [
+        {"task": t, "model": m, "accuracy": 0.5, "by_length": {"16": 1.0, "64": 1.0} if t == "passkey" else {}}
+        for t in ("passkey", "in_context_recall")
+        for m in ("llama", "memory_attention", "transformer_xl")
+    ]
     fig = figure(results)
     assert len(fig.legends) == 1 and all(ax.get_legend() is None for ax in fig.axes)
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["llama", "memory_attention", "transformer_xl"]
@@ -509,7 +614,11 @@ def test_step_profile_reads_matmul_dims_from_recorded_shapes() -> None:
         lin(torch.randn(11, 5))  # addmm: bias, x, W^T
         lin.weight.t() @ torch.randn(7, 9)  # mm
         torch.bmm(a, b)
-    dims = {ev.key: matmul_dims(ev.key, ev.input_shapes) for ev in prof.key_averages(group_by_input_shape=True) if ev.key in MATMULS}
+    dims = {
+        ev.key: matmul_dims(ev.key, ev.input_shapes)
+        for ev in prof.key_averages(group_by_input_shape=True)
+        if ev.key in MATMULS
+    }
     assert dims == {"aten::addmm": (1, 11, 5, 7), "aten::mm": (1, 5, 7, 9), "aten::bmm": (3, 4, 6, 2)}
 
 
@@ -527,7 +636,9 @@ def test_info_gives_the_state_size_for_every_model(name, capsys) -> None:
     size = line.split(": ", 1)[1]
     grows = name in ("llama", "recurrent_transformer")  # a KV cache of every token read (persistent for the RT)
     assert size.startswith("grows with the text") == grows and ("the same at any length" in size) != grows
-    if name == "memory_attention":  # per layer: memory, its K and V (C x D each) + a partial chunk's K, V, output ((C-1) x D)
+    if (
+        name == "memory_attention"
+    ):  # per layer: memory, its K and V (C x D each) + a partial chunk's K, V, output ((C-1) x D)
         C, D, N = cfg["chunk_size"], cfg["dim"], cfg["n_layers"]
         assert size.startswith(f"{N * (3 * C * D + 3 * (C - 1) * D):,} numbers")
     if name == "llama":  # K and V of every layer
@@ -546,9 +657,14 @@ def test_info_takes_the_model_from_a_config_and_needs_one(tmp_path, capsys) -> N
     assert out.startswith(f"model: transformer_xl, the model section of {cfg}\n") and "  dim: 48\n" in out
     assert cli_main(["info", "--set", "model.name=llama", "--set", "dim=96"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("model: llama, its defaults (the size of its paper) with --set overrides;") and "  dim: 96\n" in out
+    assert (
+        out.startswith("model: llama, its defaults (the size of its paper) with --set overrides;")
+        and "  dim: 96\n" in out
+    )
     assert cli_main(["info"]) == 2
-    assert capsys.readouterr().err.splitlines() == ["recurformer: error: give --model NAME (or a --config with model.name)"]
+    assert capsys.readouterr().err.splitlines() == [
+        "recurformer: error: give --model NAME (or a --config with model.name)"
+    ]
 
 
 def test_prepare_needs_a_dataset_or_text(tmp_path, capsys, monkeypatch) -> None:
@@ -561,8 +677,15 @@ def test_prepare_needs_a_dataset_or_text(tmp_path, capsys, monkeypatch) -> None:
 def test_info_measures_a_hybrid_stack_past_every_layers_reach(capsys) -> None:
     """Window layers of 256 tokens beside a memory layer with chunks of 32: the state stops
     growing once every window is full, and info says so with the size a long text leaves."""
-    cfg = {"vocab_size": 61, "dim": 16, "n_layers": 4, "n_heads": 2, "chunk_size": 32, "window": 256,
-           "layers": "[window,window,memory,window]"}
+    cfg = {
+        "vocab_size": 61,
+        "dim": 16,
+        "n_layers": 4,
+        "n_heads": 2,
+        "chunk_size": 32,
+        "window": 256,
+        "layers": "[window,window,memory,window]",
+    }
     assert cli_main(["info", "--model", "memory_attention"] + [f"--set={k}={v}" for k, v in cfg.items()]) == 0
     out = capsys.readouterr().out
     assert out.startswith("model: memory_attention, its defaults (the size of its paper) with --set overrides")
@@ -578,7 +701,9 @@ def test_lowercase_tokenizer_lowercases_the_prompt(run, tmp_path, capsys) -> Non
     lower = Tokenizer.train_bpe([" ".join(random.Random(i).choices(WORDS, k=50)) for i in range(50)], 300)
     cased = Tokenizer.train_bpe([" ".join(random.Random(i).choices(WORDS, k=50)).title() for i in range(50)], 300)
     assert lower.lowercase and not cased.lowercase and not Tokenizer.byte().lowercase
-    model = build_model("memory_attention", {**{k: v for k, v in MODEL.items() if k != "name"}, "vocab_size": lower.vocab_size})
+    model = build_model(
+        "memory_attention", {**{k: v for k, v in MODEL.items() if k != "name"}, "vocab_size": lower.vocab_size}
+    )
     path = model.save_pretrained(tmp_path / "lc", tokenizer=lower)
     assert cli_main(["generate", "--checkpoint", str(path), "--prompt", "The Cat", "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr()
@@ -596,7 +721,9 @@ def test_cased_tinystories_is_the_lower_case_sample_in_original_case() -> None:
     assert len(train) == 2316 and [d.lower() for d in train] == lower_train[:2316]
     assert len(val) == 1000 and [d.lower() for d in val] == lower_val
     assert train[0].startswith("One day, a little girl named Lily")
-    assert not Tokenizer.train_bpe(train[:300], 1024).lowercase and Tokenizer.train_bpe(lower_train[:300], 1024).lowercase
+    assert (
+        not Tokenizer.train_bpe(train[:300], 1024).lowercase and Tokenizer.train_bpe(lower_train[:300], 1024).lowercase
+    )
 
 
 @pytest.mark.slow

@@ -97,7 +97,9 @@ def test_bounded_models_are_exactly_zero_beyond_R_and_not_inside(name, dtype) ->
                 assert max(abs(b.mean), abs(b.ci_lo), abs(b.ci_hi)) <= tol
     # swap: the nearest replaced token exactly R back changes a logit, R + 1 back changes none.
     # (XL reaches R back only from one segment phase: distances R-3..R put distance R at 4 phases a sample.)
-    samples = swap_samples(stream, n_docs=8, distances=[R - 3, R - 2, R - 1, R, R + 1, 3 * R], span=5, warm=(0, 12), rng=rng)
+    samples = swap_samples(
+        stream, n_docs=8, distances=[R - 3, R - 2, R - 1, R, R + 1, 3 * R], span=5, warm=(0, 12), rng=rng
+    )
     d, v = _values(samples, _per_sample(samples, model), "swap_delta")
     assert np.abs(v[d > R]).max() <= tol
     assert np.abs(v[d == R]).max() > 1e-4
@@ -120,7 +122,12 @@ def test_split_copy_document() -> None:
     s1, gap = np.array([3, 4, 5]), np.array([9, 7, 9, 4])
     doc = np.concatenate([[0], s1, gap, marker, s1, [1]])
     head, a, g, m, b, tail = split_copy_document(doc, marker, tail=1)
-    assert head.tolist() == [0] and a.tolist() == b.tolist() == s1.tolist() and g.tolist() == gap.tolist() and tail.tolist() == [1]
+    assert (
+        head.tolist() == [0]
+        and a.tolist() == b.tolist() == s1.tolist()
+        and g.tolist() == gap.tolist()
+        and tail.tolist() == [1]
+    )
     assert split_copy_document(np.concatenate([[0], s1, marker, [3, 4, 6]]), marker, tail=0) is None  # copy differs
     assert split_copy_document(np.concatenate([[0], s1, gap]), marker, tail=0) is None  # no marker
 
@@ -183,13 +190,33 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("probe")
     rng = random.Random(0)
     corpus = d / "corpus.txt"
-    corpus.write_text("<|endoftext|>".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) + "." for _ in range(200)))
-    cfg = load_run_config(None, [
-        "model.name=sliding_window", "model.window=8", "model.dim=32", "model.n_layers=2", "model.n_heads=2",
-        "data.dataset=null", f"data.text_files=[{corpus}]", "data.tokenizer=byte", f"data.dir={d / 'prepared'}",
-        f"train.out_dir={d / 'run'}", "train.batch_size=2", "train.seq_len=32", "train.steps=2", "train.warmup=1",
-        "train.precision=fp32", "train.eval_every=2", "train.eval_batches=1", "train.save_every=2", "train.log_every=1",
-    ])
+    corpus.write_text(
+        "<|endoftext|>".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) + "." for _ in range(200))
+    )
+    cfg = load_run_config(
+        None,
+        [
+            "model.name=sliding_window",
+            "model.window=8",
+            "model.dim=32",
+            "model.n_layers=2",
+            "model.n_heads=2",
+            "data.dataset=null",
+            f"data.text_files=[{corpus}]",
+            "data.tokenizer=byte",
+            f"data.dir={d / 'prepared'}",
+            f"train.out_dir={d / 'run'}",
+            "train.batch_size=2",
+            "train.seq_len=32",
+            "train.steps=2",
+            "train.warmup=1",
+            "train.precision=fp32",
+            "train.eval_every=2",
+            "train.eval_batches=1",
+            "train.save_every=2",
+            "train.log_every=1",
+        ],
+    )
     tr = Trainer(cfg, show_progress=False)
     tr.run()
     return d / "run", corpus
@@ -202,8 +229,29 @@ def test_cli_repeat_and_swap(trained, tmp_path, capsys) -> None:
     other = tmp_path / "run2"
     shutil.copytree(run, other)
     out = tmp_path / "p" / "probe.json"
-    assert cli_main(["probe", "--checkpoint", str(run), str(other), "--text", str(corpus), "--docs", "12", "--passage", "20",
-                     "--warm-min", "5", "--warm-max", "30", "--json", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "probe",
+                "--checkpoint",
+                str(run),
+                str(other),
+                "--text",
+                str(corpus),
+                "--docs",
+                "12",
+                "--passage",
+                "20",
+                "--warm-min",
+                "5",
+                "--warm-max",
+                "30",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "**copy_gain**" in printed and "**swap_delta**" in printed and "| run2 | 14 |" in printed
     res = json.loads(out.read_text())
@@ -213,8 +261,32 @@ def test_cli_repeat_and_swap(trained, tmp_path, capsys) -> None:
     far = [b for b in first["metrics"]["swap_delta"] if b["lo"] > 14]
     assert far and all(abs(b["mean"]) <= 1e-6 for b in far)  # a sliding window of 8 over 2 layers
     assert all(b["docs"] == 12 for b in first["metrics"]["copy_gain"] if b["hi"] <= 20)
-    assert cli_main(["probe", "--checkpoint", str(run), "--task", "swap", "--text", str(corpus), "--docs", "5",
-                     "--distances", "2,20", "--span", "4", "--warm-min", "0", "--warm-max", "10", "--json", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "probe",
+                "--checkpoint",
+                str(run),
+                "--task",
+                "swap",
+                "--text",
+                str(corpus),
+                "--docs",
+                "5",
+                "--distances",
+                "2,20",
+                "--span",
+                "4",
+                "--warm-min",
+                "0",
+                "--warm-max",
+                "10",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert set(json.loads(out.read_text())["results"][0]["metrics"]) == {"swap_delta"}
 
 
@@ -233,22 +305,43 @@ def test_cli_repeat_on_copy_documents_with_a_gap(trained, tmp_path, capsys) -> N
     text = tmp_path / "copy.txt"
     text.write_text(f"\n{EOT}\n".join(docs))
     out = tmp_path / "c.json"
-    assert cli_main(["probe", "--checkpoint", str(run), "--text", str(text), "--docs", "20", "--warm-min", "3",
-                     "--warm-max", "20", "--json", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "probe",
+                "--checkpoint",
+                str(run),
+                "--text",
+                str(text),
+                "--docs",
+                "20",
+                "--warm-min",
+                "3",
+                "--warm-max",
+                "20",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     m = json.loads(out.read_text())["results"][0]["metrics"]
     assert min(b["lo"] for b in m["swap_delta"]) >= 16 and max(b["lo"] for b in m["copy_gain"]) < 32
     assert all(abs(b["mean"]) <= 1e-6 for b in m["swap_delta"])  # s1 lies > |marker| = 15 > R = 14 bytes back
     assert any(abs(b["mean"]) > 1e-3 for b in m["copy_gain"])  # inside R the contexts of s1[k], s2[k] differ
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--task", "nope"], "unknown probe task 'nope'"),
-    (["--docs", "0"], "--docs must be >= 1"),
-    (["--passage", "50000"], "too short for 50000-token passages"),
-    (["--task", "swap", "--distances", "4,x"], "--distances must be comma-separated integers"),
-    (["--warm-min", "9", "--warm-max", "3"], "--warm-min <= --warm-max"),
-    (["--json", "/proc/nope/p.json"], "cannot write /proc/nope/p.json"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--task", "nope"], "unknown probe task 'nope'"),
+        (["--docs", "0"], "--docs must be >= 1"),
+        (["--passage", "50000"], "too short for 50000-token passages"),
+        (["--task", "swap", "--distances", "4,x"], "--distances must be comma-separated integers"),
+        (["--warm-min", "9", "--warm-max", "3"], "--warm-min <= --warm-max"),
+        (["--json", "/proc/nope/p.json"], "cannot write /proc/nope/p.json"),
+    ],
+)
 def test_cli_bad_input_is_one_line(trained, tmp_path, capsys, args, message) -> None:
     run, corpus = trained
     json_args = [] if "--json" in args else ["--json", str(tmp_path / "p.json")]
@@ -267,7 +360,9 @@ def test_cli_checkpoint_without_tokenizer_and_non_utf8_text(trained, tmp_path, c
     copy = tmp_path / "run"
     shutil.copytree(resolve(run), copy)
     (copy / "tokenizer.json").unlink()
-    assert cli_main(["probe", "--checkpoint", str(copy), "--text", str(corpus), "--json", str(tmp_path / "p.json")]) == 2
+    assert (
+        cli_main(["probe", "--checkpoint", str(copy), "--text", str(corpus), "--json", str(tmp_path / "p.json")]) == 2
+    )
     assert "has no tokenizer.json" in capsys.readouterr().err
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"caf\xe9 " * 100)
@@ -287,20 +382,39 @@ def test_cli_merge_equals_one_run_and_refuses_other_settings(trained, tmp_path, 
     other = tmp_path / "run2"
     shutil.copytree(run, other)
     common = ["--text", str(corpus), "--docs", "8", "--passage", "20", "--warm-min", "5", "--warm-max", "30"]
-    assert cli_main(["probe", "--checkpoint", str(run), str(other), *common, "--json", str(tmp_path / "both.json")]) == 0
+    assert (
+        cli_main(["probe", "--checkpoint", str(run), str(other), *common, "--json", str(tmp_path / "both.json")]) == 0
+    )
     assert cli_main(["probe", "--checkpoint", str(run), *common, "--json", str(tmp_path / "a.json")]) == 0
     assert cli_main(["probe", "--checkpoint", str(other), *common, "--json", str(tmp_path / "b.json")]) == 0
     capsys.readouterr()
     merged = tmp_path / "m" / "merged.json"
-    assert cli_main(["probe", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json", str(merged)]) == 0
+    assert (
+        cli_main(["probe", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json", str(merged)]) == 0
+    )
     assert "**swap_delta**" in capsys.readouterr().out and merged.with_suffix(".png").is_file()
     both = json.loads((tmp_path / "both.json").read_text())["results"]
     got = json.loads(merged.read_text())["results"]
     assert [r["metrics"] for r in got] == [r["metrics"] for r in both]
     assert [r["checkpoint"] for r in got] == [r["checkpoint"] for r in both]
 
-    assert cli_main(["probe", "--checkpoint", str(run), *common[:-4], "--warm-min", "0", "--warm-max", "9",
-                     "--json", str(tmp_path / "c.json")]) == 0
+    assert (
+        cli_main(
+            [
+                "probe",
+                "--checkpoint",
+                str(run),
+                *common[:-4],
+                "--warm-min",
+                "0",
+                "--warm-max",
+                "9",
+                "--json",
+                str(tmp_path / "c.json"),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     bad = tmp_path / "bad.json"
     assert cli_main(["probe", "--merge", str(tmp_path / "a.json"), str(tmp_path / "c.json"), "--json", str(bad)]) == 2
@@ -326,7 +440,11 @@ def test_plot_marks_receptive_fields_and_labels_distance_zero() -> None:
 
     from recurformer.probe import BinStat, ProbeResult, figure
 
-    bins = [BinStat(0, 1, 0.5, 0.4, 0.6, 10, 10), BinStat(1, 2, 0.3, 0.2, 0.4, 10, 10), BinStat(16, 64, 0.1, 0.0, 0.2, 10, 10)]
+    bins = [
+        BinStat(0, 1, 0.5, 0.4, 0.6, 10, 10),
+        BinStat(1, 2, 0.3, 0.2, 0.4, 10, 10),
+        BinStat(16, 64, 0.1, 0.0, 0.2, 10, 10),
+    ]
     facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
     unbounded = ProbeResult("ma", "", "memory_attention", None, metrics={"copy_gain": bins}, **facts)
     bounded = ProbeResult("sw", "", "sliding_window", 31, metrics={"copy_gain": bins}, **facts)
@@ -335,6 +453,8 @@ def test_plot_marks_receptive_fields_and_labels_distance_zero() -> None:
     assert ax.get_xticks()[0] == 0.5 and ax.get_xticklabels()[0].get_text() == "0"
     plt.close("all")
     ax = figure([unbounded, bounded], "t").axes[0]
-    assert "dotted: receptive field R" in ax.get_xlabel() and "sw (R = 31)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "dotted: receptive field R" in ax.get_xlabel() and "sw (R = 31)" in [
+        t.get_text() for t in ax.get_legend().get_texts()
+    ]
     assert any(list(line.get_xdata()) == [31, 31] and line.get_linestyle() == ":" for line in ax.lines)
     plt.close("all")

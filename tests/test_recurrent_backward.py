@@ -55,7 +55,11 @@ LAYER_CASES = [
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T,extra,pos0,start1", LAYER_CASES, ids=[f"T={c[0]}-b={c[1].get('block_size', 1)}-{c[1].get('position', 'alibi')}" for c in LAYER_CASES])
+@pytest.mark.parametrize(
+    "T,extra,pos0,start1",
+    LAYER_CASES,
+    ids=[f"T={c[0]}-b={c[1].get('block_size', 1)}-{c[1].get('position', 'alibi')}" for c in LAYER_CASES],
+)
 def test_layer_gradients_equal_naive(T, extra, pos0, start1, device) -> None:
     """One layer on fresh random inputs x and state (persistent cache of pos0 positions, the
     temporaries of the unfinished block), a loss on z and the new state: gradients of x, of the
@@ -69,10 +73,16 @@ def test_layer_gradients_equal_naive(T, extra, pos0, start1, device) -> None:
     d, r0 = D // H, pos0 % layer.period
     f64 = dict(dtype=torch.float64, device=device)
     x = torch.randn(B, T, D, **f64, requires_grad=True)
-    past = {n: torch.randn(B, H, S, d, **f64, requires_grad=True) for n, S in (("k", pos0), ("v", pos0), ("tk", r0), ("tv", r0))}
+    past = {
+        n: torch.randn(B, H, S, d, **f64, requires_grad=True)
+        for n, S in (("k", pos0), ("v", pos0), ("tk", r0), ("tv", r0))
+    }
     start = torch.tensor([0, start1], device=device)
     rope, bias_fn = layer.position_signal(pos0, T, x.device, x.dtype)
-    weights = {n: torch.randn(B, *shape, **f64) for n, shape in (("z", (T, D)), ("k", (H, pos0 + T, d)), ("v", (H, pos0 + T, d)))}
+    weights = {
+        n: torch.randn(B, *shape, **f64)
+        for n, shape in (("z", (T, D)), ("k", (H, pos0 + T, d)), ("v", (H, pos0 + T, d)))
+    }
     grads = {}
     for impl in ("tiled", "naive"):
         model.zero_grad()
@@ -81,7 +91,11 @@ def test_layer_gradients_equal_naive(T, extra, pos0, start1, device) -> None:
         loss = (z * weights["z"]).sum() + (new["k"] * weights["k"]).sum() + (new["v"] * weights["v"]).sum()
         inputs = [x, *(past[n] for n in ("k", "v", "tk", "tv") if past[n].numel()), *model.parameters()]
         grads[impl] = torch.autograd.grad(loss, inputs, allow_unused=True)
-    names = ["x"] + [f"past {n}" for n in ("k", "v", "tk", "tv") if past[n].numel()] + [n for n, _ in model.named_parameters()]
+    names = (
+        ["x"]
+        + [f"past {n}" for n in ("k", "v", "tk", "tv") if past[n].numel()]
+        + [n for n, _ in model.named_parameters()]
+    )
     for name, gt, gn in zip(names, grads["tiled"], grads["naive"]):
         if gn is None:  # embedding / head: not in this layer's graph
             assert gt is None, name
@@ -97,7 +111,15 @@ def _op_inputs(block: int, pos0: int, T: int = 37, seed: int = 0):
     B, H, d = 2, 2, 4
     r0 = pos0 % block
     rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
-    tensors = dict(q=rnd(B, H, T, d), tk=rnd(B, H, T, d), tv=rnd(B, H, T, d), past_k=rnd(B, H, pos0, d), past_v=rnd(B, H, pos0, d), past_tk=rnd(B, H, r0, d), past_tv=rnd(B, H, r0, d))
+    tensors = dict(
+        q=rnd(B, H, T, d),
+        tk=rnd(B, H, T, d),
+        tv=rnd(B, H, T, d),
+        past_k=rnd(B, H, pos0, d),
+        past_v=rnd(B, H, pos0, d),
+        past_tk=rnd(B, H, r0, d),
+        past_tv=rnd(B, H, r0, d),
+    )
     x, W = rnd(B, T, H * d), (torch.randn(H * d, 2 * H * d, generator=g, dtype=torch.float64) * 0.5).requires_grad_()
 
     def finish(a, s, e):
@@ -121,7 +143,9 @@ def test_op_gradients_equal_naive(block, pos0, chunk) -> None:
     grads = []
     for custom in (True, False):
         if custom:
-            outs = recurrent_attention_tiled(q, tk, tv, finish, query_chunk=chunk, finish_inputs=closed, **tensors, **kw)
+            outs = recurrent_attention_tiled(
+                q, tk, tv, finish, query_chunk=chunk, finish_inputs=closed, **tensors, **kw
+            )
             assert CUSTOM in _graph_nodes(outs[0])
         else:
             outs = recurrent_attention_naive(q, tk, tv, finish, **tensors, **kw)
@@ -162,7 +186,9 @@ def test_saved_bytes_grow_linearly_in_n(custom) -> None:
     for T in (256, 1024):
         tensors, finish, closed, start = _op_inputs(1, 0, T=T)
         q, tk, tv = (tensors.pop(n) for n in ("q", "tk", "tv"))
-        fn = lambda: recurrent_attention_tiled(q, tk, tv, finish, finish_inputs=closed if custom else None, start=start, **tensors)  # noqa: E731
+        fn = lambda: recurrent_attention_tiled(
+            q, tk, tv, finish, finish_inputs=closed if custom else None, start=start, **tensors
+        )  # noqa: E731
         saved.append(_saved_bytes(fn))
     ratio = saved[1] / saved[0]
     assert (ratio < 4.4) if custom else (ratio > 8), ratio
@@ -179,7 +205,13 @@ def test_model_layer_saved_bytes_linear() -> None:
             empty = x.new_zeros(1, layer.n_heads, 0, BASE["dim"] // layer.n_heads)
             rope, bias_fn = layer.position_signal(0, T, x.device, x.dtype)
             past = {n: empty for n in ("k", "v", "tk", "tv")}
-            saved.append(_saved_bytes(lambda: layer.run(x, past, pos0=0, start=torch.zeros(1, dtype=torch.long), rope=rope, bias_fn=bias_fn)))
+            saved.append(
+                _saved_bytes(
+                    lambda: layer.run(
+                        x, past, pos0=0, start=torch.zeros(1, dtype=torch.long), rope=rope, bias_fn=bias_fn
+                    )
+                )
+            )
         assert saved[1] / saved[0] < 4.4, (extra, saved)
 
 

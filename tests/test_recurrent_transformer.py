@@ -80,7 +80,9 @@ def _run_layer(model, layer, x, impl, bias_fn="model"):
     empty = x.new_zeros(B, layer.n_heads, 0, x.shape[-1] // layer.n_heads)
     past = {k: empty for k in ("k", "v", "tk", "tv")}
     start = torch.zeros(B, dtype=torch.long)
-    return layer.run(x, past, pos0=0, start=start, rope=rope, bias_fn=alibi if bias_fn == "model" else bias_fn, impl=impl)
+    return layer.run(
+        x, past, pos0=0, start=start, rope=rope, bias_fn=alibi if bias_fn == "model" else bias_fn, impl=impl
+    )
 
 
 @pytest.mark.parametrize("impl", ["tiled", "naive"])
@@ -284,7 +286,13 @@ def test_ops_tiled_query_chunks_equal_naive(block, pos0, chunk) -> None:
         k, v = (z @ W).view(B, e - s, 2, H, d).permute(2, 0, 3, 1, 4)
         return z, k, v
 
-    kw = dict(block=block, pos0=pos0, start=torch.tensor([0, max(pos0 - r0 - block, 0)]), bias_fn=lambda dist: -0.3 * dist[None].double(), **past)
+    kw = dict(
+        block=block,
+        pos0=pos0,
+        start=torch.tensor([0, max(pos0 - r0 - block, 0)]),
+        bias_fn=lambda dist: -0.3 * dist[None].double(),
+        **past,
+    )
     ref = recurrent_attention_naive(q, tk, tv, finish, **kw)
     out = recurrent_attention_tiled(q, tk, tv, finish, query_chunk=chunk, **kw)
     for a, b in zip(out, ref):

@@ -46,7 +46,9 @@ def reference(model, tokens: torch.Tensor) -> torch.Tensor:
     return F.linear(torch.cat(out, 1), model.tok_emb.weight)
 
 
-@pytest.mark.parametrize("extra", [dict(n_layers=2, segment_len=7, memory_size=3), dict(n_layers=3, segment_len=4, memory_size=6)])
+@pytest.mark.parametrize(
+    "extra", [dict(n_layers=2, segment_len=7, memory_size=3), dict(n_layers=3, segment_len=4, memory_size=6)]
+)
 def test_matches_the_paper_read_literally(extra) -> None:
     model = build_model("rmt", dict(BASE, **extra)).double().eval()
     randomize_params(model, 0.2)
@@ -72,7 +74,9 @@ def test_memory_is_the_only_path_between_segments() -> None:
     with torch.no_grad():
         sa, sb = model(a).state, model(b).state
         assert all(s.k.shape[2] == 0 for s in sa.layers)  # a segment boundary: no token cached
-        swapped = dataclasses.replace(sa, layers=[dataclasses.replace(sa.layers[0], memory=sb.layers[0].memory)] + sa.layers[1:])
+        swapped = dataclasses.replace(
+            sa, layers=[dataclasses.replace(sa.layers[0], memory=sb.layers[0].memory)] + sa.layers[1:]
+        )
         torch.testing.assert_close(model(x, state=swapped).logits, model(x, state=sb).logits, rtol=0, atol=0)
     emb = model.tok_emb(a).detach().requires_grad_()
     h, state = model.body(emb, model.init_state(1))
@@ -109,21 +113,33 @@ def test_bad_configs_and_foreign_states_are_one_line_errors() -> None:
         build_model("rmt", dict(BASE, memory_size=-2))
     with pytest.raises(RecurformerError, match="config key 'segment_len' must be >= 1, got 0"):
         build_model("rmt", dict(BASE, segment_len=0))
-    with pytest.raises(RecurformerError, match="config key 'layers' names 'full': an RMT runs its memory slots through every layer"):
+    with pytest.raises(
+        RecurformerError, match="config key 'layers' names 'full': an RMT runs its memory slots through every layer"
+    ):
         build_model("rmt", dict(BASE, n_layers=2, layers=["rmt", "full"]))
     m4 = build_model("rmt", dict(BASE, n_layers=2, segment_len=5, memory_size=4))
     m8 = build_model("rmt", dict(BASE, n_layers=2, segment_len=5, memory_size=8))
     llama = build_model("llama", dict(BASE, n_layers=2))
     x = torch.tensor([[1, 2]])
-    with pytest.raises(RecurformerError, match=r"state does not fit this RMT: layer 0 \(rmt\) holds a KVState, expected a RMTState"):
+    with pytest.raises(
+        RecurformerError, match=r"state does not fit this RMT: layer 0 \(rmt\) holds a KVState, expected a RMTState"
+    ):
         m4(x, state=llama(x).state)
-    with pytest.raises(RecurformerError, match=r"layer 0 \(rmt\) 'memory' has shape \(1, 8, 32\), expected \(1, 4, 32\)"):
+    with pytest.raises(
+        RecurformerError, match=r"layer 0 \(rmt\) 'memory' has shape \(1, 8, 32\), expected \(1, 4, 32\)"
+    ):
         m4(x, state=m8(torch.tensor([[1, 2, 3, 4, 5]])).state)
-    with pytest.raises(RecurformerError, match=r"layer 0 \(rmt\) 'memory' has shape \(1, 8, 32\), expected \(1, 4, 32\)"):
+    with pytest.raises(
+        RecurformerError, match=r"layer 0 \(rmt\) 'memory' has shape \(1, 8, 32\), expected \(1, 4, 32\)"
+    ):
         m4(x, state=m8(x).state)
-    with pytest.raises(RecurformerError, match=r"'k' holds 6 positions, expected 7 \(the M = 4 read slots and 3 tokens\)"):
+    with pytest.raises(
+        RecurformerError, match=r"'k' holds 6 positions, expected 7 \(the M = 4 read slots and 3 tokens\)"
+    ):
         m4(x, state=dataclasses.replace(m4(x).state, pos=3))
-    with pytest.raises(RecurformerError, match=r"RMT can reset a row only at a segment boundary \(current segment has 2 of 5 tokens\)"):
+    with pytest.raises(
+        RecurformerError, match=r"RMT can reset a row only at a segment boundary \(current segment has 2 of 5 tokens\)"
+    ):
         m4(x, state=m4(x).state.reset(torch.tensor([True])))
 
 
@@ -139,7 +155,9 @@ def test_trains_with_a_carried_state_and_refuses_a_segment_that_does_not_fit(tmp
     """The trainer runs an RMT (a carried state across steps, two segments backpropagated
     together); a segment length that does not divide train.seq_len is a one-line error naming both."""
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("<|endoftext|>".join(f"story {i}: the cat sat on the mat and ran to the tree." for i in range(200)))
+    corpus.write_text(
+        "<|endoftext|>".join(f"story {i}: the cat sat on the mat and ran to the tree." for i in range(200))
+    )
     over = [
         "model.name=rmt", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.segment_len=8", "model.memory_size=3",
         "data.dataset=null", f"data.text_files=[{corpus}]", "data.tokenizer=byte", f"data.dir={tmp_path / 'prepared'}",
@@ -149,6 +167,12 @@ def test_trains_with_a_carried_state_and_refuses_a_segment_that_does_not_fit(tmp
     trainer = Trainer(load_run_config(None, over), show_progress=False)
     losses = [trainer.train_step() for _ in range(3)]
     assert all(0 < loss < 10 for loss in losses) and trainer.state is not None and trainer.state.pos > 0
-    with pytest.raises(RecurformerError, match=r"train.seq_len \(16\) must be a multiple of the model's chunk/segment/block length \(12\)"):
-        Trainer(load_run_config(None, over + ["model.segment_len=12", f"train.out_dir={tmp_path / 'bad'}"]), show_progress=False)
+    with pytest.raises(
+        RecurformerError,
+        match=r"train.seq_len \(16\) must be a multiple of the model's chunk/segment/block length \(12\)",
+    ):
+        Trainer(
+            load_run_config(None, over + ["model.segment_len=12", f"train.out_dir={tmp_path / 'bad'}"]),
+            show_progress=False,
+        )
     assert not (tmp_path / "bad").exists()

@@ -35,8 +35,12 @@ def write_all(tmp: Path, docs: list[str]) -> dict[str, Path]:
     paths["jsonl"].write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(docs)))
     pq.write_table(pa.table({"id": list(range(len(docs))), "body": docs}), paths["parquet"], row_group_size=17)
     half = len(docs) // 2  # a DatasetDict: its splits are read in order
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": docs[:half]}),
-                          "more": datasets.Dataset.from_dict({"body": docs[half:]})}).save_to_disk(str(paths["datasets"]))
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"body": docs[:half]}),
+            "more": datasets.Dataset.from_dict({"body": docs[half:]}),
+        }
+    ).save_to_disk(str(paths["datasets"]))
     return paths
 
 
@@ -71,15 +75,19 @@ def test_large_jsonl_streams_under_a_memory_cap(offline, monkeypatch) -> None:
     finally:
         tracemalloc.stop()
     assert peak < cap, f"peak {peak:,} bytes"
-    assert meta["train_tokens"] + meta["val_tokens"] == (offline / "out" / "train.bin").stat().st_size // 2 + (
-        offline / "out" / "val.bin").stat().st_size // 2
+    assert (
+        meta["train_tokens"] + meta["val_tokens"]
+        == (offline / "out" / "train.bin").stat().st_size // 2 + (offline / "out" / "val.bin").stat().st_size // 2
+    )
 
 
 def test_missing_field_or_column_is_one_line(offline, capsys) -> None:
     paths = write_all(offline, corpus(40))
-    for kind, want in (("jsonl", f"{paths['jsonl']} line 1 has no field 'text' (it has: id, body); set --text-field"),
-                       ("parquet", f"Parquet file {paths['parquet']} has no column 'text' (columns: id, body); set --text-field"),
-                       ("datasets", f"dataset {paths['datasets']} has no column 'text' (columns: body); set --text-field")):
+    for kind, want in (
+        ("jsonl", f"{paths['jsonl']} line 1 has no field 'text' (it has: id, body); set --text-field"),
+        ("parquet", f"Parquet file {paths['parquet']} has no column 'text' (columns: id, body); set --text-field"),
+        ("datasets", f"dataset {paths['datasets']} has no column 'text' (columns: body); set --text-field"),
+    ):
         out = offline / f"out-{kind}"
         assert cli_main(["prepare", "--text", str(paths[kind]), "--tokenizer", "byte", "--out", str(out)]) == 2
         assert capsys.readouterr().err.strip().splitlines()[-1] == f"recurformer: error: {want}"

@@ -169,7 +169,9 @@ def test_errors_are_one_line() -> None:
     # the state check is exact: a Memory Attention state of chunk 8 on a chunk-4 model
     ma8 = build_model("memory_attention", dict(TEST_CONFIGS["memory_attention"][0], chunk_size=8))
     ma4 = build_model("memory_attention", dict(TEST_CONFIGS["memory_attention"][0], chunk_size=4))
-    with pytest.raises(RecurformerError, match=r"layer 0 \(memory\) 'memory' has shape \(1, 8, 32\), expected \(1, 4, 32\)"):
+    with pytest.raises(
+        RecurformerError, match=r"layer 0 \(memory\) 'memory' has shape \(1, 8, 32\), expected \(1, 4, 32\)"
+    ):
         ma4(torch.tensor([[1, 2]]), state=ma8(torch.tensor([[1, 2]])).state)
     with pytest.raises(RecurformerError, match="'part_k' has shape"):  # 2 tokens read, but pos says 3
         ma4(torch.tensor([[1]]), state=dataclasses.replace(ma4(torch.tensor([[1, 2]])).state, pos=3))

@@ -94,7 +94,11 @@ def test_layouts() -> None:
     assert torch.equal(dc.targets[:, 12:], dc.inputs[:, :5]) and bool((dc.targets[:, :12] == IGNORE_INDEX).all())
 
     cz = make_split("compression", 8, seed=0, params=SMALL["compression"])
-    assert torch.equal(cz.inputs, cz.targets) and bool((cz.inputs[:, -1] == 15).all()) and bool((cz.inputs[:, :-1] < 15).all())
+    assert (
+        torch.equal(cz.inputs, cz.targets)
+        and bool((cz.inputs[:, -1] == 15).all())
+        and bool((cz.inputs[:, :-1] < 15).all())
+    )
 
     # memorization: one fixed key -> value map shared by every split
     m = {}
@@ -149,7 +153,17 @@ def is_fraction(accuracy: float, n: int) -> bool:
 def test_end_to_end_every_model(name: str, extra: dict) -> None:
     """A few steps on the passkey task, evaluated through the streaming contract at a length
     longer than the context and the evaluation chunk."""
-    cfg = SynthConfig(steps=4, batch_size=8, n_train=16, n_val=8, n_test=8, lrs=[1e-3, 3e-3], context=8, chunk=16, eval_lengths=[12, 70])
+    cfg = SynthConfig(
+        steps=4,
+        batch_size=8,
+        n_train=16,
+        n_val=8,
+        n_test=8,
+        lrs=[1e-3, 3e-3],
+        context=8,
+        chunk=16,
+        eval_lengths=[12, 70],
+    )
     r = run_synth("passkey", name, {"dim": 16, "n_heads": 2, "ffn_hidden": 32, **extra}, {"length": 12}, cfg)
     assert r.metric == "sequence" and r.accuracy == r.test.exact_match and is_fraction(r.accuracy, r.test.rows)
     assert [s["lr"] for s in r.sweep] == [1e-3, 3e-3] and all(np.isfinite(s["train_loss"]) for s in r.sweep)
@@ -162,15 +176,41 @@ def test_end_to_end_every_model(name: str, extra: dict) -> None:
 def test_learns_memorization_quickly() -> None:
     """The training loop really trains: a tiny key -> value map is learned to high accuracy."""
     cfg = SynthConfig(steps=150, batch_size=16, n_train=64, n_val=16, n_test=32, lrs=[1e-2], warmup=0.0)
-    r = run_synth("memorization", "llama", {"dim": 32, "n_heads": 4, "ffn_hidden": 64}, dict(vocab_size=20, seq_len=8), cfg)
+    r = run_synth(
+        "memorization", "llama", {"dim": 32, "n_heads": 4, "ffn_hidden": 64}, dict(vocab_size=20, seq_len=8), cfg
+    )
     assert r.metric == "token" and r.accuracy > 0.9, r.sweep
 
 
 def test_cli(tmp_path, capsys) -> None:
     out = tmp_path / "r.json"
-    argv = ["synth", "--task", "in_context_recall", "--model", "llama", "--steps", "3", "--lrs", "1e-3", "--n-train", "16",
-            "--n-test", "8", "--set", "dim=16", "--set", "n_heads=2", "--set", "task.seq_len=16", "--set", "synth.n_val=8",
-            "--set", "synth.batch_size=8", "--json", str(out)]
+    argv = [
+        "synth",
+        "--task",
+        "in_context_recall",
+        "--model",
+        "llama",
+        "--steps",
+        "3",
+        "--lrs",
+        "1e-3",
+        "--n-train",
+        "16",
+        "--n-test",
+        "8",
+        "--set",
+        "dim=16",
+        "--set",
+        "n_heads=2",
+        "--set",
+        "task.seq_len=16",
+        "--set",
+        "synth.n_val=8",
+        "--set",
+        "synth.batch_size=8",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     r = json.loads(out.read_text())
     assert r["task"] == "in_context_recall" and r["model_config"]["dim"] == 16
@@ -186,14 +226,24 @@ def test_length_sweeps_set_the_tasks_length() -> None:
     assert TASKS["copy"].at_length({"min_len": 5, "max_len": 20}, 40) == {"min_len": 40, "max_len": 40}
     d = make_split("copy", 4, seed=0, params=TASKS["copy"].at_length(TASKS["copy"].params(), 33))
     assert bool(((d.targets != IGNORE_INDEX).sum(1) == 34).all())  # 33 letters and the end marker
-    assert make_split("passkey", 2, 0, TASKS["passkey"].at_length(TASKS["passkey"].params(), 99)).inputs.shape[1] == 99 + 8
+    assert (
+        make_split("passkey", 2, 0, TASKS["passkey"].at_length(TASKS["passkey"].params(), 99)).inputs.shape[1] == 99 + 8
+    )
     with pytest.raises(RecurformerError, match="no length to sweep"):
-        run_synth("in_context_recall", "llama", {"dim": 16, "n_heads": 2}, {"seq_len": 16}, SynthConfig(steps=1, eval_lengths=[32]))
+        run_synth(
+            "in_context_recall",
+            "llama",
+            {"dim": 16, "n_heads": 2},
+            {"seq_len": 16},
+            SynthConfig(steps=1, eval_lengths=[32]),
+        )
 
 
 def _learner(name: str, **extra) -> Learner:
     torch.manual_seed(0)
-    model = build_model(name, model_values(name, {"dim": 16, "n_heads": 2, "ffn_hidden": 32, **extra}, vocab=16, context=4))
+    model = build_model(
+        name, model_values(name, {"dim": 16, "n_heads": 2, "ffn_hidden": 32, **extra}, vocab=16, context=4)
+    )
     randomize_params(model, std=0.3)
     return Learner(model, TASKS["compression"]).eval()
 
@@ -233,7 +283,17 @@ def test_compression_end_to_end(name: str) -> None:
 
 
 def test_copy_accuracy_by_length() -> None:
-    cfg = SynthConfig(steps=3, batch_size=8, n_train=16, n_val=8, n_test=8, n_length_test=8, lrs=[1e-3], context=8, eval_lengths=[4, 30])
+    cfg = SynthConfig(
+        steps=3,
+        batch_size=8,
+        n_train=16,
+        n_val=8,
+        n_test=8,
+        n_length_test=8,
+        lrs=[1e-3],
+        context=8,
+        eval_lengths=[4, 30],
+    )
     r = run_synth("copy", "memory_attention", {"dim": 16, "n_heads": 2, "ffn_hidden": 32}, SMALL["copy"], cfg)
     assert set(r.by_length) == {4, 30} and all(is_fraction(a, cfg.n_length_test) for a in r.by_length.values())
 
@@ -277,7 +337,9 @@ def test_lm_head_predictions_stream(name: str, device: str) -> None:
     state carried gives the predictions of one call, which depend on the context."""
     torch.manual_seed(0)
     V = vocab_size("copy", SMALL["copy"])
-    model = build_model(name, model_values(name, {"dim": 16, "n_heads": 2, "ffn_hidden": 32}, vocab=V, context=4)).double()
+    model = build_model(
+        name, model_values(name, {"dim": 16, "n_heads": 2, "ffn_hidden": 32}, vocab=V, context=4)
+    ).double()
     randomize_params(model, std=0.3)
     learner = Learner(model, TASKS["copy"]).to(device).eval()
     x = make_split("copy", 6, seed=1, params=dict(min_len=9, max_len=9)).inputs.to(device)
@@ -336,7 +398,9 @@ def bounded_models(context: int) -> list[tuple[str, object]]:
     """Every registered model whose logits read a bounded past (max_context not None), tiny."""
     out = []
     for name in model_names():
-        values = model_values(name, {"dim": 16, "n_heads": 2, "ffn_hidden": 32, "n_layers": 2}, vocab=64, context=context)
+        values = model_values(
+            name, {"dim": 16, "n_heads": 2, "ffn_hidden": 32, "n_layers": 2}, vocab=64, context=context
+        )
         model = build_model(name, values)
         if model.max_context() is not None:
             out.append((name, model))
@@ -361,7 +425,9 @@ def test_mqar_is_out_of_reach_of_every_bounded_model_beyond_its_reach() -> None:
             scored = (a.targets[0] != IGNORE_INDEX).nonzero().flatten().tolist()
             assert any(model.receptive_start(p) <= 2 * P - 1 for p in scored) == reachable, (name, d)
             b = a.inputs.clone()
-            b[:, : 2 * P] = make_split("mqar", 8, seed=1, params=dict(num_pairs=P, num_queries=P, distance=d)).inputs[:, : 2 * P]
+            b[:, : 2 * P] = make_split("mqar", 8, seed=1, params=dict(num_pairs=P, num_queries=P, distance=d)).inputs[
+                :, : 2 * P
+            ]
             with torch.no_grad():
                 la, lb = model(a.inputs).logits, model(b).logits
             same = torch.equal(la[:, scored], lb[:, scored])

@@ -31,10 +31,25 @@ def corpus(tmp_path_factory) -> Path:
 
 def run_config(corpus: Path, tmp: Path, **train) -> RunConfig:
     over = [
-        "model.name=memory_attention", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.chunk_size=8",
-        "data.dataset=null", f"data.text_files=[{corpus}]", "data.tokenizer=byte", f"data.dir={tmp / 'prepared'}",
-        f"train.out_dir={tmp / 'run'}", "train.batch_size=3", "train.seq_len=32", "train.steps=6", "train.warmup=2",
-        "train.precision=fp32", "train.eval_every=3", "train.eval_batches=2", "train.save_every=3", "train.log_every=1",
+        "model.name=memory_attention",
+        "model.dim=32",
+        "model.n_layers=2",
+        "model.n_heads=2",
+        "model.chunk_size=8",
+        "data.dataset=null",
+        f"data.text_files=[{corpus}]",
+        "data.tokenizer=byte",
+        f"data.dir={tmp / 'prepared'}",
+        f"train.out_dir={tmp / 'run'}",
+        "train.batch_size=3",
+        "train.seq_len=32",
+        "train.steps=6",
+        "train.warmup=2",
+        "train.precision=fp32",
+        "train.eval_every=3",
+        "train.eval_batches=2",
+        "train.save_every=3",
+        "train.log_every=1",
     ]
     over += [f"train.{k}={v}" for k, v in train.items()]
     return load_run_config(None, over)
@@ -48,21 +63,29 @@ RESUME_CASES = {  # data order, precision and truncation: a resume continues eac
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "bf16" else c for c in sorted(RESUME_CASES)])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c == "bf16" else c for c in sorted(RESUME_CASES)]
+)
 @pytest.mark.parametrize("device", DEVICES)
 def test_resume_is_exact(corpus, tmp_path, device, case) -> None:
     extra = RESUME_CASES[case]
-    full = Trainer(run_config(corpus, tmp_path / "a", steps=6, save_every=100, grad_accum=2, device=device, **extra), show_progress=False)
+    full = Trainer(
+        run_config(corpus, tmp_path / "a", steps=6, save_every=100, grad_accum=2, device=device, **extra),
+        show_progress=False,
+    )
     losses_full = [full.train_step() for _ in range(6)]
 
-    half = Trainer(run_config(corpus, tmp_path / "b", steps=3, grad_accum=2, device=device, **extra), show_progress=False)
+    half = Trainer(
+        run_config(corpus, tmp_path / "b", steps=3, grad_accum=2, device=device, **extra), show_progress=False
+    )
     losses_half = [half.train_step() for _ in range(3)]
     half.save()
     rng = torch.get_rng_state(), random.getstate()
     torch.manual_seed(123)  # the process's generators move on; a resume restores them
     random.seed(123)
     resumed = Trainer(
-        run_config(corpus, tmp_path / "b", steps=6, grad_accum=2, device=device, **extra), resume=str(tmp_path / "b" / "run"),
+        run_config(corpus, tmp_path / "b", steps=6, grad_accum=2, device=device, **extra),
+        resume=str(tmp_path / "b" / "run"),
         show_progress=False,
     )
     assert torch.equal(torch.get_rng_state(), rng[0]) and random.getstate() == rng[1]
@@ -102,7 +125,9 @@ def test_resume_is_exact_across_stage_changes(corpus, tmp_path, schedule, state_
     half = Trainer(run_config(corpus, tmp_path / "b", steps=3, **kw), show_progress=False)
     losses_half = [half.train_step() for _ in range(3)]
     half.save()
-    resumed = Trainer(run_config(corpus, tmp_path / "b", steps=6, **kw), resume=str(tmp_path / "b" / "run"), show_progress=False)
+    resumed = Trainer(
+        run_config(corpus, tmp_path / "b", steps=6, **kw), resume=str(tmp_path / "b" / "run"), show_progress=False
+    )
     losses_half += [resumed.train_step() for _ in range(3)]
     assert losses_half == losses_full
     for (n, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
@@ -111,7 +136,9 @@ def test_resume_is_exact_across_stage_changes(corpus, tmp_path, schedule, state_
     assert all(torch.equal(fa[k], fb[k]) for k in fa)
     assert full.streams.state_dict() == resumed.streams.state_dict()
     assert full.tokens_seen == resumed.tokens_seen
-    expect = {"truncation": [32] * 6, "seq_len": [32, 32, 16, 48, 48, 48], "doubling": [32, 32, 64, 64, 64, 64]}[schedule]
+    expect = {"truncation": [32] * 6, "seq_len": [32, 32, 16, 48, 48, 48], "doubling": [32, 32, 64, 64, 64, 64]}[
+        schedule
+    ]
     assert lens_full == expect
 
 
@@ -121,7 +148,9 @@ def test_schedule_applies_at_its_steps(corpus, tmp_path) -> None:
     cfg = run_config(corpus, tmp_path, grad_accum=4, schedule="{double_every: 2, double: {truncation: 4}}").train
     assert [cfg.at(s)["truncation"] for s in range(7)] == [1, 1, 2, 2, 4, 4, 4]
     assert [cfg.at(s)["seq_len"] for s in range(7)] == [32] * 7
-    tr = Trainer(run_config(corpus, tmp_path, grad_accum=4, schedule="{stages: [{step: 1, truncation: 4}]}"), show_progress=False)
+    tr = Trainer(
+        run_config(corpus, tmp_path, grad_accum=4, schedule="{stages: [{step: 1, truncation: 4}]}"), show_progress=False
+    )
     calls = []
     real = tr._segment
     tr._segment = lambda b, s, i=0: (calls.append(s is not None and s.layers[0].memory.requires_grad), real(b, s, i))[1]  # type: ignore[method-assign]
@@ -164,11 +193,23 @@ def test_state_init_per_row(corpus, tmp_path) -> None:
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("schedule", "{stages: [{step: 4, truncation: 2}, {step: 2, truncation: 1}]}", "must start at increasing steps, got step 2 after step 4"),
-        ("schedule", "{stages: [{step: 4, truncation: 4}]}", "sets truncation 4: more segments than the 2 a step reads"),
+        (
+            "schedule",
+            "{stages: [{step: 4, truncation: 2}, {step: 2, truncation: 1}]}",
+            "must start at increasing steps, got step 2 after step 4",
+        ),
+        (
+            "schedule",
+            "{stages: [{step: 4, truncation: 4}]}",
+            "sets truncation 4: more segments than the 2 a step reads",
+        ),
         ("schedule", "{stages: [{step: 4, seq_len: 20}]}", "sets seq_len 20, not a multiple of the model's chunk"),
         ("schedule", "{stages: [{step: 4, lr: 2}]}", "'train.schedule.stages[0].lr' is not schedulable"),
-        ("schedule", "{double_every: 2, double: {seq_len: 96}}", "'train.schedule.double.seq_len' must be 32 (the base value) times a power of two"),
+        (
+            "schedule",
+            "{double_every: 2, double: {seq_len: 96}}",
+            "'train.schedule.double.seq_len' must be 32 (the base value) times a power of two",
+        ),
         ("schedule", "{double_every: 2, stages: [{step: 1}]}", "give either 'stages' or 'double_every'"),
         ("state_init", "warm", "config key 'train.state_init' must be one of ['zero', 'noise', 'passing'], got 'warm'"),
         ("state_init", "passing, batch_size: 1", "'train.state_init' = passing needs train.batch_size >= 2"),
@@ -192,7 +233,9 @@ def test_metrics_give_tokens_per_s_and_fraction_of_peak(corpus, tmp_path) -> Non
     import json
 
     tr = Trainer(run_config(corpus, tmp_path, steps=4, log_every=2, loggers="[]"), show_progress=False)
-    assert tr.flops_per_token > 6 * sum(p.numel() for p in tr.model.parameters() if p.dim() >= 2) / 2  # 3 forwards of >= 2N
+    assert (
+        tr.flops_per_token > 6 * sum(p.numel() for p in tr.model.parameters() if p.dim() >= 2) / 2
+    )  # 3 forwards of >= 2N
     tr.run()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if "mfu" in r]
@@ -302,8 +345,19 @@ def test_bad_inputs_are_one_line_errors(corpus, tmp_path, capsys) -> None:
     assert cli_main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "config file not found" in capsys.readouterr().err
     with pytest.raises(RecurformerError, match="not found|does not exist|missing"):
-        Trainer(load_run_config(None, ["model.name=llama", "data.dataset=null", f"data.text_files=[{tmp_path / 'missing.txt'}]",
-                                       f"data.dir={tmp_path / 'p2'}", "data.tokenizer=byte"]), show_progress=False)
+        Trainer(
+            load_run_config(
+                None,
+                [
+                    "model.name=llama",
+                    "data.dataset=null",
+                    f"data.text_files=[{tmp_path / 'missing.txt'}]",
+                    f"data.dir={tmp_path / 'p2'}",
+                    "data.tokenizer=byte",
+                ],
+            ),
+            show_progress=False,
+        )
     # a checkpoint of another architecture
     tr = Trainer(run_config(corpus, tmp_path), show_progress=False)
     tr.train_step()
@@ -320,10 +374,39 @@ def test_bad_inputs_are_one_line_errors(corpus, tmp_path, capsys) -> None:
 
 
 def test_cli_train_end_to_end(corpus, tmp_path, capsys) -> None:
-    args = ["train", "--set", "model.name=llama", "--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
-            "--set", "data.dataset=null", "--set", f"data.text_files=[{corpus}]", "--set", "data.tokenizer=byte",
-            "--set", f"data.dir={tmp_path / 'prep'}", "--set", f"train.out_dir={tmp_path / 'r'}", "--set", "train.steps=4",
-            "--set", "train.batch_size=2", "--set", "train.seq_len=16", "--set", "train.eval_every=2", "--set", "train.precision=fp32", "--set", "train.log_every=1"]
+    args = [
+        "train",
+        "--set",
+        "model.name=llama",
+        "--set",
+        "model.dim=32",
+        "--set",
+        "model.n_layers=1",
+        "--set",
+        "model.n_heads=2",
+        "--set",
+        "data.dataset=null",
+        "--set",
+        f"data.text_files=[{corpus}]",
+        "--set",
+        "data.tokenizer=byte",
+        "--set",
+        f"data.dir={tmp_path / 'prep'}",
+        "--set",
+        f"train.out_dir={tmp_path / 'r'}",
+        "--set",
+        "train.steps=4",
+        "--set",
+        "train.batch_size=2",
+        "--set",
+        "train.seq_len=16",
+        "--set",
+        "train.eval_every=2",
+        "--set",
+        "train.precision=fp32",
+        "--set",
+        "train.log_every=1",
+    ]
     assert cli_main(args) == 2  # no --config: told to give one
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model:\n  name: llama\ntrain:\n  state: reset\n")
@@ -333,7 +416,9 @@ def test_cli_train_end_to_end(corpus, tmp_path, capsys) -> None:
     assert (ckpt.resolve(tmp_path / "r") / "tokenizer.json").is_file()
     (done,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("done: ")]
     last = [json.loads(ln) for ln in lines if "mean_tok_per_s" in ln][-1]
-    assert done.startswith("done: step=4, ") and f"mean_tok_per_s={last['mean_tok_per_s']:.4g}" in done  # the run's mean
+    assert (
+        done.startswith("done: step=4, ") and f"mean_tok_per_s={last['mean_tok_per_s']:.4g}" in done
+    )  # the run's mean
     assert f"last_interval_tok_per_s={last['tok_per_s']:.4g}" in done and " tok_per_s=" not in done
 
 
@@ -343,19 +428,70 @@ def test_cli_eval_and_generate_on_a_trained_checkpoint(corpus, tmp_path, capsys)
     tr.save()
     run = str(tmp_path / "run")
     out = tmp_path / "ev" / "e.json"
-    assert cli_main(["eval", "--checkpoint", run, "--lengths", "64,128", "--last", "32", "--windows", "2", "--chunk", "24",
-                     "--json", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "eval",
+                "--checkpoint",
+                run,
+                "--lengths",
+                "64,128",
+                "--last",
+                "32",
+                "--windows",
+                "2",
+                "--chunk",
+                "24",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| run | " in printed and out.is_file() and out.with_suffix(".png").is_file()
     assert cli_main(["eval", "--checkpoint", run, "--window", "16", "--json", str(out)]) == 2
     assert "--window applies to dense attention models" in capsys.readouterr().err
     st = tmp_path / "s.safetensors"
-    assert cli_main(["generate", "--checkpoint", run, "--prompt", "the cat", "--max-new-tokens", "5", "--temperature", "0",
-                     "--save-state", str(st), "--stats"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                "--checkpoint",
+                run,
+                "--prompt",
+                "the cat",
+                "--max-new-tokens",
+                "5",
+                "--temperature",
+                "0",
+                "--save-state",
+                str(st),
+                "--stats",
+            ]
+        )
+        == 0
+    )
     first = capsys.readouterr()
     assert first.out.startswith("the cat") and "tok/s" in first.err and st.is_file()
-    assert cli_main(["generate", "--checkpoint", run, "--prompt", " sat", "--load-state", str(st), "--max-new-tokens", "3",
-                     "--temperature", "0"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                "--checkpoint",
+                run,
+                "--prompt",
+                " sat",
+                "--load-state",
+                str(st),
+                "--max-new-tokens",
+                "3",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
 
 
 def step_gradients(tr: Trainer) -> dict[str, torch.Tensor]:
@@ -401,7 +537,9 @@ def hand_gradients(tr: Trainer, truncation: int, reset: bool = True) -> dict[str
 def test_truncation_backpropagates_through_that_many_segments(corpus, tmp_path, device) -> None:
     """A step of 4 segments with truncation 2 has the gradient of two backward passes over two
     segments each (the state carried from the step before detached), not that of truncation 1."""
-    tr = Trainer(run_config(corpus, tmp_path, grad_accum=4, truncation=2, grad_clip=0, device=device), show_progress=False)
+    tr = Trainer(
+        run_config(corpus, tmp_path, grad_accum=4, truncation=2, grad_clip=0, device=device), show_progress=False
+    )
     for _ in range(2):  # the second step starts from the carried state
         want, cut = hand_gradients(tr, 2), hand_gradients(tr, 1)
         got = step_gradients(tr)
@@ -427,10 +565,25 @@ def wrapping_data(tmp_path_factory) -> Path:
 
 
 def wrapping_trainer(data: Path, tmp: Path, device: str) -> Trainer:
-    over = ["model.name=memory_attention", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.chunk_size=8",
-            "data.dataset=null", f"data.dir={data}", f"train.out_dir={tmp / 'run'}", "train.batch_size=2", "train.seq_len=32",
-            "train.steps=6", "train.warmup=2", "train.precision=fp32", "train.grad_clip=0", "train.eval_batches=4", "train.loggers=[]",
-            f"train.device={device}"]
+    over = [
+        "model.name=memory_attention",
+        "model.dim=32",
+        "model.n_layers=2",
+        "model.n_heads=2",
+        "model.chunk_size=8",
+        "data.dataset=null",
+        f"data.dir={data}",
+        f"train.out_dir={tmp / 'run'}",
+        "train.batch_size=2",
+        "train.seq_len=32",
+        "train.steps=6",
+        "train.warmup=2",
+        "train.precision=fp32",
+        "train.grad_clip=0",
+        "train.eval_batches=4",
+        "train.loggers=[]",
+        f"train.device={device}",
+    ]
     tr = Trainer(load_run_config(None, over), show_progress=False)
     assert list(tr.streams.windows_per_pass) == [3, 2]
     return tr
@@ -450,7 +603,13 @@ def test_a_row_state_is_reset_where_its_stream_wraps(wrapping_data, tmp_path, de
             torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-8, msg=n)
         differs = max(float((want[n] - carried[n]).norm() / want[n].norm()) for n in want) > 1e-3
         assert differs == bool(any(wrapped[-1]))
-    assert [list(map(bool, w)) for w in wrapped] == [[False, False], [False, False], [False, True], [True, False], [False, True]]
+    assert [list(map(bool, w)) for w in wrapped] == [
+        [False, False],
+        [False, False],
+        [False, True],
+        [True, False],
+        [False, True],
+    ]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -22,7 +22,10 @@ BASE = dict(vocab_size=61, dim=16, n_heads=2)
 def test_relative_shift_equals_double_loop(Tq, Tk) -> None:
     g = torch.Generator().manual_seed(Tq * 100 + Tk)
     B, H, d = 2, 3, 4
-    q, k = torch.randn(B, H, Tq, d, generator=g, dtype=torch.float64), torch.randn(B, H, Tk, d, generator=g, dtype=torch.float64)
+    q, k = (
+        torch.randn(B, H, Tq, d, generator=g, dtype=torch.float64),
+        torch.randn(B, H, Tk, d, generator=g, dtype=torch.float64),
+    )
     r = torch.randn(H, Tk, d, generator=g, dtype=torch.float64)
     u, v = torch.randn(H, d, generator=g, dtype=torch.float64), torch.randn(H, d, generator=g, dtype=torch.float64)
     fast = relative_scores(q, k, r, u, v)
@@ -88,7 +91,11 @@ def reference_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     return F.linear(model.norm(x), model.tok_emb.weight)
 
 
-@pytest.mark.parametrize("cfg", [c for c in TEST_CONFIGS["transformer_xl"] if "layers" not in c], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items() if k not in BASE))
+@pytest.mark.parametrize(
+    "cfg",
+    [c for c in TEST_CONFIGS["transformer_xl"] if "layers" not in c],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items() if k not in BASE),
+)
 def test_model_equals_naive_reference(cfg) -> None:
     model = build_model("transformer_xl", cfg).double().eval()
     randomize_params(model)
@@ -133,7 +140,11 @@ def test_no_gradient_into_memory() -> None:
     assert torch.count_nonzero(g[:, :L]) == 0
     assert (g[:, L:].abs().sum(-1) > 0).all()
     assert all(not s.mem.requires_grad for s in out.state.layers)
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n.endswith(("wk.weight", "wr.weight")))
+    assert all(
+        p.grad is not None and p.grad.abs().sum() > 0
+        for n, p in model.named_parameters()
+        if n.endswith(("wk.weight", "wr.weight"))
+    )
     # segment 0 does influence segment 1 (through the memory), so the zero gradient is the stop-gradient
     pert = tokens.clone()
     pert[:, 0] = (pert[:, 0] + 1) % 61

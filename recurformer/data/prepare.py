@@ -94,15 +94,25 @@ def read_text_file(path: str | Path) -> str:
 
 
 def source_key(
-    dataset: str | None, text_files: Sequence[str | Path] | None, tokenizer: str, vocab_size: int,
-    val_fraction: float = 0.05, seed: int = 0, text_field: str = "text",
+    dataset: str | None,
+    text_files: Sequence[str | Path] | None,
+    tokenizer: str,
+    vocab_size: int,
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    text_field: str = "text",
 ) -> str:
     """A hex digest of everything a prepared directory is made of: the dataset name or the input
     files' contents (in order; every file of a datasets directory), the tokenizer kind and
     vocabulary size, the split settings and the text field."""
     h = hashlib.sha256()
-    settings = {"dataset": dataset, "tokenizer": tokenizer, "vocab_size": vocab_size if tokenizer == "bpe" else None,
-                "val_fraction": val_fraction, "seed": seed}
+    settings = {
+        "dataset": dataset,
+        "tokenizer": tokenizer,
+        "vocab_size": vocab_size if tokenizer == "bpe" else None,
+        "val_fraction": val_fraction,
+        "seed": seed,
+    }
     if text_field != "text":  # (the default is left out: keys of earlier preparations stay valid)
         settings["text_field"] = text_field
     h.update(json.dumps(settings, sort_keys=True).encode())
@@ -142,14 +152,20 @@ def _hub_tinystories() -> tuple[list[str], list[str]]:
         ds = datasets.load_dataset("roneneldan/TinyStories")
     except Exception as e:  # network/hub errors come in many types
         msg = f"{type(e).__name__}: {e}".splitlines()[0]
-        raise RecurformerError(f"could not load roneneldan/TinyStories from the Hugging Face hub (no network?): {msg}") from None
-    return [t.strip() for t in ds["train"]["text"] if t.strip()], [t.strip() for t in ds["validation"]["text"] if t.strip()]
+        raise RecurformerError(
+            f"could not load roneneldan/TinyStories from the Hugging Face hub (no network?): {msg}"
+        ) from None
+    return [t.strip() for t in ds["train"]["text"] if t.strip()], [
+        t.strip() for t in ds["validation"]["text"] if t.strip()
+    ]
 
 
 def _unknown_dataset(name: str) -> RecurformerError:
     close = difflib.get_close_matches(name, DATASETS, n=1, cutoff=0.5)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return RecurformerError(f"unknown dataset {name!r}{hint}; valid datasets: {', '.join(DATASETS)} (or pass text_files)")
+    return RecurformerError(
+        f"unknown dataset {name!r}{hint}; valid datasets: {', '.join(DATASETS)} (or pass text_files)"
+    )
 
 
 def load_documents(
@@ -168,7 +184,11 @@ def load_documents(
         train, val = split_contiguous(bundled_corpus("warpeace"), val_fraction)
         return train, val, f"bundled War and Peace (public domain), last {val_fraction:.0%} is val"
     if dataset == "books":
-        return bundled_corpus("books_train"), bundled_corpus("books_val"), "bundled Project Gutenberg books (public domain), split by book"
+        return (
+            bundled_corpus("books_train"),
+            bundled_corpus("books_val"),
+            "bundled Project Gutenberg books (public domain), split by book",
+        )
     if dataset == "tinystories":
         train, val = _hub_tinystories()
         return train, val, "Hugging Face roneneldan/TinyStories (train / validation splits)"
@@ -176,7 +196,11 @@ def load_documents(
         raise _unknown_dataset(dataset)
     assert text_files is not None
     train, val = split_contiguous(_read_text_files(text_files), val_fraction)
-    return train, val, f"text files {', '.join(str(Path(p).resolve()) for p in text_files)}, last {val_fraction:.0%} is val"
+    return (
+        train,
+        val,
+        f"text files {', '.join(str(Path(p).resolve()) for p in text_files)}, last {val_fraction:.0%} is val",
+    )
 
 
 BATCH_CHARS = 1 << 20  # characters encoded at a time (bounds the encoder's memory)
@@ -201,8 +225,14 @@ def _labelled(docs: Iterable[str], total: int, val_fraction: float) -> Iterator[
         seen += len(doc)
 
 
-def _write_tokens(out: dict[str, BinaryIO], docs: Iterable[tuple[str, str]], tok: Tokenizer, dtype: np.dtype,
-                  append_eos: bool, total: int | None) -> dict[str, int]:
+def _write_tokens(
+    out: dict[str, BinaryIO],
+    docs: Iterable[tuple[str, str]],
+    tok: Tokenizer,
+    dtype: np.dtype,
+    append_eos: bool,
+    total: int | None,
+) -> dict[str, int]:
     """Encode each (split, document) as BOS + document [+ EOS] onto its split's file, about
     ``BATCH_CHARS`` characters at a time; returns the token count of each split."""
     counts = dict.fromkeys(out, 0)
@@ -229,11 +259,13 @@ def _write_tokens(out: dict[str, BinaryIO], docs: Iterable[tuple[str, str]], tok
     return counts
 
 
-def _stream_sources(text_files: Sequence[str | Path], text_field: str, val_fraction: float, seed: int,
-                    bpe: bool) -> tuple[Callable[[], Iterator[tuple[str, str]]], list[str], dict[str, int]]:
+def _stream_sources(
+    text_files: Sequence[str | Path], text_field: str, val_fraction: float, seed: int, bpe: bool
+) -> tuple[Callable[[], Iterator[tuple[str, str]]], list[str], dict[str, int]]:
     """Input files of any kind, never held in memory: (a function that streams the labelled
     documents again, the BPE training sample, the document count of each split). The files are
     read once to measure them, once to count the splits and draw the sample, once to encode."""
+
     def docs() -> Iterator[str]:
         for f in text_files:
             yield from documents(f, text_field)
@@ -309,7 +341,10 @@ def prepare(
         train, val, source = load_documents(dataset, None, val_fraction)
         if not train or not val:
             raise RecurformerError(f"dataset {dataset} has an empty {'train' if not train else 'val'} split")
-        stream: Callable[[], Iterable[tuple[str, str]]] = lambda: [*(("train", d) for d in train), *(("val", d) for d in val)]  # noqa: E731
+        stream: Callable[[], Iterable[tuple[str, str]]] = lambda: [
+            *(("train", d) for d in train),
+            *(("val", d) for d in val),
+        ]  # noqa: E731
         sample, n_docs = train, {"train": len(train), "val": len(val)}
         if len(sample) > BPE_TRAIN_MAX_DOCS:
             sample = random.Random(seed).sample(train, BPE_TRAIN_MAX_DOCS)
@@ -319,8 +354,10 @@ def prepare(
         if not n_docs["train"] or not n_docs["val"]:
             raise RecurformerError(f"text_files give an empty {'train' if not n_docs['train'] else 'val'} split")
         kinds = sorted({kind_of(f) for f in text_files})
-        source = (f"{'/'.join(kinds)} files {', '.join(str(Path(p).resolve()) for p in text_files)}"
-                  f"{'' if kinds == ['text'] else f' (field {text_field!r})'}, last {val_fraction:.0%} is val")
+        source = (
+            f"{'/'.join(kinds)} files {', '.join(str(Path(p).resolve()) for p in text_files)}"
+            f"{'' if kinds == ['text'] else f' (field {text_field!r})'}, last {val_fraction:.0%} is val"
+        )
 
     if tokenizer == "byte":
         tok = Tokenizer.byte()
@@ -338,7 +375,9 @@ def prepare(
         _remove_stale_temporaries(out)
         with atomic_dir(out, tmp, old):
             with (tmp / "train.bin").open("wb") as f_train, (tmp / "val.bin").open("wb") as f_val:
-                counts = _write_tokens({"train": f_train, "val": f_val}, stream(), tok, dtype, append_eos, sum(n_docs.values()))
+                counts = _write_tokens(
+                    {"train": f_train, "val": f_val}, stream(), tok, dtype, append_eos, sum(n_docs.values())
+                )
             for split in ("train", "val"):
                 _log(f"{split}: {n_docs[split]:,} documents, {counts[split]:,} tokens")
             tok.save(tmp)

@@ -77,9 +77,13 @@ def _jsonl(p: Path, text_field: str) -> Iterator[str]:
                     raise RecurformerError(f"{p} line {n} is not JSON ({e.msg})") from None
                 if not isinstance(row, dict) or text_field not in row:
                     fields = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-                    raise RecurformerError(f"{p} line {n} has no field '{text_field}' (it has: {fields}); set --text-field")
+                    raise RecurformerError(
+                        f"{p} line {n} has no field '{text_field}' (it has: {fields}); set --text-field"
+                    )
                 if not isinstance(row[text_field], str):
-                    raise RecurformerError(f"{p} line {n}: field '{text_field}' is a {type(row[text_field]).__name__}, not text")
+                    raise RecurformerError(
+                        f"{p} line {n}: field '{text_field}' is a {type(row[text_field]).__name__}, not text"
+                    )
                 yield row[text_field]
     except UnicodeDecodeError as e:
         raise RecurformerError(f"{p} is not UTF-8 ({e.reason})") from None
@@ -87,7 +91,9 @@ def _jsonl(p: Path, text_field: str) -> Iterator[str]:
 
 def _column(p: Path, names: list[str], text_field: str, what: str) -> None:
     if text_field not in names:
-        raise RecurformerError(f"{what} {p} has no column '{text_field}' (columns: {', '.join(names)}); set --text-field")
+        raise RecurformerError(
+            f"{what} {p} has no column '{text_field}' (columns: {', '.join(names)}); set --text-field"
+        )
 
 
 def _parquet(p: Path, text_field: str) -> Iterator[str]:
@@ -108,7 +114,9 @@ def _datasets(p: Path, text_field: str) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
-        raise RecurformerError(f"reading the datasets directory {p} needs `datasets`: pip install 'recurformer[hub]'") from None
+        raise RecurformerError(
+            f"reading the datasets directory {p} needs `datasets`: pip install 'recurformer[hub]'"
+        ) from None
     try:
         ds = datasets.load_from_disk(str(p))
     except FileNotFoundError:

@@ -36,7 +36,9 @@ def _check_common(tokens: np.ndarray, batch_size: int, seq_len: int, rank: int, 
     if tokens.ndim != 1:
         raise RecurformerError(f"token array must be 1-D, got shape {tuple(tokens.shape)}")
     if batch_size < 1 or seq_len < 1 or world_size < 1:
-        raise RecurformerError(f"batch_size, seq_len, world_size must be >= 1, got {batch_size}, {seq_len}, {world_size}")
+        raise RecurformerError(
+            f"batch_size, seq_len, world_size must be >= 1, got {batch_size}, {seq_len}, {world_size}"
+        )
     if not 0 <= rank < world_size:
         raise RecurformerError(f"rank must be in [0, {world_size}), got {rank}")
 
@@ -173,7 +175,12 @@ class ShuffledWindows:
         }
 
     def state_dict(self) -> dict:
-        return {"kind": "shuffled", "step": self.step, **self._identity(), "rng": "numpy default_rng([seed, rank, step])"}
+        return {
+            "kind": "shuffled",
+            "step": self.step,
+            **self._identity(),
+            "rng": "numpy default_rng([seed, rank, step])",
+        }
 
     def load_state_dict(self, d: dict) -> None:
         self.step = _check_state(d, self._identity(), "shuffled")

@@ -74,7 +74,12 @@ def in_context_recall(rng: np.random.Generator, n: int, vocab_size: int = 16, se
 
 
 def noisy_in_context_recall(
-    rng: np.random.Generator, n: int, vocab_size: int = 32, seq_len: int = 128, noise_vocab: int = 16, frac_noise: float = 0.2
+    rng: np.random.Generator,
+    n: int,
+    vocab_size: int = 32,
+    seq_len: int = 128,
+    noise_vocab: int = 16,
+    frac_noise: float = 0.2,
 ) -> Arrays:
     """MAD noisy in-context recall. Baseline: vocab 32 (16 of them noise), length 128,
     frac_noise 0.2, 12,800 training examples.
@@ -84,7 +89,10 @@ def noisy_in_context_recall(
     (so a real key exists) becomes two random noise tokens [K, V) with probability frac_noise.
     Scored: values of real keys already seen earlier; noise is never scored."""
     K = vocab_size - noise_vocab
-    _need(K >= 4 and K % 2 == 0 and noise_vocab >= 1, f"noisy_in_context_recall needs vocab_size - noise_vocab even and >= 4, got {K}")
+    _need(
+        K >= 4 and K % 2 == 0 and noise_vocab >= 1,
+        f"noisy_in_context_recall needs vocab_size - noise_vocab even and >= 4, got {K}",
+    )
     _need(seq_len >= 6 and seq_len % 2 == 0, f"noisy_in_context_recall needs an even seq_len >= 6, got {seq_len}")
     _need(0 <= frac_noise < 1, f"frac_noise must be in [0, 1), got {frac_noise}")
     nk, P = K // 2, seq_len // 2
@@ -108,7 +116,9 @@ def noisy_in_context_recall(
     return _shift(seq, scored)
 
 
-def fuzzy_in_context_recall(rng: np.random.Generator, n: int, vocab_size: int = 16, seq_len: int = 128, max_motif: int = 3) -> Arrays:
+def fuzzy_in_context_recall(
+    rng: np.random.Generator, n: int, vocab_size: int = 16, seq_len: int = 128, max_motif: int = 3
+) -> Arrays:
     """MAD fuzzy in-context recall. Baseline: vocab 16, length 128, motifs of at most 3 tokens,
     12,800 training examples.
 
@@ -119,7 +129,10 @@ def fuzzy_in_context_recall(rng: np.random.Generator, n: int, vocab_size: int = 
     left-padded with pad to seq_len + 1 tokens and shifted (inputs length seq_len). Scored: the
     value tokens of repeated pairs."""
     nk = (vocab_size - 1) // 2
-    _need(max_motif >= 1 and nk >= max_motif + 1, f"fuzzy_in_context_recall needs (vocab_size-1)/2 > max_motif, got vocab {vocab_size}")
+    _need(
+        max_motif >= 1 and nk >= max_motif + 1,
+        f"fuzzy_in_context_recall needs (vocab_size-1)/2 > max_motif, got vocab {vocab_size}",
+    )
     _need(seq_len >= 4 * max_motif + 1, f"fuzzy_in_context_recall needs seq_len >= {4 * max_motif + 1}, got {seq_len}")
     pad, budget = vocab_size - 1, seq_len + 1
     seq = np.full((n, budget), pad, dtype=np.int64)
@@ -137,7 +150,10 @@ def fuzzy_in_context_recall(rng: np.random.Generator, n: int, vocab_size: int = 
                 key = tuple(int(t) for t in rng.choice(nk, size=rng.integers(1, max_motif + 1), replace=False))
                 if key in pairs:
                     continue
-                pairs[key] = tuple(int(t) for t in rng.choice(np.arange(nk, 2 * nk), size=rng.integers(1, max_motif + 1), replace=False))
+                pairs[key] = tuple(
+                    int(t)
+                    for t in rng.choice(np.arange(nk, 2 * nk), size=rng.integers(1, max_motif + 1), replace=False)
+                )
                 row.append((key, pairs[key], False))
             used += len(row[-1][0]) + len(row[-1][1])
             if final:
@@ -152,7 +168,9 @@ def fuzzy_in_context_recall(rng: np.random.Generator, n: int, vocab_size: int = 
     return _shift(seq, scored)
 
 
-def selective_copying(rng: np.random.Generator, n: int, vocab_size: int = 16, seq_len: int = 256, num_tokens: int = 16) -> Arrays:
+def selective_copying(
+    rng: np.random.Generator, n: int, vocab_size: int = 16, seq_len: int = 256, num_tokens: int = 16
+) -> Arrays:
     """MAD selective copying. Baseline: vocab 16, length 256, 16 tokens to copy, 12,800
     training examples.
 
@@ -162,7 +180,10 @@ def selective_copying(rng: np.random.Generator, n: int, vocab_size: int = 16, se
     positions, which hold the content tokens in order (the first is predicted while reading the
     first blank after the copy token)."""
     _need(vocab_size >= 3, f"selective_copying needs vocab_size >= 3, got {vocab_size}")
-    _need(num_tokens >= 1 and seq_len >= 2 * num_tokens + 1, f"selective_copying needs seq_len >= 2 * num_tokens + 1, got {seq_len}")
+    _need(
+        num_tokens >= 1 and seq_len >= 2 * num_tokens + 1,
+        f"selective_copying needs seq_len >= 2 * num_tokens + 1, got {seq_len}",
+    )
     blank, copy, N = vocab_size - 2, vocab_size - 1, num_tokens
     head = seq_len - N - 1
     inputs = np.full((n, seq_len), blank, dtype=np.int64)
@@ -176,7 +197,9 @@ def selective_copying(rng: np.random.Generator, n: int, vocab_size: int = 16, se
     return inputs, targets
 
 
-def memorization(rng: np.random.Generator, n: int, vocab_size: int = 256, seq_len: int = 32, map_seed: int = 0) -> Arrays:
+def memorization(
+    rng: np.random.Generator, n: int, vocab_size: int = 256, seq_len: int = 32, map_seed: int = 0
+) -> Arrays:
     """MAD memorization. Baseline: vocab 256, length 32, 256 training examples.
 
     A fixed key -> value map drawn from ``map_seed`` (the same for every split, so the test asks
@@ -184,7 +207,10 @@ def memorization(rng: np.random.Generator, n: int, vocab_size: int = 256, seq_le
     V-1. inputs: seq_len/2 (key, insert) pairs with distinct random keys; targets: the key's value
     at each insert position, -100 at keys."""
     nk = (vocab_size - 1) // 2
-    _need(nk >= 1 and seq_len % 2 == 0 and seq_len >= 2, f"memorization needs vocab_size >= 3 and an even seq_len, got {vocab_size}, {seq_len}")
+    _need(
+        nk >= 1 and seq_len % 2 == 0 and seq_len >= 2,
+        f"memorization needs vocab_size >= 3 and an even seq_len, got {vocab_size}, {seq_len}",
+    )
     _need(seq_len // 2 <= nk, f"memorization needs seq_len/2 <= {nk} distinct keys, got seq_len {seq_len}")
     values = np.random.default_rng(map_seed).integers(nk, 2 * nk, size=nk)
     keys = np.stack([rng.choice(nk, size=seq_len // 2, replace=False) for _ in range(n)])
@@ -202,8 +228,13 @@ def compression(rng: np.random.Generator, n: int, vocab_size: int = 16, seq_len:
     inputs, every position scored. Not next-token prediction: the task is read with the
     AutoEncoder head, which must rebuild all seq_len tokens from the model's features at the last
     position (the compression token), so those features are the only bottleneck."""
-    _need(vocab_size >= 3 and seq_len >= 2, f"compression needs vocab_size >= 3 and seq_len >= 2, got {vocab_size}, {seq_len}")
-    inputs = np.concatenate([rng.integers(0, vocab_size - 1, size=(n, seq_len - 1)), np.full((n, 1), vocab_size - 1)], axis=1)
+    _need(
+        vocab_size >= 3 and seq_len >= 2,
+        f"compression needs vocab_size >= 3 and seq_len >= 2, got {vocab_size}, {seq_len}",
+    )
+    inputs = np.concatenate(
+        [rng.integers(0, vocab_size - 1, size=(n, seq_len - 1)), np.full((n, 1), vocab_size - 1)], axis=1
+    )
     return inputs, inputs.copy()
 
 
@@ -235,7 +266,9 @@ def copy(rng: np.random.Generator, n: int, vocab_size: int = 30, min_len: int = 
     return _shift(seq, scored)
 
 
-def delayed_copy(rng: np.random.Generator, n: int, vocab_size: int = 10, copy_len: int = 10, delay: int = 100) -> Arrays:
+def delayed_copy(
+    rng: np.random.Generator, n: int, vocab_size: int = 10, copy_len: int = 10, delay: int = 100
+) -> Arrays:
     """The copying task with a delay of Brenndoerfer, "Recurrent Memory: Extending Transformer
     Context with Segment-Level State Caching" ("Evaluation: Comparing Context Approaches"):
     blank = 0, content tokens [1, V-1), signal V-1; defaults vocab 10, 10 tokens (its delays:
@@ -257,7 +290,9 @@ def delayed_copy(rng: np.random.Generator, n: int, vocab_size: int = 10, copy_le
     return inputs, targets
 
 
-def passkey(rng: np.random.Generator, n: int, vocab_size: int = 32, length: int = 256, key_len: int = 4, key_vocab: int = 16) -> Arrays:
+def passkey(
+    rng: np.random.Generator, n: int, vocab_size: int = 32, length: int = 256, key_len: int = 4, key_vocab: int = 16
+) -> Arrays:
     """Passkey retrieval: a key of ``key_len`` tokens from [0, key_vocab), ``length`` random filler
     tokens from [key_vocab, V-1), the query marker V-1, then the key again (teacher-forced).
     inputs = (key, filler, query, key)[:-1], length 2*key_len + length; scored: the key_len
@@ -265,7 +300,10 @@ def passkey(rng: np.random.Generator, n: int, vocab_size: int = 32, length: int 
     key token j is ``length + key_len + 1`` positions before the position that must predict it, so
     a model that sees only a window of at most ``length + 1`` tokens cannot beat chance."""
     _need(key_len >= 1 and length >= 0, f"passkey needs key_len >= 1 and length >= 0, got {key_len}, {length}")
-    _need(2 <= key_vocab <= vocab_size - 2, f"passkey needs 2 <= key_vocab <= vocab_size - 2, got {key_vocab}, {vocab_size}")
+    _need(
+        2 <= key_vocab <= vocab_size - 2,
+        f"passkey needs 2 <= key_vocab <= vocab_size - 2, got {key_vocab}, {vocab_size}",
+    )
     m = key_len
     key = rng.integers(0, key_vocab, size=(n, m))
     seq = np.concatenate(
@@ -302,8 +340,14 @@ def mqar(
     The last pair token is ``distance + 1 + 2j`` positions before the position that answers query
     j, so a model that reads at most ``distance + 1`` tokens (itself included) sees no pair from
     any query and cannot beat chance, 1 / value_vocab."""
-    _need(key_vocab >= 1 and value_vocab >= 2, f"mqar needs key_vocab >= 1 and value_vocab >= 2, got {key_vocab}, {value_vocab}")
-    _need(vocab_size > key_vocab + value_vocab, f"mqar needs vocab_size > key_vocab + value_vocab (filler), got {vocab_size}")
+    _need(
+        key_vocab >= 1 and value_vocab >= 2,
+        f"mqar needs key_vocab >= 1 and value_vocab >= 2, got {key_vocab}, {value_vocab}",
+    )
+    _need(
+        vocab_size > key_vocab + value_vocab,
+        f"mqar needs vocab_size > key_vocab + value_vocab (filler), got {vocab_size}",
+    )
     _need(1 <= num_pairs <= key_vocab, f"mqar needs 1 <= num_pairs <= key_vocab ({key_vocab}), got {num_pairs}")
     _need(1 <= num_queries <= num_pairs, f"mqar needs 1 <= num_queries <= num_pairs ({num_pairs}), got {num_queries}")
     _need(distance >= 0, f"task parameter 'distance' must be >= 0, got {distance}")
@@ -394,7 +438,9 @@ class TaskData:
         return {r.tobytes() for r in self.inputs.numpy()}
 
 
-def make_split(task: str, n: int, seed: int, params: dict[str, Any] | None = None, exclude: set[bytes] | None = None) -> TaskData:
+def make_split(
+    task: str, n: int, seed: int, params: dict[str, Any] | None = None, exclude: set[bytes] | None = None
+) -> TaskData:
     """``n`` distinct rows of ``task`` drawn from ``seed`` (the same seed gives the same rows), none
     of whose inputs is in ``exclude``. Raises if the task cannot supply that many distinct rows."""
     t = get_task(task)

@@ -132,10 +132,10 @@ class BlockAttention(Layer):
             self.initial_state = nn.Parameter(torch.zeros(cfg.states, D))
         self.wo = nn.Linear(2 * D if recurrent else D, D, bias=False)
 
-
     @property
     def period(self) -> int:
         return self.cfg.block_size
+
     def init_extra(self, std: float) -> None:
         if self.cell is not None:
             with torch.no_grad():
@@ -152,7 +152,9 @@ class BlockAttention(Layer):
         c, B = self.cfg, batch_size
         z = lambda *s: torch.zeros(*s, device=device, dtype=dtype)  # noqa: E731
         cell = z(B, c.states, c.dim) if self.cell is not None else None  # replaced by initial_state (fresh)
-        return BlockRecurrentState(k=z(B, c.n_heads, c.block_size, c.head_dim), v=z(B, c.n_heads, c.block_size, c.head_dim), cell=cell)
+        return BlockRecurrentState(
+            k=z(B, c.n_heads, c.block_size, c.head_dim), v=z(B, c.n_heads, c.block_size, c.head_dim), cell=cell
+        )
 
     def reset(self, st: BlockRecurrentState, fresh: Tensor) -> BlockRecurrentState:
         zero = torch.zeros_like(st.k[0])
@@ -204,7 +206,10 @@ class BlockAttention(Layer):
         v = split_heads(self.wv(x), self.n_heads)
         kcache, vcache, cell = st.k, st.v, st.cell
         if cfg.position == "rope":
-            cos, sin = call.shared(("brt-rope", W, x.dtype), lambda: rope_cos_sin(torch.arange(2 * W, device=x.device), cfg.head_dim, cfg.rope_theta, x.dtype))
+            cos, sin = call.shared(
+                ("brt-rope", W, x.dtype),
+                lambda: rope_cos_sin(torch.arange(2 * W, device=x.device), cfg.head_dim, cfg.rope_theta, x.dtype),
+            )
         if self.cell is not None:
             assert cell is not None
             q2 = self.qk2.query(split_heads(self.wq2(x), self.n_heads))
@@ -227,7 +232,10 @@ class BlockAttention(Layer):
                 o = torch.cat((o, merge_heads(attend(q2[:, :, a : a + n], kc, vc))), dim=-1)
                 if tap.active():  # the read-out: share of Wo [self ; cross] that comes from the state
                     D = o.shape[-1] // 2
-                    tap.record(self, tap.output_share(o[..., D:] @ self.wo.weight[:, D:].T, o[..., :D] @ self.wo.weight[:, :D].T))
+                    tap.record(
+                        self,
+                        tap.output_share(o[..., D:] @ self.wo.weight[:, D:].T, o[..., :D] @ self.wo.weight[:, :D].T),
+                    )
             outs.append(o)
             if r + n == W:  # block complete: update the state, keep this block as the next window
                 if self.cell is not None:
@@ -287,4 +295,9 @@ class BlockRecurrent(StreamingLM):
         return lines
 
 
-register("block_recurrent", BlockRecurrentConfig, BlockRecurrent, "Block-Recurrent Transformer: recurrent cell states updated once per block")
+register(
+    "block_recurrent",
+    BlockRecurrentConfig,
+    BlockRecurrent,
+    "Block-Recurrent Transformer: recurrent cell states updated once per block",
+)

@@ -44,7 +44,11 @@ class KVRoom:
     def around(cls, state: "KVState", capacity: int, dtype: torch.dtype) -> "KVRoom":
         """A new room holding ``state``'s cache, with space for ``capacity`` positions."""
         B, H, S, d = state.k.shape
-        room = cls(k=state.k.new_empty(B, H, capacity, d, dtype=dtype), v=state.v.new_empty(B, H, capacity, d, dtype=dtype), used=S)
+        room = cls(
+            k=state.k.new_empty(B, H, capacity, d, dtype=dtype),
+            v=state.v.new_empty(B, H, capacity, d, dtype=dtype),
+            used=S,
+        )
         room.k[:, :, :S], room.v[:, :, :S] = state.k, state.v
         return room
 
@@ -52,7 +56,10 @@ class KVRoom:
         """Whether ``state``'s cache is the filled prefix of this room (then positions from
         ``used`` on belong to no state and may be written)."""
         return all(
-            t.data_ptr() == buf.data_ptr() and t.device == buf.device and t.shape == buf[:, :, : self.used].shape and t.stride() == buf.stride()
+            t.data_ptr() == buf.data_ptr()
+            and t.device == buf.device
+            and t.shape == buf[:, :, : self.used].shape
+            and t.stride() == buf.stride()
             for t, buf in ((state.k, self.k), (state.v, self.v))
         )
 
@@ -60,7 +67,12 @@ class KVRoom:
         """Whether keys ``k`` [B, H, T, head_dim] (and their values) can be written in place
         after ``state``'s cache: it is the filled prefix, T positions are free, the dtype is the
         same and the buffers are writable here."""
-        return self.fits(state) and self.used + k.shape[2] <= self.k.shape[2] and self.k.dtype == k.dtype and writable(self.k)
+        return (
+            self.fits(state)
+            and self.used + k.shape[2] <= self.k.shape[2]
+            and self.k.dtype == k.dtype
+            and writable(self.k)
+        )
 
     def append(self, k: Tensor, v: Tensor) -> "KVState":
         """The cache extended by ``k``/``v`` [B, H, T, head_dim], written in place (the caller

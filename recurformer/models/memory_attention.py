@@ -67,7 +67,9 @@ class MemoryAttentionConfig(ModelConfig):
                 raise RecurformerError("give either 'layers' or 'memory_layers', not both")
             bad = [i for i in self.memory_layers if not 0 <= i < self.n_layers]
             if bad:
-                raise RecurformerError(f"config key 'memory_layers' names layer {bad[0]}, outside 0..{self.n_layers - 1}")
+                raise RecurformerError(
+                    f"config key 'memory_layers' names layer {bad[0]}, outside 0..{self.n_layers - 1}"
+                )
 
     def layer_kinds(self, default: str) -> list[str]:
         if self.memory_layers is None:
@@ -117,10 +119,10 @@ class MemoryAttentionLayer(Layer):
         if cfg.init_memory == "learned":  # zero-initialised and trainable, as `train_orimem` in the code
             self.init_memory = nn.Parameter(torch.zeros(cfg.chunk_size, cfg.dim))
 
-
     @property
     def period(self) -> int:
         return self.cfg.chunk_size
+
     def init_extra(self, std: float) -> None:
         if self.cfg.memory_update == "gated":
             nn.init.constant_(self.mem_gate.bias, 1.0)
@@ -131,7 +133,14 @@ class MemoryAttentionLayer(Layer):
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> MemoryState:
         B, C, D, H, d = batch_size, self.cfg.chunk_size, self.cfg.dim, self.n_heads, self.cfg.head_dim
         z = lambda *s: torch.zeros(*s, device=device, dtype=dtype)  # noqa: E731
-        return MemoryState(memory=z(B, C, D), mem_k=z(B, H, C, d), mem_v=z(B, H, C, d), part_k=z(B, H, 0, d), part_v=z(B, H, 0, d), part_o=z(B, 0, D))
+        return MemoryState(
+            memory=z(B, C, D),
+            mem_k=z(B, H, C, d),
+            mem_v=z(B, H, C, d),
+            part_k=z(B, H, 0, d),
+            part_v=z(B, H, 0, d),
+            part_o=z(B, 0, D),
+        )
 
     def reset(self, state: MemoryState, fresh: Tensor) -> MemoryState:
         init = self.init_memory if self.cfg.init_memory == "learned" else torch.zeros_like(state.memory[0])
@@ -211,7 +220,11 @@ class MemoryAttentionLayer(Layer):
                     memory = src
                 evolved = None
                 B, _, _, d = k.shape  # fresh empty tensors, not views (torch.compile mishandles aliased empty outputs)
-                part_k, part_v, part_o = k.new_zeros(B, H, 0, d), v.new_zeros(B, H, 0, d), src.new_zeros(B, 0, src.shape[2])
+                part_k, part_v, part_o = (
+                    k.new_zeros(B, H, 0, d),
+                    v.new_zeros(B, H, 0, d),
+                    src.new_zeros(B, 0, src.shape[2]),
+                )
             else:
                 part_k, part_v, part_o = k, v, src
             outs.append(out)
@@ -228,4 +241,9 @@ class MemoryAttention(StreamingLM):
     kind = "memory"
 
 
-register("memory_attention", MemoryAttentionConfig, MemoryAttention, "Memory Attention: block-wise recurrent transformer carrying a per-layer memory across chunks")
+register(
+    "memory_attention",
+    MemoryAttentionConfig,
+    MemoryAttention,
+    "Memory Attention: block-wise recurrent transformer carrying a per-layer memory across chunks",
+)

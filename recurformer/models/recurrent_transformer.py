@@ -108,10 +108,10 @@ class RecurrentLayer(Layer):
         old = self.get_buffer("slopes")
         self.register_buffer("slopes", alibi_slopes(self.n_heads, self.max_bias).to(old), persistent=False)
 
-
     @property
     def period(self) -> int:
         return self.cfg.block_size
+
     def kv(self, u: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
         """Key and value [B, H, n, d] of u [B, n, D] (x: temporary pair, z: persistent pair)."""
         n = self.attn_norm(u)
@@ -127,7 +127,9 @@ class RecurrentLayer(Layer):
         z = torch.zeros(batch_size, self.n_heads, 0, self.cfg.head_dim, device=device, dtype=dtype)
         return RecurrentState(k=z, v=z, tk=z, tv=z)
 
-    def position_signal(self, pos0: int, T: int, device: torch.device, dtype: torch.dtype) -> tuple[tuple[Tensor, Tensor] | None, BiasFn | None]:
+    def position_signal(
+        self, pos0: int, T: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[tuple[Tensor, Tensor] | None, BiasFn | None]:
         """(rope cos/sin for positions pos0..pos0+T-1 or None, bias function or None)."""
         c = self.cfg
         if c.position == "rope":
@@ -136,7 +138,9 @@ class RecurrentLayer(Layer):
 
     def forward(self, x: Tensor, st: RecurrentState, call: Call) -> tuple[Tensor, RecurrentState]:
         acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        rope, bias_fn = call.shared(("rt-pos", self.cfg.position, acc), lambda: self.position_signal(call.pos, x.shape[1], x.device, acc))
+        rope, bias_fn = call.shared(
+            ("rt-pos", self.cfg.position, acc), lambda: self.position_signal(call.pos, x.shape[1], x.device, acc)
+        )
         if rope is not None:
             rope = (rope[0].to(x.dtype), rope[1].to(x.dtype))
         z, new = self.run(x, st.tensors(), pos0=call.pos, start=call.start, rope=rope, bias_fn=bias_fn)
@@ -204,4 +208,9 @@ class RecurrentTransformer(StreamingLM):
         ]
 
 
-register("recurrent_transformer", RecurrentTransformerConfig, RecurrentTransformer, "Recurrent Transformer: each layer attends to the previous layer's persistent keys/values")
+register(
+    "recurrent_transformer",
+    RecurrentTransformerConfig,
+    RecurrentTransformer,
+    "Recurrent Transformer: each layer attends to the previous layer's persistent keys/values",
+)

@@ -125,13 +125,17 @@ class RMTAttention(Layer):
         want = self.cfg.memory_size + r if r else 0
         got = state.k.shape[2]  # type: ignore[attr-defined]
         if got != want or state.v.shape[2] != want:  # type: ignore[attr-defined]
-            return f"'k' holds {got} positions, expected {want} (the M = {self.cfg.memory_size} read slots and {r} tokens)"
+            return (
+                f"'k' holds {got} positions, expected {want} (the M = {self.cfg.memory_size} read slots and {r} tokens)"
+            )
         return None
 
     def tables(self, c: int, n: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """RoPE cos/sin of positions c..c+n-1 and the boolean mask [n, c+n] (None: plain causal
         from position 0, or one query that sees every key)."""
-        cos, sin = rope_cos_sin(torch.arange(c, c + n, device=x.device), self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(
+            torch.arange(c, c + n, device=x.device), self.cfg.head_dim, self.cfg.rope_theta, x.dtype
+        )
         if c == 0 or n == 1:
             return cos, sin, None
         i, j = torch.arange(n, device=x.device)[:, None], torch.arange(c + n, device=x.device)[None, :]
@@ -179,7 +183,9 @@ class RMT(StreamingLM):
         S, M = self.config.segment_len, self.config.memory_size
         pos, layers = state.pos, list(state.layers)
         if pos % S and bool(state.fresh.any()):
-            raise RecurformerError(f"RMT can reset a row only at a segment boundary (current segment has {pos % S} of {S} tokens)")
+            raise RecurformerError(
+                f"RMT can reset a row only at a segment boundary (current segment has {pos % S} of {S} tokens)"
+            )
         start = torch.where(state.fresh, torch.full_like(state.start, pos), state.start)
         # init_memory enters every call's graph (with no fresh row, with a zero gradient), so that
         # DDP finds every parameter used

@@ -33,4 +33,9 @@ class SlidingWindow(Llama):
     kind = "window"
 
 
-register("sliding_window", SlidingWindowConfig, SlidingWindow, "Llama-style decoder with sliding-window attention (bounded KV cache state)")
+register(
+    "sliding_window",
+    SlidingWindowConfig,
+    SlidingWindow,
+    "Llama-style decoder with sliding-window attention (bounded KV cache state)",
+)

@@ -133,10 +133,10 @@ class RelAttention(Layer):
         self.u = nn.Parameter(torch.zeros(cfg.n_heads, cfg.head_dim))  # global content bias
         self.v = nn.Parameter(torch.zeros(cfg.n_heads, cfg.head_dim))  # global position bias
 
-
     @property
     def period(self) -> int:
         return self.cfg.segment_len
+
     def describe(self) -> str:
         return f"xl(L={self.cfg.segment_len}, M={self.cfg.memory_len})"
 
@@ -185,7 +185,13 @@ class RelAttention(Layer):
         memory and the segment so far projected once."""
         weights = tuple((w.data_ptr(), w._version) for w in (self.wk.weight, self.wv.weight, self.wr.weight))
         room = st.room
-        if room is not None and room.fits(st) and room.weights == weights and room.k.dtype == x.dtype and writable(room.k):
+        if (
+            room is not None
+            and room.fits(st)
+            and room.weights == weights
+            and room.k.dtype == x.dtype
+            and writable(room.k)
+        ):
             return room
         c, H = self.cfg, self.n_heads
         ctx = torch.cat((st.mem, st.seg), dim=1)
@@ -256,4 +262,9 @@ class TransformerXL(StreamingLM):
         ]
 
 
-register("transformer_xl", TransformerXLConfig, TransformerXL, "Transformer-XL: segment recurrence with a cached memory of hidden states")
+register(
+    "transformer_xl",
+    TransformerXLConfig,
+    TransformerXL,
+    "Transformer-XL: segment recurrence with a cached memory of hidden states",
+)

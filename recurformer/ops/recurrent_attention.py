@@ -167,7 +167,14 @@ def _temporary_scores(qq: Tensor, kk: Tensor, scale: float, bias_fn: BiasFn | No
 
 
 def temporary_stats(
-    q: Tensor, tk: Tensor, tv: Tensor, past_tk: Tensor, past_tv: Tensor, block: int, scale: float, bias_fn: BiasFn | None
+    q: Tensor,
+    tk: Tensor,
+    tv: Tensor,
+    past_tk: Tensor,
+    past_tv: Tensor,
+    block: int,
+    scale: float,
+    bias_fn: BiasFn | None,
 ) -> Stats:
     """Accumulators of the T queries after their own block's temporary pairs (causal within the
     block, including the r0 temporaries of an unfinished block from an earlier call). The call
@@ -195,7 +202,14 @@ def _cache_scores(q: Tensor, past_k: Tensor, q0: int, tiling: _Tiling) -> Tensor
 
 
 def _tile_bias(
-    tiling: _Tiling, cache: dict[tuple[int, int, int], Tensor], q0: int, q1: int, k0: int, k1: int, device: torch.device, dtype: torch.dtype
+    tiling: _Tiling,
+    cache: dict[tuple[int, int, int], Tensor],
+    q0: int,
+    q1: int,
+    k0: int,
+    k1: int,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> Tensor:
     """Bias of query rows q0..q1-1 against keys k0..k1-1 (call-relative); it depends only on the
     distances, so it is memoised by (q0 - k0, q1 - q0, k1 - k0)."""
@@ -258,7 +272,9 @@ def _tiled_forward(
     return torch.cat(zs, 1), torch.cat(ks, 2), torch.cat(vs, 2), torch.cat(As, 2), torch.cat(lses, 2)
 
 
-def _output_grad(outs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
+def _output_grad(
+    outs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor]
+) -> tuple[Tensor | None, ...]:
     """torch.autograd.grad of the outputs that depend on something (None where nothing does)."""
     pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, grads) if o.requires_grad]
     if not pairs or not inputs:
@@ -329,7 +345,9 @@ class _Backward:
         """Backward of query rows c0..c1-1 against one group of keys (scores s): adds to dq and
         returns (dk, dv) of the group."""
         rows = lambda x: x[:, :, c0:c1]  # noqa: E731
-        dq, dk, dv = softmax_backward(s, rows(self.lse), rows(self.delta), rows(self.da), rows(self.q), k, v, self.tiling.scale)
+        dq, dk, dv = softmax_backward(
+            s, rows(self.lse), rows(self.delta), rows(self.da), rows(self.q), k, v, self.tiling.scale
+        )
         rows(self.dq).add_(dq)
         return dk, dv
 
@@ -383,7 +401,9 @@ class _Backward:
         kk, vv = (_blocks(torch.cat(pair, 2), 0, nb, b) for pair in ((past_tk, tk), (past_tv, tv)))
         s = _temporary_scores(qq, kk, self.tiling.scale, self.tiling.bias_fn)
         rows = lambda t, value=0.0: _blocks(t, r0, nb, b, value)  # noqa: E731
-        dq, dk, dv = softmax_backward(s, rows(self.lse, float("inf")), rows(self.delta), rows(self.da), qq, kk, vv, self.tiling.scale)
+        dq, dk, dv = softmax_backward(
+            s, rows(self.lse, float("inf")), rows(self.delta), rows(self.da), qq, kk, vv, self.tiling.scale
+        )
         self.dq += _unblock(dq, r0, r0 + T)
         return _unblock(dk, 0, r0 + T), _unblock(dv, 0, r0 + T)
 
@@ -429,7 +449,11 @@ def recurrent_attention_tiled(
     past_k, past_v, past_tk, past_tv, start, scale = _defaults(q, past_k, past_v, past_tk, past_tv, start, scale)
     tiling = _Tiling(finish, block, pos0, start, scale, bias_fn, query_chunk)
     tensors = (q, tk, tv, past_k, past_v, past_tk, past_tv)
-    custom = finish_inputs is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (*tensors, *finish_inputs))
+    custom = (
+        finish_inputs is not None
+        and torch.is_grad_enabled()
+        and any(t.requires_grad for t in (*tensors, *finish_inputs))
+    )
     if custom and not _bias_needs_grad(bias_fn, q.device):
         return _TiledRecurrentAttention.apply(tiling, *tensors, *finish_inputs)  # type: ignore[misc]  # not None when custom
     return _tiled_forward(tiling, *tensors)[:3]
