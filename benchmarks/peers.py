@@ -79,7 +79,8 @@ Built = tuple[torch.nn.Module, Step, Callable[[torch.Tensor], Any]]  # model, on
 
 class _CountAttention(TorchFunctionMode):
     """SDPA counted by the (query, key) pairs its mask shows, as ``recurformer.flops`` does, and
-    not run (zeros of the output's shape), so the FLOP counter never sees a dense kernel."""
+    not run (zeros of the output's shape), so the FLOP counter never sees a dense kernel. A copy,
+    because the peer's process cannot import our package; tests/test_peers.py holds the two equal."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,0 +1,39 @@
+"""benchmarks/peers.py counts a peer's FLOPs in the peer's own process with its own copy of
+``recurformer.flops``' rule (FlopCounterMode, SDPA by the pairs its mask shows): on our models the
+copy must give our count, or the per-FLOP ratios compare different rules."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import peers  # noqa: E402
+
+from recurformer import build_model  # noqa: E402
+from recurformer.flops import train_flops_per_token  # noqa: E402
+
+TINY = dict(vocab_size=64, dim=16, n_layers=2, n_heads=2)
+
+
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("llama", {}),
+        ("sliding_window", dict(window=8)),  # an SDPA mask, not is_causal
+        ("rmt", dict(segment_len=8, memory_size=4)),
+        ("block_recurrent", dict(block_size=8, recurrent_layers=(0,))),
+        ("memory_attention", dict(chunk_size=8)),
+    ],
+)
+def test_peer_flop_count_matches_ours(name: str, extra: dict) -> None:
+    torch.manual_seed(0)
+    model = build_model(name, {**TINY, **extra})
+    T = 24
+    theirs = peers.peer_train_flops(model, lambda x: model(x[:, :-1]), T)
+    assert theirs == train_flops_per_token(model, T)
