@@ -65,7 +65,7 @@ PEER_NAMES = {
 }
 DIFFERS = {  # what the peer computes differently, beyond the FLOP count measured in the run
     "transformer_xl": "rotary positions (ours: XL's relative R with u, v biases)",
-    "block_recurrent": "rotary + xpos, GEGLU FFN x4, own state gates; ours T5 bias, qk-norm, SwiGLU",
+    "block_recurrent": "rotary + xpos, LayerNorm, GEGLU; ours T5 bias, qk-norm, RMSNorm, SwiGLU",
     "rmt": "null key/value, value residuals, GEGLU, separate write tokens",
     "llama": "same layout (tied embedding, rotary, RMSNorm, SwiGLU)",
     "memory_attention": "the paper's configuration on both sides (memseqlen = chunk)",
