@@ -292,13 +292,17 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
     def body(self, h: Tensor, state: State) -> tuple[Tensor, State]:
         """The layers over h [B, T, D], after the lazy reset of the fresh rows."""
         layers, pos = state.layers, state.pos
-        if state.any_fresh if state.any_fresh is not None else bool(state.fresh.any()):
+        any_fresh = state.any_fresh if state.any_fresh is not None else bool(state.fresh.any())
+        if any_fresh:
             P = self.reset_boundary
             if pos % P:
                 unit = max(self.layers, key=lambda layer: layer.period).unit
                 raise RecurformerError(
                     f"{type(self).__name__} can reset a row only at a {unit} boundary (current {unit} has {pos % P} of {P} tokens)"
                 )
+        if any_fresh or (self.training and torch.is_grad_enabled()):
+            # in training, a learned initial state enters every step's graph (a zero gradient when no
+            # row is fresh), so that DDP finds every parameter used
             layers = [layer.reset(s, state.fresh) for layer, s in zip(self.layers, layers)]
         start = torch.where(state.fresh, torch.full_like(state.start, pos), state.start)
         call = Call(pos, start)

@@ -36,13 +36,15 @@ def data_dir(tmp_path_factory) -> Path:
     return d / "prep"
 
 
-def overrides(data: Path, out: Path, batch: int) -> list[str]:
+MA = ["model.name=memory_attention", "model.chunk_size=8"]
+
+
+def overrides(data: Path, out: Path, batch: int, model: list[str] = MA) -> list[str]:
     return [
-        "model.name=memory_attention",
+        *model,
         "model.dim=32",
         "model.n_layers=2",
         "model.n_heads=2",
-        "model.chunk_size=8",
         "data.dataset=null",
         f"data.dir={data}",
         "data.tokenizer=byte",
@@ -57,7 +59,9 @@ def overrides(data: Path, out: Path, batch: int) -> list[str]:
     ]
 
 
-def launch(n: int, out: Path, steps: int, data: Path, batch: int, resume: Path | None = None) -> list[dict]:
+def launch(
+    n: int, out: Path, steps: int, data: Path, batch: int, resume: Path | None = None, model: list[str] = MA
+) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable,
@@ -70,10 +74,11 @@ def launch(n: int, out: Path, steps: int, data: Path, batch: int, resume: Path |
         str(out),
         str(steps),
         str(resume or "-"),
-        *overrides(data, out / "run", batch),
+        *overrides(data, out / "run", batch, model),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
-    subprocess.run(cmd, check=True, env=env, timeout=600, capture_output=True)
+    run = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(n)]
 
 
@@ -93,6 +98,27 @@ def test_two_ranks_equal_one_rank_with_double_batch(data_dir, tmp_path) -> None:
         torch.testing.assert_close(two[1]["state"][key], full[2:], rtol=1e-4, atol=1e-5)
     mem = "layers.0.memory"
     assert not torch.allclose(two[0]["state"][mem], two[1]["state"][mem])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model",
+    [
+        [
+            "model.name=block_recurrent",
+            "model.block_size=8",
+            "model.recurrent_layers=[-1]",
+        ],  # learned initial state vectors
+        [*MA, "model.init_memory=learned"],
+    ],
+    ids=["block_recurrent", "memory_attention-learned-init"],
+)
+def test_learned_initial_states_train_under_ddp(data_dir, tmp_path, model) -> None:
+    """A learned initial state enters only the calls that reset a row; DDP needs every parameter in
+    every step's graph, or the third step fails waiting for a gradient that never comes."""
+    two = launch(2, tmp_path / "two", 3, data_dir, batch=2, model=model)
+    for k in two[0]["params"]:
+        assert torch.equal(two[0]["params"][k], two[1]["params"][k]), k
 
 
 @pytest.mark.slow
