@@ -10,6 +10,7 @@ import math
 from typing import Literal, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .modules import MLP, RMSNorm, attend, merge_heads, split_heads
@@ -103,9 +104,12 @@ class QK(nn.Module):
     def key(self, k: Tensor) -> Tensor:
         return qk_normalize(k) if self.on else k
 
-    def query(self, q: Tensor) -> Tensor:
-        """[B, H, T, d] -> queries for ``attend`` (which divides by sqrt(d))."""
-        return qk_normalize(q) * (self.scale.to(q.dtype)[:, None, None] * self.sqrt_d) if self.on else q
+    def query(self, q: Tensor, sdpa: bool = True) -> Tensor:
+        """[B, H, T, d] -> queries for ``attend`` (which divides by sqrt(d)), or with ``sdpa=False``
+        for ``biased_attend`` (which does not): s_h q̂, or q / sqrt(d)."""
+        if not self.on:
+            return q if sdpa else q / self.sqrt_d
+        return qk_normalize(q) * (self.scale.to(q.dtype) * (self.sqrt_d if sdpa else 1.0))[:, None, None]
 
     def bias(self, b: Tensor) -> Tensor:
         """[H, Tq, Tk] additive bias -> as ``attend`` must add it. Only the finite part is scaled:
@@ -158,22 +162,23 @@ class StateCell(nn.Module):
         with torch.no_grad():
             self.ids.normal_(0.0, 1.0)  # meliad's state IDs
 
-    def project(self, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """c [B, S, D] -> (u, K_c, V_c) with u = Norm(c) + ids, K_c/V_c [B, H, S, d]."""
+    def project(self, c: Tensor, queries: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """c [B, S, D] -> (K_c, V_c, Q_c, Q2_c) [B, H, S, d] from u = Norm(c) + ids, in one matmul
+        (the weights of W_k, W_v and, if ``queries``, W_q, W_q2 side by side); keys normalised by
+        the user, queries (only needed for an update) treated by ``qk_self`` / ``qk_cross``."""
         u = self.norm(c) + self.ids.to(c.dtype)
-        return (
-            u,
-            split_heads(self.wk(u), self.n_heads),
-            split_heads(self.wv(u), self.n_heads),
-        )  # keys normalised by the user
+        ws = (self.wk.weight, self.wv.weight) + ((self.wq.weight, self.wq2.weight) if queries else ())
+        parts = [split_heads(p, self.n_heads) for p in F.linear(u, torch.cat(ws)).split(c.shape[-1], dim=-1)]
+        if not queries:
+            return parts[0], parts[1], None, None
+        return parts[0], parts[1], self.qk_self.query(parts[2]), self.qk_cross.query(parts[3])
 
-    def update(self, c: Tensor, u: Tensor, kc: Tensor, vc: Tensor, kx: Tensor, vx: Tensor) -> Tensor:
-        """One block step. kc/vc: the state's keys (normalised if qk_norm)/values; kx/vx
-        [B, H, 2W, d]: token keys/values of the previous and current block (keys as the token
-        queries see them). Returns c' [B, S, D]."""
-        qs = self.qk_self.query(split_heads(self.wq(u), self.n_heads))
-        qs2 = self.qk_cross.query(split_heads(self.wq2(u), self.n_heads))
-        y = torch.cat((merge_heads(attend(qs, kc, vc)), merge_heads(attend(qs2, kx, vx))), dim=-1)  # [B, S, 2D]
+    def update(self, c: Tensor, qs: Tensor, qs2: Tensor, kc: Tensor, vc: Tensor, kx: Tensor, vx: Tensor) -> Tensor:
+        """One block step. qs/qs2/kc/vc: the state's queries, keys (normalised if qk_norm) and
+        values (``project``); kx/vx [B, H, 2W, d]: token keys/values of the previous and current
+        block (keys as the token queries see them). Returns c' [B, S, D]."""
+        o = torch.cat((attend(qs, kc, vc), attend(qs2, kx, vx)), dim=1)  # [B, 2H, S, d]: [self ; cross] heads
+        y = merge_heads(o)  # [B, S, 2D]
         if self.kind == "single":
             hid = self.ffn.hidden(y)
             return self.ffn_gate(c, torch.tanh(self.ffn.w2(hid)), hid)

@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from .device import synchronize
+from .modules import biased_attend
 
 
 def _sdpa_flops(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> int:
@@ -51,7 +52,7 @@ def _sdpa_flops(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal:
 
 
 class _CountAttention(TorchFunctionMode):
-    """Counts every ``F.scaled_dot_product_attention`` call by the pairs its mask shows and returns
+    """Counts every ``F.scaled_dot_product_attention`` (and ``modules.biased_attend``) call by the pairs its mask shows and returns
     zeros of its output's shape instead of running it, so the FLOP counter never sees a kernel: on
     CPU an additive mask goes to the math path, whose dense bmm would count every masked pair. The
     FLOPs of a forward depend on shapes only, so the zeros change no count downstream."""
@@ -62,6 +63,11 @@ class _CountAttention(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is biased_attend:  # any batch dims; pairs the bias shows, per batch entry
+            q, k, v, bias = args
+            shown = torch.broadcast_to(bias != float("-inf"), (*q.shape[:-1], k.shape[-2]))
+            self.flops += 2 * int(shown.sum()) * (q.shape[-1] + v.shape[-1])
+            return q.new_zeros(*q.shape[:-1], v.shape[-1])
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         q, k, v = args[:3]

@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import handle_torch_function, has_torch_function
 
 
 class RMSNorm(nn.Module):
@@ -87,6 +88,22 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: 
             )
         return o.to(torch.get_autocast_dtype("cpu"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+
+
+def biased_attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """softmax(q k^T + bias) v, written out: ``q`` comes scaled (no 1/sqrt(d) here), ``bias`` is
+    additive (-inf = hidden, every row with a visible key), broadcastable to [..., Tq, Tk]; any
+    number of batch dimensions. For a bias that needs a gradient (a learned relative bias), which
+    sends PyTorch's SDPA down its math path anyway, with a check for fully masked rows on top.
+    Under CPU autocast it runs in float32, as ``attend``. ``recurformer.flops`` counts it as SDPA:
+    by the (query, key) pairs the bias shows."""
+    if has_torch_function((q, k, v, bias)):  # lets recurformer.flops count the call
+        return handle_torch_function(biased_attend, (q, k, v, bias), q, k, v, bias)
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            o = biased_attend(q.float(), k.float(), v.float(), bias.float())
+        return o.to(torch.get_autocast_dtype("cpu"))
+    return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) + bias, dim=-1), v)
 
 
 def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> Tensor:

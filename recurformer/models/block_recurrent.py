@@ -41,12 +41,13 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tap
 from ..cells import QK, StateCell, t5_buckets
 from ..config import RecurformerError
-from ..modules import apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
+from ..modules import apply_rope, attend, biased_attend, merge_heads, pieces, rope_cos_sin, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
 from ..state import Call, LayerState, reset_rows
@@ -65,7 +66,7 @@ class BlockRecurrentConfig(ModelConfig):
     t5_max_distance: int = 128
     mlp: Literal["swiglu", "relu"] = "swiglu"  # relu: meliad's 2-matrix MLP (used for the paper's param count)
     qk_norm: bool = True  # meliad's normalize_keys: L2-normalised q, k times a learned per-head scale
-    query_tile: int = 128  # queries per attention tile (speed only: exact at any value)
+    query_tile: int = 128  # queries per attention tile, at most W (speed only: exact at any value)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -185,70 +186,91 @@ class BlockAttention(Layer):
 
     def window_attend(self, q: Tensor, k: Tensor, v: Tensor, r: int, call: Call, dtype: torch.dtype) -> Tensor:
         """Token self-attention of n queries at block offsets r..r+n-1 over the window keys
-        k, v [B, H, W + r + n, d], the bias in ``dtype`` (the residual stream's). Queries go in
-        tiles of ``query_tile``; a tile reads only the W + m - 1 keys its queries can see, which
-        gives the softmax of the whole masked window (the keys left out weigh exp(-inf) = 0)."""
-        n, m = q.shape[2], min(self.cfg.query_tile, q.shape[2])
-        W = self.cfg.block_size
-        outs = []
-        for a in range(0, n, m):
-            mt = min(m, n - a)
-            bias = self.tile_bias(mt, dtype, q.device, call)
-            lo, hi = r + a, r + a + W + mt - 1
-            outs.append(attend(q[:, :, a : a + mt], k[:, :, lo:hi], v[:, :, lo:hi], bias))
-        return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        k, v [B, H, W + r + n, d] -> [B, n, D] (heads merged), the bias in ``dtype`` (the residual
+        stream's); ``q`` scaled for ``biased_attend``. Query j sees keys r + j .. r + j + W - 1
+        (its W previous tokens) whatever block it is in, so the queries of a call go in tiles of
+        m = min(``query_tile``, W) regardless of blocks: a tile reads only the W + m - 1 keys its
+        queries can see (a view), which gives the softmax of the whole masked window (the keys left
+        out weigh exp(-inf) = 0)."""
+        if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):  # float32 as ``attend``, cast once
+            with torch.autocast("cpu", enabled=False):
+                o = self.window_attend(q.float(), k.float(), v.float(), r, call, dtype)
+            return o.to(torch.get_autocast_dtype("cpu"))
+        n, W = q.shape[2], self.cfg.block_size
+        m = min(self.cfg.query_tile, W, n)
+        sizes = [m] * (n // m) + ([n % m] if n % m else [])
+        outs, a = [], r
+        for qa in q.split(sizes, dim=2):
+            mt = qa.shape[2]
+            outs.append(
+                biased_attend(
+                    qa,
+                    k[:, :, a : a + W + mt - 1],
+                    v[:, :, a : a + W + mt - 1],
+                    self.tile_bias(mt, dtype, q.device, call),
+                )
+            )
+            a += mt
+        return merge_heads(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0])
 
     def forward(self, x: Tensor, st: BlockRecurrentState, call: Call) -> tuple[Tensor, BlockRecurrentState]:
-        """x [B, T, D] (normed) -> (Wo [self ; cross] [B, T, D], new state), block by block."""
-        cfg, W, T = self.cfg, self.cfg.block_size, x.shape[1]
-        q = self.qk.query(split_heads(self.wq(x), self.n_heads))  # [B, H, T, d]
-        k = self.qk.key(split_heads(self.wk(x), self.n_heads))
-        v = split_heads(self.wv(x), self.n_heads)
-        kcache, vcache, cell = st.k, st.v, st.cell
-        if cfg.position == "rope":
+        """x [B, T, D] (normed) -> (Wo [self ; cross] [B, T, D], new state). The projections and
+        the token self-attention run over the whole call; only the state's recurrence (and the
+        tokens' reads of it) goes block by block."""
+        cfg, W, H, T, D = self.cfg, self.cfg.block_size, self.n_heads, x.shape[1], self.cfg.dim
+        r = st.k.shape[2] - W  # offset inside the current block
+        ws = (self.wq.weight, self.wk.weight, self.wv.weight) + ((self.wq2.weight,) if self.cell is not None else ())
+        parts = [split_heads(p, H) for p in F.linear(x, torch.cat(ws)).split(D, dim=-1)]  # one matmul
+        q, k = self.qk.query(parts[0], sdpa=False), self.qk.key(parts[1])  # [B, H, T, d], for biased_attend
+        kx, vx = torch.cat((st.k, k), dim=2), torch.cat((st.v, parts[2]), dim=2)  # [B, H, W + r + T, d]
+        kr, rope = kx, None  # the keys as the token queries see them
+        if cfg.position == "rope":  # positions in the window of the first block: 0 .. W + r + T - 1
+            L = W + r + T
             cos, sin = call.shared(
-                ("brt-rope", W, x.dtype),
-                lambda: rope_cos_sin(torch.arange(2 * W, device=x.device), cfg.head_dim, cfg.rope_theta, x.dtype),
+                ("brt-rope", L, x.dtype),
+                lambda: rope_cos_sin(torch.arange(L, device=x.device), cfg.head_dim, cfg.rope_theta, x.dtype),
             )
+            q, kr = apply_rope(q, cos[W + r :], sin[W + r :]), apply_rope(kx, cos, sin)
+            rope = cos, sin
+        o = self.window_attend(q, kr, vx, r, call, x.dtype)  # [B, T, D]
+        cell = st.cell
         if self.cell is not None:
             assert cell is not None
-            q2 = self.qk2.query(split_heads(self.wq2(x), self.n_heads))
-            u, kc, vc = self.cell.project(cell)
+            cross, cell = self.recurrent(parts[3], kx, vx, r, cell, rope, call)
+            if tap.active():  # the read-out: share of Wo [self ; cross] that comes from the state
+                tap.record(self, tap.output_share(cross @ self.wo.weight[:, D:].T, o @ self.wo.weight[:, :D].T))
+            o = torch.cat((o, cross), dim=-1)
+        keep = W + (r + T) % W  # the cache: the previous block and the current one's tokens so far
+        kc, vc = kx[:, :, -keep:], vx[:, :, -keep:]
+        if keep < kx.shape[2]:  # a copy, so the state does not hold the whole call's keys
+            kc, vc = kc.clone(), vc.clone()
+        return self.wo(o), BlockRecurrentState(kc, vc, cell)
+
+    def recurrent(
+        self, q2: Tensor, kx: Tensor, vx: Tensor, r: int, cell: Tensor, rope: tuple[Tensor, Tensor] | None, call: Call
+    ) -> tuple[Tensor, Tensor]:
+        """The tokens' reads of the state and the state's updates, block by block. q2 [B, H, T, d]:
+        token -> state queries (untreated); kx, vx [B, H, W + r + T, d]: the un-rotated window keys
+        and values of ``forward`` (call token t at index W + r + t); ``rope``: its cos/sin table
+        (RoPE only); cell [B, S, D]. Returns (cross [B, T, D], the new cell)."""
+        assert self.cell is not None
+        W = self.cfg.block_size
+        ns = pieces(call.pos % W, q2.shape[2], W)
+        outs, r0, a = [], r, 0  # a: the call's tokens read so far; r: the piece's offset in its block
+        for qa, n in zip(self.qk2.query(q2).split(ns, dim=2), ns, strict=True):
+            done = r + n == W
+            kc, vc, qs, qs2 = self.cell.project(cell, queries=done)
             kc = self.qk2.key(kc)
-        outs: list[Tensor] = []
-        a = 0
-        for n in pieces(call.pos % W, T, W):
-            r = kcache.shape[2] - W  # offset inside the current block
-            kx = torch.cat((kcache, k[:, :, a : a + n]), dim=2)  # [B, H, W + r + n, d]
-            vx = torch.cat((vcache, v[:, :, a : a + n]), dim=2)
-            qa = q[:, :, a : a + n]
-            if cfg.position == "rope":  # window positions: previous block 0..W-1, current W..2W-1
-                qa = apply_rope(qa, cos[W + r : W + r + n], sin[W + r : W + r + n])
-                kr = apply_rope(kx, cos[: W + r + n], sin[: W + r + n])
-            else:
-                kr = kx
-            o = merge_heads(self.window_attend(qa, kr, vx, r, call, x.dtype))
-            if self.cell is not None:
-                o = torch.cat((o, merge_heads(attend(q2[:, :, a : a + n], kc, vc))), dim=-1)
-                if tap.active():  # the read-out: share of Wo [self ; cross] that comes from the state
-                    D = o.shape[-1] // 2
-                    tap.record(
-                        self,
-                        tap.output_share(o[..., D:] @ self.wo.weight[:, D:].T, o[..., :D] @ self.wo.weight[:, :D].T),
-                    )
-            outs.append(o)
-            if r + n == W:  # block complete: update the state, keep this block as the next window
-                if self.cell is not None:
-                    assert cell is not None
-                    cell = self.cell.update(cell, u, kc, vc, kr, vx)
-                    if a + n < T:
-                        u, kc, vc = self.cell.project(cell)
-                        kc = self.qk2.key(kc)
-                kcache, vcache = kx[:, :, W:], vx[:, :, W:]
-            else:
-                kcache, vcache = kx, vx
-            a += n
-        return self.wo(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]), BlockRecurrentState(kcache, vcache, cell)
+            outs.append(attend(qa, kc, vc))
+            if done:  # block complete: update the state from this block and the previous one
+                assert qs is not None and qs2 is not None
+                lo = r0 + a - r  # index in kx of the previous block's first token
+                kb, vb = kx[:, :, lo : lo + 2 * W], vx[:, :, lo : lo + 2 * W]
+                if rope is not None:  # window positions 0 .. 2W - 1, as the block's queries saw them
+                    kb = apply_rope(kb, rope[0][: 2 * W], rope[1][: 2 * W])
+                cell = self.cell.update(cell, qs, qs2, kc, vc, kb, vb)
+            a, r = a + n, 0  # every later piece starts a block
+        return merge_heads(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]), cell
 
 
 @register_layer("block_recurrent", BlockRecurrentConfig)
