@@ -78,9 +78,10 @@ Built = tuple[torch.nn.Module, Step, Callable[[torch.Tensor], Any]]  # model, on
 
 
 class _CountAttention(TorchFunctionMode):
-    """SDPA counted by the (query, key) pairs its mask shows, as ``recurformer.flops`` does, and
-    not run (zeros of the output's shape), so the FLOP counter never sees a dense kernel. A copy,
-    because the peer's process cannot import our package; tests/test_peers.py holds the two equal."""
+    """SDPA (and our written-out ``biased_attend``) counted by the (query, key) pairs its mask
+    shows, as ``recurformer.flops`` does, and not run (zeros of the output's shape), so the FLOP
+    counter never sees a dense kernel. A copy, because the peer's process cannot import our
+    package; tests/test_peers.py holds the two equal."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,11 +89,14 @@ class _CountAttention(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
+        if getattr(func, "__name__", "") == "biased_attend":  # recurformer.modules': q, k, v, additive bias
+            (q, k, v, mask), causal = args, False
+        elif func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        q, k, v = args[:3]
-        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-        causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+        else:
+            q, k, v = args[:3]
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
         lead, (Lq, d), Lk = q.shape[:-2], q.shape[-2:], k.shape[-2]  # lead: batch, heads
         if mask is not None:  # boolean, or additive (-inf = hidden)
             visible = mask if mask.dtype == torch.bool else mask != float("-inf")

