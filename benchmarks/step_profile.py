@@ -1,27 +1,35 @@
-"""Where one CPU training step's time goes, and what that allows for the fraction of peak.
+"""Each model's fraction of this machine's matmul peak, and where its training step's time goes.
 
-``throughput.py`` reports a training step as a fraction of this machine's n x n matmul peak. This
-script splits that fraction into its two factors with ``torch.profiler`` (one step after five,
-the median of the last three timed, fp32 or under bf16 autocast, the paper config and batch as in
-``throughput.py``):
+For every model and precision (fp32, or bf16 under CPU autocast) one training step (forward +
+backward + AdamW on ``--batch`` x ``--seq`` tokens, the paper config of ``throughput.py``) is
+timed (the median of ``--steps`` after two warm-up steps) and then profiled once with
+``torch.profiler``:
 
-    fraction of peak  ~  (share of the step spent in matmuls) x (the matmuls' own FLOP/s / peak)
-                         + the attention's part
+    fraction of peak = tokens/s x counted FLOP/token / (n x n matmul FLOP/s of the dtype)
 
-"of peak" is the step's counted FLOPs (``recurformer.flops``, as ``throughput.py``) over its
-unprofiled time and the peak.
+FLOP/token is counted on the model (``recurformer.flops``: every matmul, attention by the pairs
+its mask shows, training = 3 forwards). The peak (``recurformer.flops.matmul_peak``, 1024 x 1024)
+is measured in this run before the first row and again after every row, fp32 and bf16, so its
+drift under other load shows; each row is divided by the better of the peaks measured just before
+and just after it.
 
-- *matmul share*: self time of aten::mm / addmm / bmm / baddbmm over the step's self time;
-  attention (SDPA) and everything else (norms, activations, RoPE, softmax, loss, optimizer) are
-  reported beside it, with the costliest of the rest by name.
-- *matmul efficiency*: the FLOPs of those calls (2·m·k·n from their recorded shapes) over their
-  time, in the step and again for the same shapes timed alone (best of several runs, in the
-  precision's dtype: under CPU autocast the matmuls run in bf16 and attention in fp32), each as a
-  fraction of the 1024 x 1024 peak of that dtype measured in the same run.
+The profiled step's self time is split into four buckets (``bucket``):
 
-So a model whose matmuls alone reach 80% of peak cannot train at 85% of it, however small the rest.
+- *optimizer*: every op inside ``opt.step()`` and ``opt.zero_grad()`` (a ``record_function``
+  range around them);
+- *matmul*: aten::mm / addmm / bmm / baddbmm anywhere else;
+- *attention*: every other op inside a ``scaled_dot_product_attention`` call or its fused
+  backward. Attention written with explicit matmuls (Transformer-XL's relative attention) shows as
+  matmul and elementwise instead, and so does the backward of SDPA's math path (taken when the
+  mask needs a gradient: autograd differentiates it op by op);
+- *elementwise*: the rest (norms, activations, RoPE, dtype casts, the loss, autograd's own
+  bookkeeping), with the costliest of these ops by name.
 
-    OMP_NUM_THREADS=2 python benchmarks/step_profile.py --models memory_attention,llama [--precision bf16] --out out/step_profile.json
+Beside them, the matmuls' own rate (FLOPs from their recorded shapes over their time) in the step
+and for the same shapes timed alone, as fractions of the peak: a model whose matmuls alone reach
+80% of peak cannot train at 85% of it, however small the rest.
+
+    OMP_NUM_THREADS=2 python benchmarks/step_profile.py --models all --precisions fp32,bf16 --out out/step_profile.json
 """
 
 from __future__ import annotations
@@ -29,25 +37,60 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import CONFIGS, EXTRA  # the same models and sizes as the throughput table
 
 from recurformer import build_model
-from recurformer.flops import matmul_peak, train_flops_per_token
+from recurformer.flops import machine_name, matmul_peak, train_flops_per_token
 from recurformer.models import model_names
+from recurformer.nn import StreamingLM
 
-CONFIG = dict(vocab_size=4096, dim=288, n_layers=6, n_heads=6)  # throughput.py's "paper" config
-EXTRA = {"memory_attention": dict(chunk_size=32, memory_qkv="shared"), "sliding_window": dict(window=256)}
+OPTIMIZER = "optimizer"  # the record_function range around opt.step() and opt.zero_grad()
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-ATTENTION = "aten::_scaled_dot_product"
+BUCKETS = ("matmul", "attention", "elementwise", "optimizer")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def is_attention(name: str) -> bool:
+    """An SDPA call: the forward op (fused kernel or math path) or a fused kernel's backward node."""
+    return name.startswith(("aten::scaled_dot_product_attention", "aten::_scaled_dot_product")) or (
+        "ScaledDotProduct" in name and "Backward" in name
+    )
+
+
+def bucket(chain: Sequence[str]) -> str:
+    """The bucket of a profiled op from its name and its ancestors' names, innermost first."""
+    if OPTIMIZER in chain:
+        return "optimizer"
+    if chain[0] in MATMULS:
+        return "matmul"
+    if any(is_attention(n) for n in chain):
+        return "attention"
+    return "elementwise"
+
+
+def chain(event: Any) -> list[str]:
+    """Names of a profiler event and its ancestors, innermost first."""
+    names = []
+    while event is not None:
+        names.append(event.name)
+        event = event.cpu_parent
+    return names
 
 
 def matmul_dims(name: str, shapes: list[list[int]]) -> tuple[int, int, int, int]:
@@ -56,9 +99,25 @@ def matmul_dims(name: str, shapes: list[list[int]]) -> tuple[int, int, int, int]
     return (a[0] if len(a) == 3 else 1), a[-2], a[-1], b[-1]
 
 
-def alone_flops_per_s(
-    dims: tuple[int, int, int, int], dtype: torch.dtype = torch.float32, seconds: float = 0.3
-) -> float:
+def split(events: Iterable[Any]) -> tuple[dict[str, float], dict[str, float], dict[tuple[int, ...], list[float]]]:
+    """Self seconds per bucket, per elementwise op name, and [calls, seconds] per matmul shape."""
+    buckets = dict.fromkeys(BUCKETS, 0.0)
+    elementwise: dict[str, float] = defaultdict(float)
+    matmuls: dict[tuple[int, ...], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for ev in events:
+        sec = ev.self_cpu_time_total / 1e6
+        b = bucket(chain(ev))
+        buckets[b] += sec
+        if b == "elementwise":
+            elementwise[ev.name] += sec
+        elif b == "matmul":
+            dims = matmul_dims(ev.name, ev.input_shapes)
+            matmuls[dims][0] += 1
+            matmuls[dims][1] += sec
+    return buckets, dict(elementwise), dict(matmuls)
+
+
+def alone_flops_per_s(dims: tuple[int, ...], dtype: torch.dtype = torch.float32, seconds: float = 0.2) -> float:
     """Best FLOP/s of one matmul of these dims in ``dtype`` timed by itself."""
     bsz, m, k, n = dims
     a, b = torch.randn(bsz, m, k, dtype=dtype), torch.randn(bsz, k, n, dtype=dtype)
@@ -72,119 +131,170 @@ def alone_flops_per_s(
     return 2 * bsz * m * k * n / best
 
 
-def profile_model(name: str, batch: int, seq: int, precision: str = "fp32") -> dict:
-    torch.manual_seed(0)
-    model = build_model(name, dict(CONFIG, **EXTRA.get(name, {})))
+def train_step(model: StreamingLM, x: torch.Tensor, precision: str) -> Callable[[], None]:
+    """One training step on ``x`` as throughput.py takes it (the state carried when bounded), the
+    optimizer inside the ``OPTIMIZER`` range."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    flops = train_flops_per_token(model, seq) * batch * seq  # counted, as throughput.py
-    x = torch.randint(0, CONFIG["vocab_size"], (batch, seq))
     state = None
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     def step() -> None:
         nonlocal state
         with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
             out = model(x, state=state, targets=x)
         out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        state = out.state.detach() if model.bounded_state else None
+        with record_function(OPTIMIZER):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        state = out.state.detach() if model.bounded_state else None  # a full KV cache would grow
 
+    return step
+
+
+def profile_model(name: str, precision: str, batch: int, seq: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = build_model(name, dict(CONFIGS["paper"], **EXTRA.get(name, {})))
+    flops_per_token = train_flops_per_token(model, seq)  # counted, as throughput.py
+    step = train_step(model, torch.randint(0, model.config.vocab_size, (batch, seq)), precision)
     for _ in range(2):
         step()
     times = []
-    for _ in range(3):
+    for _ in range(steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
-    total = mm_time = attn_time = 0.0
-    other: dict[str, float] = defaultdict(float)
-    by_dims: dict[tuple[int, int, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])  # dims -> [calls, seconds]
-    for ev in prof.key_averages(group_by_input_shape=True):
-        sec = ev.self_cpu_time_total / 1e6
-        total += sec
-        if ev.key in MATMULS:
-            mm_time += sec
-            by_dims[matmul_dims(ev.key, ev.input_shapes)][0] += ev.count
-            by_dims[matmul_dims(ev.key, ev.input_shapes)][1] += sec
-        elif ev.key.startswith(ATTENTION):
-            attn_time += sec
-        else:
-            other[ev.key] += sec
-    mm_flops = sum(2 * d[0] * d[1] * d[2] * d[3] * calls for d, (calls, _) in by_dims.items())
+    seconds, elementwise, matmuls = split(prof.events())
+    total = sum(seconds.values())
+    mm_flops = sum(2 * b * m * k * n * calls for (b, m, k, n), (calls, _) in matmuls.items())
     alone_s = sum(
-        2 * d[0] * d[1] * d[2] * d[3] * calls / alone_flops_per_s(d, dtype) for d, (calls, _) in by_dims.items()
+        2 * b * m * k * n * calls / alone_flops_per_s((b, m, k, n), DTYPES[precision])
+        for (b, m, k, n), (calls, _) in matmuls.items()
     )
-    top = sorted(other.items(), key=lambda kv: -kv[1])[:4]
+    top = sorted(elementwise.items(), key=lambda kv: -kv[1])[:4]
     return dict(
         model=name,
-        step_s=round(step_s, 3),
-        profiled_step_s=round(total, 3),
-        step_gflop_per_s=round(flops / step_s / 1e9, 2),
-        matmul_share=round(mm_time / total, 4),
-        attention_share=round(attn_time / total, 4),
-        other_share=round(1 - (mm_time + attn_time) / total, 4),
-        matmul_gflop=round(mm_flops / 1e9, 2),
-        matmul_calls=int(sum(c for c, _ in by_dims.values())),
-        matmul_gflop_per_s_in_step=round(mm_flops / mm_time / 1e9, 2),
-        matmul_gflop_per_s_alone=round(mm_flops / alone_s / 1e9, 2),
-        top_other={k: round(v / total, 4) for k, v in top},
+        precision=precision,
+        step_s=round(step_s, 4),
+        step_s_all=[round(t, 4) for t in times],
+        tokens_per_s=round(batch * seq / step_s, 1),
+        mflop_per_token=round(flops_per_token / 1e6, 3),
+        gflop_per_s=round(flops_per_token * batch * seq / step_s / 1e9, 2),
+        profiled_step_s=round(total, 4),
+        **{f"{b}_share": round(s / total, 4) for b, s in seconds.items()},
+        top_elementwise={k: round(v / total, 4) for k, v in top},
+        matmul_calls=int(sum(c for c, _ in matmuls.values())),
+        matmul_gflop_per_s_in_step=round(mm_flops / max(seconds["matmul"], 1e-9) / 1e9, 2),
+        matmul_gflop_per_s_alone=round(mm_flops / max(alone_s, 1e-9) / 1e9, 2),
     )
+
+
+def measure_peaks(precisions: list[str]) -> dict:
+    """The n x n matmul peak of each precision now, and the machine's 1-minute load average."""
+    peaks: dict[str, Any] = {p: matmul_peak.__wrapped__(DTYPES[p], "cpu") for p in precisions}
+    return dict(peaks, load_1min=os.getloadavg()[0], time=datetime.now(timezone.utc).strftime("%H:%M:%S"))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']} {r['precision']}" for r in rows][::-1]
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
+    left = [0.0] * len(rows)
+    for b, color in zip(BUCKETS, ("tab:blue", "tab:orange", "tab:gray", "tab:green")):
+        width = [r[f"{b}_share"] for r in rows][::-1]
+        ax.barh(labels, width, left=left, color=color, label=b)
+        left = [a + w for a, w in zip(left, width)]
+    for i, r in enumerate(rows[::-1]):
+        ax.text(1.01, i, f"{r['of_peak']:.0%} of peak", va="center", fontsize=8)
+    ax.set_xlim(0, 1.2)
+    ax.set_xlabel("share of the profiled training step's self time")
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    tmp.replace(path)
+    plt.close(fig)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="memory_attention,llama")
+    ap.add_argument("--models", default="all", help="comma-separated model names, or all")
+    ap.add_argument("--precisions", "--precision", default="fp32,bf16", help="fp32, bf16 (CPU autocast) or both")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument(
-        "--precision",
-        choices=("fp32", "bf16"),
-        default="fp32",
-        help="bf16: the step under CPU autocast, fractions of the bf16 peak",
-    )
-    ap.add_argument("--out", default="out/step_profile.json", help="write the rows as JSON here")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per row (the median is reported)")
+    ap.add_argument("--threads", type=int, help="torch threads (default: as OMP_NUM_THREADS gives)")
+    ap.add_argument("--out", default="out/step_profile.json", help="write the rows as JSON here (and a PNG beside)")
     args = ap.parse_args()
-    names = args.models.split(",")
+    names = model_names() if args.models == "all" else args.models.split(",")
     if unknown := [n for n in names if n not in model_names()]:
-        sys.exit(f"step_profile.py: error: unknown model {unknown[0]}; choose from {', '.join(model_names())}")
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    peak = matmul_peak.__wrapped__(dtype, "cpu")
-    rows = [profile_model(n, args.batch, args.seq, args.precision) for n in names]
-    peak = max(peak, matmul_peak.__wrapped__(dtype, "cpu"))  # best of start and end, as throughput.py
-    for r in rows:
-        r["step_of_peak"] = round(r["step_gflop_per_s"] * 1e9 / peak, 4)
+        ap.error(f"--models: unknown model {unknown[0]!r}; choose from all, {', '.join(model_names())}")
+    precisions = args.precisions.split(",")
+    if bad := [p for p in precisions if p not in DTYPES]:
+        ap.error(f"--precisions: unknown precision {bad[0]!r}; choose from fp32, bf16")
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    checkpoints, rows = [measure_peaks(precisions)], []
+    for name in names:
+        for precision in precisions:
+            rows.append(profile_model(name, precision, args.batch, args.seq, args.steps))
+            checkpoints.append(measure_peaks(precisions))
+            print(f"{name} {precision}: {rows[-1]['tokens_per_s']:,.0f} tok/s", flush=True)
+    for i, r in enumerate(rows):  # the better of the peaks measured just before and just after
+        peak = max(checkpoints[i][r["precision"]], checkpoints[i + 1][r["precision"]])
+        r["peak_gflop_per_s"] = round(peak / 1e9, 1)
+        r["of_peak"] = round(r["gflop_per_s"] * 1e9 / peak, 4)
         r["matmul_of_peak_in_step"] = round(r["matmul_gflop_per_s_in_step"] * 1e9 / peak, 4)
         r["matmul_of_peak_alone"] = round(r["matmul_gflop_per_s_alone"] * 1e9 / peak, 4)
+
+    print(f"{torch.get_num_threads()} thread(s); one training step of {args.batch} x {args.seq} tokens")
+    for p in precisions:
+        series = [c[p] / 1e9 for c in checkpoints]
+        print(f"{p} matmul peak {min(series):.1f}-{max(series):.1f} GFLOP/s over {len(series)} measurements")
+    loads = [c["load_1min"] for c in checkpoints]
+    print(f"load average (1 min) {min(loads):.2f}-{max(loads):.2f}")
     print(
-        f"{args.precision} 1024x1024 matmul peak: {peak / 1e9:.1f} GFLOP/s on {torch.get_num_threads()} threads; one step of {args.batch} x {args.seq} tokens"
-    )
-    print(
-        f"{'model':<24}{'step s':>8}{'of peak':>9}{'matmul':>8}{'SDPA':>7}{'other':>7}{'mm/peak in step':>17}{'mm/peak alone':>15}  costliest other ops"
+        f"{'model':<22}{'prec':<5}{'tok/s':>7}{'MFLOP/tok':>10}{'GFLOP/s':>8}{'of peak':>8}{'matmul':>7}{'attn':>6}"
+        f"{'elemw':>6}{'optim':>6}{'mm rate/peak':>13}  largest elementwise op"
     )
     for r in rows:
-        tops = ", ".join(f"{k.removeprefix('aten::')} {v:.1%}" for k, v in r["top_other"].items())
+        op, share = next(iter(r["top_elementwise"].items()), ("-", 0.0))
         print(
-            f"{r['model']:<24}{r['step_s']:>8.2f}{r['step_of_peak']:>9.1%}{r['matmul_share']:>8.1%}{r['attention_share']:>7.1%}{r['other_share']:>7.1%}"
-            f"{r['matmul_of_peak_in_step']:>17.1%}{r['matmul_of_peak_alone']:>15.1%}  {tops}"
+            f"{r['model']:<22}{r['precision']:<5}{r['tokens_per_s']:>7,.0f}{r['mflop_per_token']:>10.1f}"
+            f"{r['gflop_per_s']:>8.1f}{r['of_peak']:>8.1%}{r['matmul_share']:>7.1%}{r['attention_share']:>6.1%}"
+            f"{r['elementwise_share']:>6.1%}{r['optimizer_share']:>6.1%}{r['matmul_of_peak_in_step']:>13.1%}"
+            f"  {op.removeprefix('aten::')} {share:.1%}"
         )
     if args.out:
         meta = dict(
-            torch=torch.__version__,
+            date=datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+            cpu=machine_name(),
+            cores=os.cpu_count(),
             threads=torch.get_num_threads(),
-            precision=args.precision,
-            peak_flops=peak,
-            config=CONFIG,
+            torch=torch.__version__,
+            config=CONFIGS["paper"],
+            extra=EXTRA,
             batch=args.batch,
             seq=args.seq,
-            command=" ".join(sys.argv),
+            steps=args.steps,
+            peaks=checkpoints,
+            command="python " + " ".join(sys.argv),
         )
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
-        print(f"wrote {args.out}")
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+        tmp.replace(out)
+        plot(rows, out.with_suffix(".png"))
+        print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
