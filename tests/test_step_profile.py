@@ -31,8 +31,19 @@ SDPA_BWD = "ScaledDotProductFlashAttentionForCpuBackward0"
         (["aten::mul_", "aten::lerp_", "Optimizer.step#AdamW.step", "optimizer"], "optimizer"),
         (["aten::mm", "Optimizer.step#AdamW.step", "optimizer"], "optimizer"),  # the range wins over the op
         (["optimizer"], "optimizer"),
-        (["aten::empty", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention"], "attention"),  # fmt: skip
-        (["aten::_scaled_dot_product_flash_attention_for_cpu_backward", SDPA_BWD, f"autograd::engine::evaluate_function: {SDPA_BWD}"], "attention"),  # fmt: skip
+        (
+            ["aten::empty", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention"],
+            "attention",
+        ),  # fmt: skip
+        (
+            [
+                "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                SDPA_BWD,
+                f"autograd::engine::evaluate_function: {SDPA_BWD}",
+            ],
+            "attention",
+        ),  # fmt: skip
+        ([SDPA_BWD, f"autograd::engine::evaluate_function: {SDPA_BWD}"], "attention"),  # the node's own time
         (["aten::scaled_dot_product_attention"], "attention"),
         (["aten::bmm", "aten::_scaled_dot_product_attention_math", "aten::scaled_dot_product_attention"], "matmul"),
         (["aten::_softmax_backward_data", "SoftmaxBackward0"], "elementwise"),
