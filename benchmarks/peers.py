@@ -1,8 +1,8 @@
 """Training throughput of recurformer's models beside the implementations a researcher would
 otherwise use, each pair at the same dim, depth, heads, window / segment / memory sizes and batch,
-fp32, training steps (forward + backward + AdamW) timed A B A B interleaved, warm-up rounds
-discarded; reported as median tokens/s, the median and spread (min-max) of the per-round ratios
-ours / theirs, and the same ratio per FLOP.
+fp32 or bf16 (``--precision``), training steps (forward + backward + AdamW) timed A B A B
+interleaved, warm-up rounds discarded; reported as median tokens/s, the median and spread
+(min-max) of the per-round ratios ours / theirs, and the same ratio per FLOP.
 
 Pairs (ours vs theirs):
   transformer_xl   vs x-transformers' ``TransformerWrapper(max_mem_len=...)``, segments of L with
@@ -27,8 +27,13 @@ their process (one forward of batch 1 over the sequence under
 shows, x 3 for a training step). Where the counts differ the peer does different work (a wider
 FFN, extra tokens, recomputed memory), and the per-FLOP ratio compares achieved FLOP/s.
 
+``--precision bf16`` runs each side's forward and loss under ``torch.autocast("cpu", torch.bfloat16)``
+in its own process (backward and AdamW outside it, as the trainer does), the same autocast for both;
+what each implementation then does inside it is its own (ours runs attention in fp32 on CPU). The
+FLOP count is the same in both precisions.
+
     python benchmarks/peers.py [--threads 1] [--dim 128 --depth 4 --heads 4 --batch 4 --seq 256]
-    python benchmarks/peers.py --llama2rnn /path/to/llama2Rnn --pairs memory_attention
+    python benchmarks/peers.py --llama2rnn /path/to/llama2Rnn --pairs memory_attention --precision bf16
 """
 
 from __future__ import annotations
@@ -124,11 +129,14 @@ def peer_train_flops(model: torch.nn.Module, forward: Callable[[torch.Tensor], A
     return 3 * (counter.get_total_flops() + attention.flops) / T
 
 
-def train_step(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]) -> Step:
+def train_step(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], precision: str) -> Step:
+    """Forward and loss under CPU bf16 autocast when ``precision`` is bf16, backward and AdamW outside it."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step() -> None:
-        loss_fn().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_fn()
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -156,7 +164,7 @@ def build_ours(pair: str, c: dict) -> tuple[torch.nn.Module, Step, float]:
         assert out.loss is not None
         return out.loss
 
-    return model, train_step(model, loss), train_flops_per_token(model, c["seq"])
+    return model, train_step(model, loss, c["precision"]), train_flops_per_token(model, c["seq"])
 
 
 def x_decoder(c: dict, **kw: Any) -> torch.nn.Module:
@@ -237,7 +245,7 @@ def build_theirs(pair: str, c: dict) -> Built:
     else:
         raise ValueError(pair)
     x = torch.randint(0, c["vocab"], (c["batch"], c["seq"] + 1))
-    return model, train_step(model, lambda: fwd(x)), fwd
+    return model, train_step(model, lambda: fwd(x), c["precision"]), fwd
 
 
 def worker(spec: str) -> None:
@@ -392,6 +400,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="timed A B rounds per pair (>= 3)")
     ap.add_argument("--warmup", type=int, default=2, help="A B rounds run first and discarded")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: both sides under CPU autocast")
     ap.add_argument("--out", default="out/peers.json")
     args = ap.parse_args()
     pairs = [p for p in args.pairs.split(",") if p]
@@ -410,16 +419,14 @@ def main() -> None:
     from recurformer.nn import ModelConfig
 
     py, failed = venv_python(Path(args.venv).resolve(), not args.no_install)
+    keys = ("dim", "depth", "heads", "vocab", "segment", "memory", "chunk", "batch", "seq", "threads", "precision")
     config = dict(
-        {
-            k: getattr(args, k)
-            for k in ("dim", "depth", "heads", "vocab", "segment", "memory", "chunk", "batch", "seq", "threads")
-        },  # fmt: skip
+        {k: getattr(args, k) for k in keys},
         ffn_hidden=ModelConfig(dim=args.dim, n_heads=args.heads).hidden,
         llama2rnn=str(Path(args.llama2rnn).resolve()) if args.llama2rnn else None,
     )
     print(
-        f"fp32, {args.threads} thread(s), batch {args.batch} x {args.seq}, dim {args.dim} x {args.depth} layers, "
+        f"{args.precision}, {args.threads} thread(s), batch {args.batch} x {args.seq}, dim {args.dim} x {args.depth} layers, "
         f"{args.heads} heads, segment/block {args.segment}, RMT memory {args.memory}; "
         f"{args.warmup} warm-up + {args.rounds} timed A B rounds",
         flush=True,
@@ -454,7 +461,7 @@ def main() -> None:
     argv = [("PATH" if a == args.llama2rnn else a) for a in sys.argv]  # no local path in the record
     meta = dict(
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), cpu=machine_name(), cores=os.cpu_count(),
-        threads=args.threads, torch=torch.__version__, config={k: v for k, v in config.items() if k != "llama2rnn"},
+        threads=args.threads, precision=args.precision, torch=torch.__version__, config={k: v for k, v in config.items() if k != "llama2rnn"},
         rounds=args.rounds, warmup=args.warmup, command="python " + " ".join(argv),
     )  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

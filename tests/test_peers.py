@@ -37,3 +37,20 @@ def test_peer_flop_count_matches_ours(name: str, extra: dict) -> None:
     T = 24
     theirs = peers.peer_train_flops(model, lambda x: model(x[:, :-1]), T)
     assert theirs == train_flops_per_token(model, T)
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_train_step_runs_under_the_precision(precision: str, dtype: torch.dtype) -> None:
+    """--precision bf16 puts each side's forward under CPU bf16 autocast; the weights stay fp32 and
+    are updated."""
+    model = build_model("llama", TINY)
+    seen: set[torch.dtype] = set()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda _m, _i, o: seen.add(o.dtype))
+    x = torch.randint(0, TINY["vocab_size"], (2, 9))
+    before = [p.detach().clone() for p in model.parameters()]
+    peers.train_step(model, lambda: model(x[:, :-1], targets=x[:, 1:]).loss, precision)()
+    assert seen == {dtype}
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
