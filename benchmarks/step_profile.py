@@ -3,7 +3,7 @@
 For every model and precision (fp32, or bf16 under CPU autocast) one training step (forward +
 backward + AdamW on ``--batch`` x ``--seq`` tokens, the paper config of ``throughput.py``) is
 timed (the median of ``--steps`` after two warm-up steps) and then profiled once with
-``torch.profiler``:
+``torch.profiler``, each row in a fresh process:
 
     fraction of peak = tokens/s x counted FLOP/token / (n x n matmul FLOP/s of the dtype)
 
@@ -39,6 +39,7 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -221,6 +222,20 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def run_row(name: str, precision: str, args: argparse.Namespace) -> dict | None:
+    """One row in a fresh process of this script: the profile of a long step (the Recurrent
+    Transformer's) holds ~15 GB of events, which a process does not give back."""
+    cmd = [sys.executable, __file__, "--row", f"{name}:{precision}", "--batch", str(args.batch), "--seq", str(args.seq)]
+    cmd += ["--steps", str(args.steps), "--threads", str(torch.get_num_threads())]
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode or not r.stdout.strip():
+        last = ([ln for ln in r.stderr.splitlines() if ln.strip()] or ["no output"])[-1]
+        print(f"{name} {precision}: failed (exit {r.returncode}): {last[:200]}", flush=True)
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="all", help="comma-separated model names, or all")
@@ -230,7 +245,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per row (the median is reported)")
     ap.add_argument("--threads", type=int, help="torch threads (default: as OMP_NUM_THREADS gives)")
     ap.add_argument("--out", default="out/step_profile.json", help="write the rows as JSON here (and a PNG beside)")
+    ap.add_argument("--row", metavar="MODEL:PRECISION", help=argparse.SUPPRESS)  # a worker: one row as JSON
     args = ap.parse_args()
+    if args.row:
+        torch.set_num_threads(args.threads)
+        name, precision = args.row.split(":")
+        print(json.dumps(profile_model(name, precision, args.batch, args.seq, args.steps)))
+        return
     names = model_names() if args.models == "all" else args.models.split(",")
     if unknown := [n for n in names if n not in model_names()]:
         ap.error(f"--models: unknown model {unknown[0]!r}; choose from all, {', '.join(model_names())}")
@@ -242,18 +263,22 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    checkpoints, rows = [measure_peaks(precisions)], []
+    checkpoints, rows, failed = [measure_peaks(precisions)], [], []
     for name in names:
         for precision in precisions:
-            rows.append(profile_model(name, precision, args.batch, args.seq, args.steps))
+            row = run_row(name, precision, args)
             checkpoints.append(measure_peaks(precisions))
-            print(f"{name} {precision}: {rows[-1]['tokens_per_s']:,.0f} tok/s", flush=True)
-    for i, r in enumerate(rows):  # the better of the peaks measured just before and just after
-        peak = max(checkpoints[i][r["precision"]], checkpoints[i + 1][r["precision"]])
-        r["peak_gflop_per_s"] = round(peak / 1e9, 1)
-        r["of_peak"] = round(r["gflop_per_s"] * 1e9 / peak, 4)
-        r["matmul_of_peak_in_step"] = round(r["matmul_gflop_per_s_in_step"] * 1e9 / peak, 4)
-        r["matmul_of_peak_alone"] = round(r["matmul_gflop_per_s_alone"] * 1e9 / peak, 4)
+            if row is None:
+                failed.append(f"{name} {precision}")
+                continue
+            # the better of the peaks measured just before and just after the row
+            peak = max(checkpoints[-2][precision], checkpoints[-1][precision])
+            row["peak_gflop_per_s"] = round(peak / 1e9, 1)
+            row["of_peak"] = round(row["gflop_per_s"] * 1e9 / peak, 4)
+            row["matmul_of_peak_in_step"] = round(row["matmul_gflop_per_s_in_step"] * 1e9 / peak, 4)
+            row["matmul_of_peak_alone"] = round(row["matmul_gflop_per_s_alone"] * 1e9 / peak, 4)
+            rows.append(row)
+            print(f"{name} {precision}: {row['tokens_per_s']:,.0f} tok/s, {row['of_peak']:.1%} of peak", flush=True)
 
     print(f"{torch.get_num_threads()} thread(s); one training step of {args.batch} x {args.seq} tokens")
     for p in precisions:
@@ -286,6 +311,7 @@ def main() -> None:
             seq=args.seq,
             steps=args.steps,
             peaks=checkpoints,
+            failed=failed,
             command="python " + " ".join(sys.argv),
         )
         out = Path(args.out)
@@ -293,7 +319,8 @@ def main() -> None:
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
         tmp.replace(out)
-        plot(rows, out.with_suffix(".png"))
+        if rows:
+            plot(rows, out.with_suffix(".png"))
         print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
