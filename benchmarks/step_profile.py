@@ -8,10 +8,12 @@ timed (the median of ``--steps`` after two warm-up steps) and then profiled once
     fraction of peak = tokens/s x counted FLOP/token / (n x n matmul FLOP/s of the dtype)
 
 FLOP/token is counted on the model (``recurformer.flops``: every matmul, attention by the pairs
-its mask shows, training = 3 forwards). The peak (``recurformer.flops.matmul_peak``, 1024 x 1024)
-is measured in this run before the first row and again after every row, fp32 and bf16, so its
-drift under other load shows; each row is divided by the better of the peaks measured just before
-and just after it.
+its mask shows, training = 3 forwards). The peak (the best 1024 x 1024 matmul, as
+``recurformer.flops.matmul_peak``) is measured in this run before the first row and again after
+every row, fp32 and bf16, so its drift under other load shows; each row is divided by the better
+of the peaks measured just before and just after it. ``--clock cpu`` times steps and peaks alike
+in the process's CPU seconds instead of wall seconds (1 thread): on a machine other jobs share,
+the time the process waits for a core then counts in neither.
 
 The profiled step's self time is split into four buckets (``bucket``):
 
@@ -25,8 +27,8 @@ The profiled step's self time is split into four buckets (``bucket``):
 - *elementwise*: the rest (norms, activations, RoPE, dtype casts, the loss, autograd's own
   bookkeeping), with the costliest of these ops by name.
 
-Beside them, the matmuls' own rate (FLOPs from their recorded shapes over their time) in the step
-and for the same shapes timed alone, as fractions of the peak: a model whose matmuls alone reach
+Beside them, the matmuls' own rate (FLOPs from their recorded shapes over their share of the timed
+step) in the step and for the same shapes timed alone, as fractions of the peak: a model whose matmuls alone reach
 80% of peak cannot train at 85% of it, however small the rest.
 
     OMP_NUM_THREADS=2 python benchmarks/step_profile.py --models all --precisions fp32,bf16 --out out/step_profile.json
@@ -57,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import CONFIGS, EXTRA  # the same models and sizes as the throughput table
 
 from recurformer import build_model
-from recurformer.flops import machine_name, matmul_peak, train_flops_per_token
+from recurformer.flops import machine_name, train_flops_per_token
 from recurformer.models import model_names
 from recurformer.nn import StreamingLM
 
@@ -65,6 +67,8 @@ OPTIMIZER = "optimizer"  # the record_function range around opt.step() and opt.z
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 BUCKETS = ("matmul", "attention", "elementwise", "optimizer")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+Clock = Callable[[], float]
+CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def is_attention(name: str) -> bool:
@@ -118,17 +122,20 @@ def split(events: Iterable[Any]) -> tuple[dict[str, float], dict[str, float], di
     return buckets, dict(elementwise), dict(matmuls)
 
 
-def alone_flops_per_s(dims: tuple[int, ...], dtype: torch.dtype = torch.float32, seconds: float = 0.2) -> float:
-    """Best FLOP/s of one matmul of these dims in ``dtype`` timed by itself."""
+def alone_flops_per_s(
+    dims: tuple[int, ...], dtype: torch.dtype, clock: Clock = time.perf_counter, seconds: float = 0.2
+) -> float:
+    """Best FLOP/s of one matmul of these dims in ``dtype`` timed by itself on ``clock`` over
+    ~``seconds``; of (1, 1024, 1024, 1024) it is the peak (as ``recurformer.flops.matmul_peak``)."""
     bsz, m, k, n = dims
     a, b = torch.randn(bsz, m, k, dtype=dtype), torch.randn(bsz, k, n, dtype=dtype)
     mm = torch.bmm if bsz > 1 else lambda x, y: x[0] @ y[0]
     mm(a, b)
     best, t_end = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < t_end or best == float("inf"):
-        t0 = time.perf_counter()
+        t0 = clock()
         mm(a, b)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return 2 * bsz * m * k * n / best
 
 
@@ -151,7 +158,7 @@ def train_step(model: StreamingLM, x: torch.Tensor, precision: str) -> Callable[
     return step
 
 
-def profile_model(name: str, precision: str, batch: int, seq: int, steps: int) -> dict:
+def profile_model(name: str, precision: str, batch: int, seq: int, steps: int, clock: Clock) -> dict:
     torch.manual_seed(0)
     model = build_model(name, dict(CONFIGS["paper"], **EXTRA.get(name, {})))
     flops_per_token = train_flops_per_token(model, seq)  # counted, as throughput.py
@@ -160,9 +167,9 @@ def profile_model(name: str, precision: str, batch: int, seq: int, steps: int) -
         step()
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         step()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     step_s = statistics.median(times)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
@@ -170,7 +177,7 @@ def profile_model(name: str, precision: str, batch: int, seq: int, steps: int) -
     total = sum(seconds.values())
     mm_flops = sum(2 * b * m * k * n * calls for (b, m, k, n), (calls, _) in matmuls.items())
     alone_s = sum(
-        2 * b * m * k * n * calls / alone_flops_per_s((b, m, k, n), DTYPES[precision])
+        2 * b * m * k * n * calls / alone_flops_per_s((b, m, k, n), DTYPES[precision], clock)
         for (b, m, k, n), (calls, _) in matmuls.items()
     )
     top = sorted(elementwise.items(), key=lambda kv: -kv[1])[:4]
@@ -186,14 +193,15 @@ def profile_model(name: str, precision: str, batch: int, seq: int, steps: int) -
         **{f"{b}_share": round(s / total, 4) for b, s in seconds.items()},
         top_elementwise={k: round(v / total, 4) for k, v in top},
         matmul_calls=int(sum(c for c, _ in matmuls.values())),
-        matmul_gflop_per_s_in_step=round(mm_flops / max(seconds["matmul"], 1e-9) / 1e9, 2),
+        # the matmuls' time: their share of the profiled step x the timed step (on the chosen clock)
+        matmul_gflop_per_s_in_step=round(mm_flops / max(seconds["matmul"] / total * step_s, 1e-9) / 1e9, 2),
         matmul_gflop_per_s_alone=round(mm_flops / max(alone_s, 1e-9) / 1e9, 2),
     )
 
 
-def measure_peaks(precisions: list[str]) -> dict:
-    """The n x n matmul peak of each precision now, and the machine's 1-minute load average."""
-    peaks: dict[str, Any] = {p: matmul_peak.__wrapped__(DTYPES[p], "cpu") for p in precisions}
+def measure_peaks(precisions: list[str], clock: Clock) -> dict:
+    """The 1024 x 1024 matmul peak of each precision now, and the machine's 1-minute load average."""
+    peaks: dict[str, Any] = {p: alone_flops_per_s((1, 1024, 1024, 1024), DTYPES[p], clock, 0.5) for p in precisions}
     return dict(peaks, load_1min=os.getloadavg()[0], time=datetime.now(timezone.utc).strftime("%H:%M:%S"))
 
 
@@ -226,7 +234,7 @@ def run_row(name: str, precision: str, args: argparse.Namespace) -> dict | None:
     """One row in a fresh process of this script: the profile of a long step (the Recurrent
     Transformer's) holds ~15 GB of events, which a process does not give back."""
     cmd = [sys.executable, __file__, "--row", f"{name}:{precision}", "--batch", str(args.batch), "--seq", str(args.seq)]
-    cmd += ["--steps", str(args.steps), "--threads", str(torch.get_num_threads())]
+    cmd += ["--steps", str(args.steps), "--threads", str(torch.get_num_threads()), "--clock", args.clock]
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode or not r.stdout.strip():
@@ -245,12 +253,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per row (the median is reported)")
     ap.add_argument("--threads", type=int, help="torch threads (default: as OMP_NUM_THREADS gives)")
     ap.add_argument("--out", default="out/step_profile.json", help="write the rows as JSON here (and a PNG beside)")
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="cpu: the process's CPU seconds for steps and peaks alike (1 thread, on a machine other jobs share)",
+    )
     ap.add_argument("--row", metavar="MODEL:PRECISION", help=argparse.SUPPRESS)  # a worker: one row as JSON
     args = ap.parse_args()
     if args.row:
         torch.set_num_threads(args.threads)
         name, precision = args.row.split(":")
-        print(json.dumps(profile_model(name, precision, args.batch, args.seq, args.steps)))
+        print(json.dumps(profile_model(name, precision, args.batch, args.seq, args.steps, CLOCKS[args.clock])))
         return
     names = model_names() if args.models == "all" else args.models.split(",")
     if unknown := [n for n in names if n not in model_names()]:
@@ -262,12 +276,17 @@ def main() -> None:
         ap.error(f"--steps must be >= 1, got {args.steps}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        ap.error(
+            f"--clock cpu needs 1 thread (CPU seconds of several threads count their waiting), got {torch.get_num_threads()}"
+        )
+    clock = CLOCKS[args.clock]
 
-    checkpoints, rows, failed = [measure_peaks(precisions)], [], []
+    checkpoints, rows, failed = [measure_peaks(precisions, clock)], [], []
     for name in names:
         for precision in precisions:
             row = run_row(name, precision, args)
-            checkpoints.append(measure_peaks(precisions))
+            checkpoints.append(measure_peaks(precisions, clock))
             if row is None:
                 failed.append(f"{name} {precision}")
                 continue
@@ -280,7 +299,9 @@ def main() -> None:
             rows.append(row)
             print(f"{name} {precision}: {row['tokens_per_s']:,.0f} tok/s, {row['of_peak']:.1%} of peak", flush=True)
 
-    print(f"{torch.get_num_threads()} thread(s); one training step of {args.batch} x {args.seq} tokens")
+    print(
+        f"{torch.get_num_threads()} thread(s), {args.clock} clock; one training step of {args.batch} x {args.seq} tokens"
+    )
     for p in precisions:
         series = [c[p] / 1e9 for c in checkpoints]
         print(f"{p} matmul peak {min(series):.1f}-{max(series):.1f} GFLOP/s over {len(series)} measurements")
@@ -310,6 +331,7 @@ def main() -> None:
             batch=args.batch,
             seq=args.seq,
             steps=args.steps,
+            clock=args.clock,
             peaks=checkpoints,
             failed=failed,
             command="python " + " ".join(sys.argv),
