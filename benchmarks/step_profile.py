@@ -21,8 +21,8 @@ The profiled step's self time is split into four buckets (``bucket``):
   range around them);
 - *matmul*: aten::mm / addmm / bmm / baddbmm anywhere else;
 - *attention*: every other op inside a ``scaled_dot_product_attention`` call or its fused
-  backward. Attention written with explicit matmuls (Transformer-XL's relative attention) shows as
-  matmul and elementwise instead, and so does the backward of SDPA's math path (taken when the
+  backward. Attention written with explicit matmuls (Transformer-XL's relative attention,
+  ``modules.biased_attend``) shows as matmul and elementwise instead, and so does the backward of SDPA's math path (taken when the
   mask needs a gradient: autograd differentiates it op by op);
 - *elementwise*: the rest (norms, activations, RoPE, dtype casts, the loss, autograd's own
   bookkeeping), with the costliest of these ops by name.
