@@ -458,7 +458,7 @@ def main() -> None:
             f"{r['ratio_min']:>6.2f}-{r['ratio_max']:<5.2f}{f['ours'] / 1e6:>8.1f}|{f['theirs'] / 1e6:<7.1f}"
             f"{r['ratio_per_flop']:>9.2f}  {r['differs']}"
         )
-    argv = [("PATH" if a == args.llama2rnn else a) for a in sys.argv]  # no local path in the record
+    argv = ["PATH" if a == args.llama2rnn else "VENV" if a == args.venv else a for a in sys.argv]  # no local paths
     meta = dict(
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), cpu=machine_name(), cores=os.cpu_count(),
         threads=args.threads, precision=args.precision, torch=torch.__version__, config={k: v for k, v in config.items() if k != "llama2rnn"},
