@@ -96,9 +96,38 @@ class KVState(LayerState):
     room: KVRoom | None = field(default=None, repr=False, compare=False)
 
 
+@dataclass(frozen=True)
+class Band:
+    """Queries ``q0``..``q1``-1 of a call attend to keys ``k0``..``k1``-1 under ``mask``
+    [B, 1, q1 - q0, k1 - k0] (boolean, True = visible; None: plain causal or no mask)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: Tensor | None
+
+
+def banded_attend(q: Tensor, k: Tensor, v: Tensor, bands: list[Band], causal: bool) -> Tensor:
+    """``attend`` of queries q [B, H, T, d] over keys/values [B, H, S+T, d] band by band (one
+    SDPA per band, the keys a view), the outputs concatenated along the queries; ``causal``
+    applies to a band without a mask. Under CPU autocast it runs in float32 as ``attend``, cast
+    once rather than per band."""
+    if len(bands) == 1:
+        b = bands[0]
+        return attend(q, k[:, :, b.k0 : b.k1], v[:, :, b.k0 : b.k1], b.mask, causal=causal)
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            o = banded_attend(q.float(), k.float(), v.float(), bands, causal)
+        return o.to(torch.get_autocast_dtype("cpu"))
+    outs = [attend(q[:, :, b.q0 : b.q1], k[:, :, b.k0 : b.k1], v[:, :, b.k0 : b.k1], b.mask) for b in bands]
+    return torch.cat(outs, dim=2)
+
+
 class Attention(Layer):
     """Causal self-attention with RoPE over the KV cache; ``window`` W limits it to the last W
-    positions (None: full attention)."""
+    positions (None: full attention). A window layer whose call holds more keys than a tile of
+    queries can see attends tile by tile over bands of W + m - 1 keys (``bands``)."""
 
     state_cls = KVState
 
@@ -106,6 +135,7 @@ class Attention(Layer):
         super().__init__()
         self.n_heads, self.head_dim, self.theta = cfg.n_heads, cfg.head_dim, cfg.rope_theta
         self.window = window
+        self.query_tile: int | None = 64  # queries per band of a window layer (speed only; None: one band)
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -129,24 +159,43 @@ class Attention(Layer):
         z = torch.zeros(batch_size, self.n_heads, 0, self.head_dim, device=device, dtype=dtype)
         return KVState(k=z, v=z)
 
-    def tables(self, call: Call, T: int, S: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """RoPE cos/sin of the queries and the boolean mask [B, 1, T, S+T] (None: plain causal)."""
+    def tables(self, call: Call, T: int, S: int, x: Tensor) -> tuple[Tensor, Tensor, list[Band]]:
+        """RoPE cos/sin of the queries and the bands the queries attend in (``bands``)."""
         pos0, W, start = call.pos, self.window, call.start
         q_pos = torch.arange(pos0, pos0 + T, device=x.device)
         k_pos = torch.arange(pos0 - S, pos0 + T, device=x.device)
         cos, sin = rope_cos_sin(q_pos, self.head_dim, self.theta, x.dtype)
         hides_cache = S > 0 and bool((start > pos0 - S).any())
         if not hides_cache and (W is None or W >= S + T) and (S == 0 or T == 1):
-            return cos, sin, None  # plain causal (S = 0), or one query that sees every key: no mask
+            return cos, sin, [Band(0, T, 0, S + T, None)]  # plain causal (S = 0), or one query that sees every key
         vis = k_pos[None, :] <= q_pos[:, None]  # [T, S+T]
         if W is not None:
             vis = vis & (k_pos[None, :] > q_pos[:, None] - W)
-        return cos, sin, (vis[None] & (k_pos[None, None, :] >= start[:, None, None])).unsqueeze(1)
+        mask = (vis[None] & (k_pos[None, None, :] >= start[:, None, None])).unsqueeze(1)
+        return cos, sin, self.bands(mask, T, S)
+
+    def bands(self, mask: Tensor, T: int, S: int) -> list[Band]:
+        """The call's queries in tiles of m = ``query_tile`` (a window layer whose S + T keys
+        exceed the W + m - 1 that a tile can see, else one tile): queries a..b-1 (positions
+        pos + a ..) see only keys S + a - W + 1 .. S + b - 1 of the S + T, so each tile attends
+        over that band (a view) with its slice of the boolean ``mask`` [B, 1, T, S+T]. The keys
+        left out are hidden from every query of the tile (weight exp(-inf) = 0), so the result
+        is the single masked attention's, with at most T (W + m - 1) pairs scored instead of
+        T (S + T)."""
+        W, m = self.window, self.query_tile
+        if W is None or m is None or S + T <= W + m - 1:
+            return [Band(0, T, 0, S + T, mask)]
+        out = []
+        for a in range(0, T, m):
+            b, k0 = min(a + m, T), max(0, S + a - W + 1)
+            out.append(Band(a, b, k0, S + b, mask[:, :, a:b, k0 : S + b].contiguous()))
+        return out
 
     def forward(self, x: Tensor, state: KVState, call: Call) -> tuple[Tensor, KVState]:
         """x: [B, T, D] (normed) -> (out [B, T, D], cache with the new keys/values)."""
         T, S = x.shape[1], state.k.shape[2]
-        cos, sin, mask = call.shared(("rope+mask", S, self.window, x.dtype), lambda: self.tables(call, T, S, x))
+        key = ("rope+mask", S, self.window, self.query_tile, x.dtype)
+        cos, sin, bands = call.shared(key, lambda: self.tables(call, T, S, x))
         q = apply_rope(split_heads(self.wq(x), self.n_heads), cos, sin)
         k_new = apply_rope(split_heads(self.wk(x), self.n_heads), cos, sin)
         v_new = split_heads(self.wv(x), self.n_heads)
@@ -154,7 +203,7 @@ class Attention(Layer):
             new = self.extend(state, k_new, v_new)
         else:  # with autograd an in-place write could change a tensor that backward still needs
             new = KVState(k=torch.cat((state.k, k_new), dim=2), v=torch.cat((state.v, v_new), dim=2))
-        o = attend(q, new.k, new.v, mask, causal=mask is None and S == 0)
+        o = banded_attend(q, new.k, new.v, bands, causal=S == 0)
         if self.window is not None:
             keep = min(self.window - 1, new.k.shape[2])
             new = KVState(k=new.k[:, :, new.k.shape[2] - keep :], v=new.v[:, :, new.v.shape[2] - keep :])
