@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from recurformer import build_model
 from recurformer.flops import forward_flops_per_token, matmul_peak, train_flops_per_token
+from recurformer.models.llama import Attention
 
 CFG = dict(vocab_size=97, dim=32, n_layers=3, n_heads=4)
 
@@ -84,3 +85,16 @@ def test_block_recurrent_count_does_not_depend_on_query_tiles() -> None:
         m: forward_flops_per_token(build_model("block_recurrent", dict(cfg, query_tile=m)), 20) for m in (1, 3, 8)
     }
     assert counts[1] == counts[3] == counts[8]
+
+
+def test_window_count_does_not_depend_on_query_tiles() -> None:
+    """A window layer's bands of W + m - 1 keys: the count is the visible pairs, the same as the
+    single masked attention's (query_tile None) and the closed form, at any tile size."""
+    model = build_model("sliding_window", dict(CFG, window=4))
+    counts = {}
+    for m in (None, 1, 3, 8):
+        for a in model.modules():
+            if isinstance(a, Attention):
+                a.query_tile = m
+        counts[m] = forward_flops_per_token(model, 20)
+    assert counts[None] == counts[1] == counts[3] == counts[8] == closed_form(model, 20, 4)
