@@ -1,10 +1,14 @@
 """Tables 1 and 2 of Liang, *Block-wise Recurrent Transformer* (§5.1, §5.2) at CPU scale: train every configuration at length 256 on the same
 data with the same token budget (configs/repro/base.yaml), then evaluate loss on the last 256
-tokens at lengths 256..16384 (``recurformer eval``).
+tokens at lengths 256..16384 (``api.evaluate_checkpoints``, what ``recurformer eval`` runs).
 
-Table 1 columns: Llama/RoPE, the same Llama evaluated with a 256 window, a trained sliding-window
-model, Memory Attention (full stateful training), plus Transformer-XL and Block-Recurrent at
-the same budget. Table 2 rows: the four training strategies of Memory Attention.
+Table 1 rows: Memory Attention (full stateful training), cold and warm start, Llama/RoPE, the same
+Llama evaluated with a 256 window, a trained sliding-window model, plus Transformer-XL and
+Block-Recurrent at the same budget. Table 2 rows: the four training strategies of Memory Attention.
+Every row scores the same windows (``--windows K`` evenly spaced ones, or all of them), so each
+table holds the mean loss with its 95% bootstrap interval and the paired difference from its first
+row; ``<tag>-claims.md/json`` the paired differences the results page rests on (CLAIMS), each
+with whether its interval excludes 0.
 
     python benchmarks/extrapolation.py train --dataset tinystories-sample --jobs 2
     python benchmarks/extrapolation.py eval  --dataset tinystories-sample [--eval-data warpeace]
@@ -31,6 +35,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from recurformer.evaluate import LengthResult, paired_differences
+
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "configs" / "repro" / "base.yaml"
 
@@ -46,23 +54,30 @@ RUNS: dict[str, list[str]] = {
     "transformer_xl": ["model.name=transformer_xl", "model.segment_len=32"],
     "block_recurrent": ["model.name=block_recurrent", "model.block_size=32"],
 }
-# (column label, run, extra eval flags)
-TABLE1 = [
-    ("Llama (RoPE)", "llama", []),
-    ("Llama, 256 window", "llama", ["--window", "256"]),
-    ("Sliding window 64 (trained)", "sliding_window", []),
-    ("Memory Attention", "memory_attention", []),
-    ("Memory Attention, warm start", "memory_attention", ["--warm-state", str(WARM)]),
-    ("Transformer-XL", "transformer_xl", []),
-    ("Block-Recurrent", "block_recurrent", []),
+# (row label, run, extra options of api.evaluate_checkpoints); the reference row first: the paired
+# differences of each table are taken from it
+TABLE1: list[tuple[str, str, dict[str, int]]] = [
+    ("Memory Attention", "memory_attention", {}),
+    ("Memory Attention, warm start", "memory_attention", {"warm_state": WARM}),
+    ("Llama (RoPE)", "llama", {}),
+    ("Llama, 256 window", "llama", {"window": 256}),
+    ("Sliding window 64 (trained)", "sliding_window", {}),
+    ("Transformer-XL", "transformer_xl", {}),
+    ("Block-Recurrent", "block_recurrent", {}),
 ]
 TABLE2 = [
+    ("Mem (Full Stateful)", "memory_attention"),
     ("Mem (No Stateful)", "ma_no_stateful"),
     ("Mem (Infinity Only Data)", "ma_only_data"),
     ("Mem (Infinity Only Model)", "ma_only_model"),
-    ("Mem (Full Stateful)", "memory_attention"),
 ]
-
+# the paired differences the page's claims rest on: (model, reference, length; None: the longest both measured)
+CLAIMS: list[tuple[str, str, int | None]] = [
+    *((label, "Memory Attention", None) for label, _, _ in TABLE1[2:]),
+    ("Llama (RoPE)", "Llama, 256 window", 4096),
+    ("Memory Attention", "Memory Attention, warm start", 256),
+    *((label, "Mem (Full Stateful)", None) for label, _ in TABLE2[1:]),
+]
 
 # every run of a scale gets these on top of configs/repro/base.yaml (CPU scale: dim 128, 4 layers, 8 x 256)
 SCALES: dict[str, list[str]] = {
@@ -136,68 +151,85 @@ def cmd_train(args: argparse.Namespace) -> None:
             print(msg, flush=True)
 
 
-def cmd_eval(args: argparse.Namespace) -> None:
-    from recurformer.evaluate import LengthResult, markdown_table, plot
+def claims(results: dict[str, list[LengthResult]]) -> list[dict]:
+    """The paired differences of CLAIMS among ``results`` (label -> LengthResults, per-document losses
+    kept), each with its 95% interval and whether that interval excludes 0."""
+    out = []
+    for model, ref, length in CLAIMS:
+        if model not in results or ref not in results:
+            continue
+        diffs = {d.length: d for d in paired_differences(results[model], results[ref])}
+        d = diffs.get(max(diffs) if length is None else length)
+        if d is not None:
+            out.append(dict(model=model, reference=ref, **vars(d), excludes_0=bool(d.low > 0 or d.high < 0)))
+    return out
 
+
+def claims_table(rows: list[dict]) -> str:
+    head = "| model − reference | length | difference [95% interval] | excludes 0 |\n|---|---|---|---|"
+    return "\n".join(
+        [head]
+        + [
+            f"| {r['model']} − {r['reference']} | {r['length']} | {r['diff']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}] "
+            f"| {'yes' if r['excludes_0'] else 'no'} |"
+            for r in rows
+        ]
+    )
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    import torch
+
+    from recurformer.api import evaluate_checkpoints
+    from recurformer.evaluate import markdown_table, plot, save_json
+
+    torch.set_num_threads(args.threads)
     out_dir = Path(args.out) if args.out else ROOT / "out" / repro_name(args.scale)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "raw").mkdir(parents=True, exist_ok=True)
     tag = args.dataset + (f"-on-{args.eval_data}" if args.eval_data else "")
-    done: dict[tuple, list[LengthResult]] = {}
-    for label, run, extra in [*TABLE1, *((label, run, []) for label, run in TABLE2)]:
-        key = (run, tuple(extra))
+    context = max(int(x) for x in args.lengths.split(",")) + WARM  # every row scores the same tokens
+    meta = dict(command=" ".join(sys.argv), windows=args.windows, context=context, last=256, torch=torch.__version__)
+    done: dict[tuple, list[LengthResult]] = {}  # (run, options) -> results with their per-document losses
+    for label, run, extra in [*TABLE1, *((label, run, {}) for label, run in TABLE2)]:
+        key = (run, tuple(extra.items()))
         if key in done or not (run_dir(args.dataset, run, args.scale) / "latest").is_file():
             continue
-        js = out_dir / "raw" / f"{tag}-{run}{''.join(extra).replace('--', '-')}.json"
-        js.parent.mkdir(parents=True, exist_ok=True)
-        lengths = args.lengths if run != "llama" or extra else args.dense_lengths
-        cmd = [
-            sys.executable,
-            "-m",
-            "recurformer.cli",
-            "eval",
-            "--checkpoint",
-            str(run_dir(args.dataset, run, args.scale)),
-            "--lengths",
-            lengths,
-            "--last",
-            "256",
-            "--windows",
-            str(args.windows),
-            "--json",
-            str(js),
-            *extra,
-            "--context",
-            str(max(int(x) for x in args.lengths.split(",")) + WARM),  # every job scores the same tokens
-            "--device",
-            args.device,
-        ]
-        if args.eval_data:
-            cmd += ["--dataset", args.eval_data]
-        print(" ".join(cmd[2:]), flush=True)
-        subprocess.run(
-            cmd,
-            cwd=ROOT,
-            env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)),
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        (rs,) = json.loads(js.read_text())["results"].values()
-        done[key] = [LengthResult(**r) for r in rs]
+        lengths = args.dense_lengths if run == "llama" and not extra else args.lengths
+        (done[key],) = evaluate_checkpoints(
+            [str(run_dir(args.dataset, run, args.scale))],
+            [int(x) for x in lengths.split(",")],
+            out_dir / "raw" / f"{tag}-{run}{''.join(f'-{k}{v}' for k, v in extra.items())}.json",
+            last=256,
+            windows=args.windows,
+            context=context,
+            dataset=args.eval_data,
+            device=args.device,
+            meta=meta,
+            **extra,
+        ).values()
     tables = {
-        "table1": {label: done[(run, tuple(extra))] for label, run, extra in TABLE1 if (run, tuple(extra)) in done},
+        "table1": {label: done[(run, tuple(x.items()))] for label, run, x in TABLE1 if (run, tuple(x.items())) in done},
         "table2": {label: done[(run, ())] for label, run in TABLE2 if (run, ()) in done},
     }
-    labels = {label: run for label, run, _ in TABLE1} | dict(TABLE2)
+    runs = {label: run for label, run, _ in TABLE1} | dict(TABLE2)
+    warm = {label: x.get("warm_state", 0) for label, _, x in TABLE1}
     for name, res in tables.items():
         md = markdown_table(res)
         (out_dir / f"{tag}-{name}.md").write_text(md + "\n")
-        trained = {label: trained_length(run_dir(args.dataset, labels[label], args.scale)) for label in res}
+        save_json(res, out_dir / f"{tag}-{name}.json", meta)
+        trained = {label: trained_length(run_dir(args.dataset, runs[label], args.scale)) for label in res}
         title = f"{name.replace('table', 'Table ')}: trained on {args.dataset}" + (
             f", evaluated on {args.eval_data}" if args.eval_data else ""
         )
-        plot(res, out_dir / f"{tag}-{name}.png", title, 256, trained)
+        plot(res, out_dir / f"{tag}-{name}.png", title, 256, trained, warm)
         print(f"\n{name} ({tag}):\n{md}")
-    print(f"wrote {out_dir}/{tag}-table{{1,2}}.{{md,png}}")
+    rows = claims(tables["table1"] | tables["table2"])
+    md = claims_table(rows)
+    (out_dir / f"{tag}-claims.md").write_text(md + "\n")
+    (out_dir / f"{tag}-claims.json").write_text(json.dumps({"meta": meta, "claims": rows}, indent=2) + "\n")
+    print(
+        f"\npaired differences ({tag}):\n{md}\nwrote {out_dir}/{tag}-{{table1,table2,claims}}.{{md,json}}, table1/2 .png"
+    )
 
 
 def main() -> None:
@@ -223,8 +255,10 @@ def main() -> None:
     p.add_argument("--eval-data", help="evaluate on another prepared dataset (e.g. warpeace)")
     p.add_argument("--lengths", default="256,512,1024,2048,4096,8192,16384")
     p.add_argument("--dense-lengths", default="256,512,1024,2048,4096", help="lengths for the full-attention Llama")
-    p.add_argument("--windows", type=int, default=16)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--windows", type=int, help="windows per length, evenly spaced over the evaluation text (default: all of them)"
+    )
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     args = ap.parse_args()
     {"train": cmd_train, "eval": cmd_eval}[args.cmd](args)

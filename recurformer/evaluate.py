@@ -366,16 +366,18 @@ def figure(
     title: str,
     last: int,
     trained: dict[str, int | None] | None = None,
-    warm: int = 0,
+    warm: int | dict[str, int] = 0,
 ) -> Any:
     """Loss against length, one series of points with 95% error bars per model (no lines: only
     the lengths measured are drawn); a point with no history before its scored tokens (L = last,
-    no warm-up) is drawn hollow and labelled cold start. The y axis spans at least MIN_Y_SPAN."""
+    no warm-up) is drawn hollow and labelled cold start. ``warm``: the warm-up tokens of every
+    model, or per model label (missing: 0). The y axis spans at least MIN_Y_SPAN."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    warms = warm if isinstance(warm, dict) else dict.fromkeys(results, warm)
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     n = len(results)
     for i, (label, rs) in enumerate(results.items()):
@@ -383,13 +385,13 @@ def figure(
         xs = np.array([r.length * shift for r in rs], dtype=float)
         ys = np.array([r.loss for r in rs])
         err = np.array([[r.loss - r.loss_low for r in rs], [r.loss_high - r.loss for r in rs]])
-        cold = np.array([warm == 0 and r.length == last for r in rs])
+        cold = np.array([warms.get(label, 0) == 0 and r.length == last for r in rs])
         bars = ax.errorbar(xs[~cold], ys[~cold], yerr=err[:, ~cold], fmt="o", capsize=3, label=label)
         if cold.any():
             ax.errorbar(
                 xs[cold], ys[cold], yerr=err[:, cold], fmt="o", mfc="white", capsize=3, color=bars[0].get_color()
             )
-    if any(warm == 0 and r.length == last for rs in results.values() for r in rs):
+    if any(warms.get(label, 0) == 0 and r.length == last for label, rs in results.items() for r in rs):
         ax.annotate("hollow: cold start (no history)", xy=(0.02, 0.02), xycoords="axes fraction", fontsize=8)
     ax.set_xscale("log", base=2)
     lengths = sorted({r.length for rs in results.values() for r in rs})
@@ -420,7 +422,7 @@ def plot(
     title: str,
     last: int,
     trained: dict[str, int | None] | None = None,
-    warm: int = 0,
+    warm: int | dict[str, int] = 0,
 ) -> None:
     """``figure`` saved as a PNG at ``path``."""
     import matplotlib.pyplot as plt

@@ -139,6 +139,12 @@ def test_table_json_and_plot_show_intervals(tmp_path) -> None:
     )  # no line between lengths
     assert "cold start" in " ".join(t.get_text() for t in ax.texts)
 
+    def hollow(fig) -> int:
+        return sum(line.get_markerfacecolor() == "white" for line in fig.axes[0].lines)
+
+    assert hollow(figure(results, "t", 30)) == 2  # both models' L = 30 points: no history
+    assert hollow(figure(results, "t", 30, warm={"b": 60})) == 1  # b read 60 tokens first: not a cold start
+
 
 PROBE = """
 import json, sys, numpy as np, torch
