@@ -37,7 +37,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+import numpy as np
+
+from recurformer.checkpoint import resolve
 from recurformer.evaluate import LengthResult, paired_differences
+from recurformer.files import atomic_write
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "configs" / "repro" / "base.yaml"
@@ -105,8 +109,6 @@ def run_dir(dataset: str, run: str, scale: str = "cpu") -> Path:
 
 def trained_length(run: Path) -> int:
     """The training segment length (train.seq_len) of a run's latest checkpoint."""
-    from recurformer.checkpoint import resolve
-
     return json.loads((resolve(run) / "config.json").read_text())["train"]["seq_len"]
 
 
@@ -177,6 +179,37 @@ def claims_table(rows: list[dict]) -> str:
     )
 
 
+def save_results(path: Path, what: dict, results: list[LengthResult]) -> list[LengthResult]:
+    """``results`` with their per-document losses, and ``what`` produced them, to ``path`` (.npz)."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.savez(
+                f,
+                what=json.dumps(what),
+                results=json.dumps([r.to_dict() for r in results]),
+                doc_loss=np.stack([r.doc_loss for r in results]),
+                doc_tokens=results[0].doc_tokens,
+            )
+
+    atomic_write(path, write)
+    return results
+
+
+def load_results(path: Path, what: dict) -> list[LengthResult] | None:
+    """The results ``save_results`` wrote to ``path``, or None when there are none or other settings
+    or another checkpoint produced them."""
+    if not path.is_file():
+        return None
+    with np.load(path) as z:
+        if json.loads(str(z["what"])) != what:
+            return None
+        return [
+            LengthResult(**r, doc_loss=loss, doc_tokens=z["doc_tokens"])
+            for r, loss in zip(json.loads(str(z["results"])), z["doc_loss"])
+        ]
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     import torch
 
@@ -194,19 +227,36 @@ def cmd_eval(args: argparse.Namespace) -> None:
         key = (run, tuple(extra.items()))
         if key in done or not (run_dir(args.dataset, run, args.scale) / "latest").is_file():
             continue
-        lengths = args.dense_lengths if run == "llama" and not extra else args.lengths
-        (done[key],) = evaluate_checkpoints(
-            [str(run_dir(args.dataset, run, args.scale))],
-            [int(x) for x in lengths.split(",")],
-            out_dir / "raw" / f"{tag}-{run}{''.join(f'-{k}{v}' for k, v in extra.items())}.json",
-            last=256,
+        lengths = [int(x) for x in (args.dense_lengths if run == "llama" and not extra else args.lengths).split(",")]
+        raw = out_dir / "raw" / f"{tag}-{run}{''.join(f'-{k}{v}' for k, v in extra.items())}.json"
+        ckpt = resolve(run_dir(args.dataset, run, args.scale))
+        what = dict(  # what the results depend on: reused from an earlier call when all of it agrees
+            checkpoint=str(ckpt),
+            saved=(ckpt / "model.safetensors").stat().st_mtime_ns,
+            eval_data=args.eval_data,
+            lengths=lengths,
             windows=args.windows,
             context=context,
-            dataset=args.eval_data,
-            device=args.device,
-            meta=meta,
             **extra,
-        ).values()
+        )
+        done[key] = load_results(raw.with_suffix(".npz"), what) or save_results(
+            raw.with_suffix(".npz"),
+            what,
+            *evaluate_checkpoints(
+                [str(ckpt)],
+                lengths,
+                raw,
+                last=256,
+                windows=args.windows,
+                context=context,
+                dataset=args.eval_data,
+                device=args.device,
+                meta=meta,
+                **extra,
+            ).values(),
+        )
+    if not done:
+        raise SystemExit(f"no finished run in {run_dir(args.dataset, '', args.scale)}")
     tables = {
         "table1": {label: done[(run, tuple(x.items()))] for label, run, x in TABLE1 if (run, tuple(x.items())) in done},
         "table2": {label: done[(run, ())] for label, run in TABLE2 if (run, ()) in done},

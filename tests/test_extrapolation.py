@@ -63,3 +63,19 @@ def test_claims_pick_their_lengths_and_say_whether_zero_is_excluded() -> None:
     assert cold["length"] == 256 and cold["diff"] == 0.0 and not cold["excludes_0"]
     table = extrapolation.claims_table(list(got.values()))
     assert "| Llama (RoPE) − Memory Attention | 4096 | +0.500 [+0.500, +0.500] | yes |" in table
+
+
+def test_saved_results_come_back_only_for_the_same_settings(tmp_path) -> None:
+    rs = rows([256, 512], 3.0 + np.random.default_rng(1).normal(0, 0.3, DOCS))
+    rs[1].doc_loss = rs[1].doc_loss + 1.0
+    what = dict(checkpoint="runs/x/step_000100", saved=1, lengths=[256, 512], windows=16, context=17408)
+    path = tmp_path / "raw" / "x.npz"
+    assert extrapolation.load_results(path, what) is None
+    assert extrapolation.save_results(path, what, rs) is rs
+    back = extrapolation.load_results(path, what)
+    assert back is not None and [r.to_dict() for r in back] == [r.to_dict() for r in rs]
+    assert all(
+        np.array_equal(a.doc_loss, b.doc_loss) and np.array_equal(a.doc_tokens, b.doc_tokens) for a, b in zip(back, rs)
+    )
+    assert extrapolation.load_results(path, what | {"windows": 32}) is None  # other windows: evaluate again
+    assert extrapolation.load_results(path, what | {"saved": 2}) is None  # the checkpoint was rewritten
