@@ -31,7 +31,9 @@ truncation by step (a curriculum), ``train_lengths`` draws each batch's length f
 (mixed lengths), ``state_init`` starts each training row from a noisy state or another row's
 final state, and ``truncation`` backpropagates through that many segments of ``context`` tokens
 before detaching (``Learner.backward``). Any of the first two, or ``fresh_data``, draws the
-training rows fresh for every batch (``FreshRows``), disjoint from every held-out row.
+training rows fresh for every batch (``FreshRows``), disjoint from every held-out row. Validation
+and test rows are at the task's own length, or at the length a schedule ends at (a curriculum is
+scored at the length it trains towards).
 """
 
 from __future__ import annotations
@@ -341,6 +343,14 @@ class FreshRows:
         )
 
 
+def trained_params(t: Task, params: dict[str, Any], cfg: SynthConfig) -> dict[str, Any]:
+    """The task parameters of the validation and test rows: ``params``, at the length the last
+    step trains at where a schedule changes the length (a curriculum is scored where it ends)."""
+    if not cfg.curriculum().sets("length"):
+        return params
+    return t.at_length(params, cfg.curriculum().at(cfg.steps - 1, stage_base(t, params, cfg))["length"])
+
+
 def stage_base(t: Task, params: dict[str, Any], cfg: SynthConfig) -> dict[str, int]:
     """The values a synth schedule starts from: the task length (where the task has one) and truncation."""
     base = {"truncation": cfg.truncation}
@@ -465,9 +475,10 @@ def run_synth(
     t0 = time.perf_counter()
     train: TaskData | FreshRows
     if cfg.fresh():  # held-out rows first; training rows are drawn per batch, none equal to one of them
-        val = make_split(task, cfg.n_val, cfg.seed + 1, params)
+        held = trained_params(t, params, cfg)
+        val = make_split(task, cfg.n_val, cfg.seed + 1, held)
         seen = val.row_keys()
-        test = make_split(task, cfg.n_test, cfg.seed + 2, params, exclude=seen)
+        test = make_split(task, cfg.n_test, cfg.seed + 2, held, exclude=seen)
         seen |= test.row_keys()
         length_data = {
             L: make_split(task, cfg.n_length_test, cfg.seed + 3 + L, t.at_length(params, L), exclude=seen)

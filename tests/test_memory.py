@@ -115,6 +115,26 @@ def test_recipes_end_to_end(name: str, synth: dict) -> None:
     assert math.isfinite(r.sweep[0]["train_loss"]) and set(r.by_length) == {4, 64} and r.test.rows == 8
 
 
+def test_a_length_curriculum_is_scored_at_the_length_it_ends_at() -> None:
+    """Held-out rows are at the last stage's length (the headline of a curriculum cell), while
+    training starts at the config's; without a schedule they stay at the config's length."""
+    p = {"num_pairs": 2, "num_queries": 2, "distance": 4}
+    base = {"steps": 4, "batch_size": 4, "n_val": 4, "n_test": 4, "lrs": [1e-3], "context": 4, "chunk": 8}
+    lines: list[str] = []
+    run_synth(
+        "mqar",
+        "llama",
+        TINY,
+        p,
+        synth_config({**base, "schedule": {"double_every": 2, "double": {"length": 8}}}),
+        lines.append,
+    )
+    assert f"rows of {2 * 2 + 8 + 2 * 2 - 1} tokens" in lines[0]
+    lines.clear()
+    run_synth("mqar", "llama", TINY, p, synth_config({**base, "fresh_data": True}), lines.append)
+    assert f"rows of {2 * 2 + 4 + 2 * 2 - 1} tokens" in lines[0]
+
+
 @pytest.mark.parametrize(
     "sets, message",
     [
