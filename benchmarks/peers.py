@@ -34,6 +34,10 @@ FLOP count is the same in both precisions.
 
     python benchmarks/peers.py [--threads 1] [--dim 128 --depth 4 --heads 4 --batch 4 --seq 256]
     python benchmarks/peers.py --llama2rnn /path/to/llama2Rnn --pairs memory_attention --precision bf16
+    python benchmarks/peers.py --pairs block_recurrent --ours-set position=rope   # ours with the peer's positions
+
+``--ours-set KEY=VALUE`` configures our side of every pair (checked before anything runs) to put
+an option of ours closer to what the peer does; the JSON's config records it.
 """
 
 from __future__ import annotations
@@ -143,11 +147,8 @@ def train_step(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], prec
     return step
 
 
-def build_ours(pair: str, c: dict) -> tuple[torch.nn.Module, Step, float]:
-    sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-    from recurformer import build_model
-    from recurformer.flops import train_flops_per_token
-
+def ours_values(pair: str, c: dict) -> dict[str, Any]:
+    """Our model's config values for a pair: the shared sizes, the pair's own, then ``--ours-set``."""
     base = dict(vocab_size=c["vocab"], dim=c["dim"], n_layers=c["depth"], n_heads=c["heads"])
     extra = {
         "transformer_xl": dict(segment_len=c["segment"], mem_len=c["segment"]),
@@ -156,7 +157,15 @@ def build_ours(pair: str, c: dict) -> tuple[torch.nn.Module, Step, float]:
         "llama": {},
         "memory_attention": dict(chunk_size=c["chunk"], memory_qkv="shared"),
     }[pair]
-    model = build_model(pair, {**base, **extra})
+    return {**base, **extra, **c["ours_set"]}
+
+
+def build_ours(pair: str, c: dict) -> tuple[torch.nn.Module, Step, float]:
+    sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+    from recurformer import build_model
+    from recurformer.flops import train_flops_per_token
+
+    model = build_model(pair, ours_values(pair, c))
     x = torch.randint(0, c["vocab"], (c["batch"], c["seq"] + 1))
 
     def loss() -> torch.Tensor:
@@ -401,6 +410,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="A B rounds run first and discarded")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: both sides under CPU autocast")
+    ap.add_argument(
+        "--ours-set", action="append", metavar="KEY=VALUE", default=[],
+        help="a config value of ours in every pair, e.g. position=rope (a peer's positions); repeatable",
+    )  # fmt: skip
     ap.add_argument("--out", default="out/peers.json")
     args = ap.parse_args()
     pairs = [p for p in args.pairs.split(",") if p]
@@ -415,20 +428,29 @@ def main() -> None:
         ap.error(f"--llama2rnn {args.llama2rnn} has no model.py (a checkout of siyuanseever/llama2Rnn)")
 
     sys.path.insert(0, str(ROOT))
+    from recurformer.config import RecurformerError, parse_overrides
     from recurformer.flops import machine_name
+    from recurformer.models import build_model
     from recurformer.nn import ModelConfig
 
-    py, failed = venv_python(Path(args.venv).resolve(), not args.no_install)
     keys = ("dim", "depth", "heads", "vocab", "segment", "memory", "chunk", "batch", "seq", "threads", "precision")
     config = dict(
         {k: getattr(args, k) for k in keys},
         ffn_hidden=ModelConfig(dim=args.dim, n_heads=args.heads).hidden,
         llama2rnn=str(Path(args.llama2rnn).resolve()) if args.llama2rnn else None,
     )
+    try:  # a wrong key or value of ours: one line here, not in a worker
+        config["ours_set"] = ours_set = parse_overrides(args.ours_set)
+        for p in pairs:
+            build_model(p, ours_values(p, config))
+    except RecurformerError as e:
+        ap.error(f"--ours-set: {e}")
+    py, failed = venv_python(Path(args.venv).resolve(), not args.no_install)
     print(
         f"{args.precision}, {args.threads} thread(s), batch {args.batch} x {args.seq}, dim {args.dim} x {args.depth} layers, "
         f"{args.heads} heads, segment/block {args.segment}, RMT memory {args.memory}; "
-        f"{args.warmup} warm-up + {args.rounds} timed A B rounds",
+        + (f"ours with {ours_set}; " if ours_set else "")
+        + f"{args.warmup} warm-up + {args.rounds} timed A B rounds",
         flush=True,
     )
     results = []

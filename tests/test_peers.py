@@ -54,3 +54,18 @@ def test_train_step_runs_under_the_precision(precision: str, dtype: torch.dtype)
     assert seen == {dtype}
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_ours_set_reaches_our_model_and_a_wrong_key_is_one_line(monkeypatch, capsys) -> None:
+    """--ours-set configures our side of every pair; a key our model lacks stops the run before any
+    worker starts, in one line naming it."""
+    c = dict(vocab=64, dim=16, depth=3, heads=2, segment=8, memory=4, chunk=8, batch=1, seq=16, precision="fp32")
+    model, _, _ = peers.build_ours("block_recurrent", {**c, "ours_set": {"position": "rope"}})
+    assert model.config.position == "rope"
+    monkeypatch.setattr(
+        sys, "argv", ["peers.py", "--pairs", "block_recurrent", "--venv", "/nonexistent", "--ours-set", "positon=rope"]
+    )
+    with pytest.raises(SystemExit) as e:
+        peers.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "--ours-set" in err[-1] and "positon" in err[-1]
