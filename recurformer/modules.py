@@ -4,12 +4,15 @@ ReLU), RoPE with arbitrary positions, ALiBi slopes, attention helpers over PyTor
 
 from __future__ import annotations
 
-from typing import Literal
+import functools
+from typing import Any, Callable, Literal, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import handle_torch_function, has_torch_function
+
+Fn = TypeVar("Fn", bound=Callable[..., Tensor])
 
 
 class RMSNorm(nn.Module):
@@ -74,35 +77,42 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(B, T, H * d)
 
 
+def float32_under_cpu_autocast(fn: Fn) -> Fn:
+    """``fn`` run in float32 under CPU autocast: its floating tensor arguments cast once, autocast
+    off inside, the output cast to the autocast dtype; as it is otherwise. For attention, whose
+    CPU flash-attention backward is 2.5-4x slower in bf16 than in fp32 (benchmarks/throughput.py),
+    while the projections around it keep bf16."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Tensor:
+        t = next(a for a in args if isinstance(a, Tensor))
+        if t.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+            return fn(*args, **kwargs)
+        f32 = [a.float() if isinstance(a, Tensor) and a.is_floating_point() else a for a in args]
+        with torch.autocast("cpu", enabled=False):
+            o = fn(*f32, **kwargs)
+        return o.to(torch.get_autocast_dtype("cpu"))
+
+    return cast(Fn, run)
+
+
+@float32_under_cpu_autocast
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v via PyTorch SDPA. ``mask`` is boolean (True = visible) or
-    additive, broadcastable to [B, H, Tq, Tk].
-
-    Under CPU autocast the attention runs in float32: PyTorch's CPU flash-attention backward is
-    2.5-4x slower in bf16 than in fp32 (benchmarks/throughput.py, docs/results.md §5), while the
-    projections around it keep bf16."""
-    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        with torch.autocast("cpu", enabled=False):
-            o = F.scaled_dot_product_attention(
-                q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal and mask is None
-            )
-        return o.to(torch.get_autocast_dtype("cpu"))
+    additive, broadcastable to [B, H, Tq, Tk]. In float32 under CPU autocast."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
 
 
+@float32_under_cpu_autocast
 def biased_attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     """softmax(q k^T + bias) v, written out: ``q`` comes scaled (no 1/sqrt(d) here), ``bias`` is
     additive (-inf = hidden, every row with a visible key), broadcastable to [..., Tq, Tk]; any
     number of batch dimensions. For a bias that needs a gradient (a learned relative bias), which
     sends PyTorch's SDPA down its math path anyway, with a check for fully masked rows on top.
-    Under CPU autocast it runs in float32, as ``attend``. ``recurformer.flops`` counts it as SDPA:
-    by the (query, key) pairs the bias shows."""
+    In float32 under CPU autocast. ``recurformer.flops`` counts it as SDPA: by the (query, key)
+    pairs the bias shows."""
     if has_torch_function((q, k, v, bias)):  # lets recurformer.flops count the call
         return handle_torch_function(biased_attend, (q, k, v, bias), q, k, v, bias)
-    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        with torch.autocast("cpu", enabled=False):
-            o = biased_attend(q.float(), k.float(), v.float(), bias.float())
-        return o.to(torch.get_autocast_dtype("cpu"))
     return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) + bias, dim=-1), v)
 
 

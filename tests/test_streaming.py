@@ -15,6 +15,8 @@ from helpers import DEVICES, TEST_CONFIGS, all_cases, case_id, randomize_params
 from recurformer import RecurformerError, build_model
 from recurformer.layers import attend
 from recurformer.models import REGISTRY
+from recurformer.models.llama import Band, banded_attend
+from recurformer.modules import biased_attend
 from recurformer.nn import State
 
 CASES = all_cases()
@@ -201,6 +203,24 @@ def test_attend_runs_fp32_under_cpu_autocast() -> None:
     assert o.dtype == torch.bfloat16 and torch.equal(o, ref.to(torch.bfloat16))
     o.float().sum().backward()
     assert q.grad is not None and q.grad.dtype == torch.bfloat16 and bool(q.grad.isfinite().all())
+
+
+def test_biased_and_banded_attention_run_fp32_under_cpu_autocast() -> None:
+    """The written-out attention with a bias and the banded one, under CPU bf16 autocast, equal
+    their float32 result on the same inputs, rounded to bf16 (cast once, not per tile or band)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 8, 8, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    bias = torch.randn(3, 8, 8, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = biased_attend(q, k, v, bias)
+    ref = biased_attend(q.float(), k.float(), v.float(), bias)
+    assert o.dtype == torch.bfloat16 and torch.equal(o, ref.to(torch.bfloat16))
+    visible = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    bands = [Band(0, 4, 0, 4, visible[:, :, :4, :4]), Band(4, 8, 0, 8, visible[:, :, 4:, :])]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = banded_attend(q, k, v, bands, causal=False)
+    ref = banded_attend(q.float(), k.float(), v.float(), bands, causal=False)
+    assert o.dtype == torch.bfloat16 and torch.equal(o, ref.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

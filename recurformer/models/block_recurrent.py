@@ -47,7 +47,16 @@ from torch import Tensor, nn
 from .. import tap
 from ..cells import QK, StateCell, t5_buckets
 from ..config import RecurformerError
-from ..modules import apply_rope, attend, biased_attend, merge_heads, pieces, rope_cos_sin, split_heads
+from ..modules import (
+    apply_rope,
+    attend,
+    biased_attend,
+    float32_under_cpu_autocast,
+    merge_heads,
+    pieces,
+    rope_cos_sin,
+    split_heads,
+)
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
 from ..state import Call, LayerState, reset_rows
@@ -186,6 +195,7 @@ class BlockAttention(Layer):
 
         return call.shared(("brt-bias", self, m, dtype), bias)
 
+    @float32_under_cpu_autocast  # cast once, not per tile
     def window_attend(self, q: Tensor, k: Tensor, v: Tensor, r: int, call: Call, dtype: torch.dtype) -> Tensor:
         """Token self-attention of n queries at block offsets r..r+n-1 over the window keys
         k, v [B, H, W + r + n, d] -> [B, n, D] (heads merged), the bias in ``dtype`` (the residual
@@ -194,10 +204,6 @@ class BlockAttention(Layer):
         m = min(``query_tile``, W) regardless of blocks: a tile reads only the W + m - 1 keys its
         queries can see and the next one (``tile_bias``), a view, which gives the softmax of the
         whole masked window (the keys left out weigh exp(-inf) = 0)."""
-        if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):  # float32 as ``attend``, cast once
-            with torch.autocast("cpu", enabled=False):
-                o = self.window_attend(q.float(), k.float(), v.float(), r, call, dtype)
-            return o.to(torch.get_autocast_dtype("cpu"))
         n, W = q.shape[2], self.cfg.block_size
         m = min(self.cfg.query_tile, W, n)
         sizes = [m] * (n // m) + ([n % m] if n % m else [])

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..modules import apply_rope, attend, merge_heads, rope_cos_sin, split_heads
+from ..modules import apply_rope, attend, float32_under_cpu_autocast, merge_heads, rope_cos_sin, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
 from ..state import Call, LayerState, writable
@@ -108,18 +108,14 @@ class Band:
     mask: Tensor | None
 
 
+@float32_under_cpu_autocast
 def banded_attend(q: Tensor, k: Tensor, v: Tensor, bands: list[Band], causal: bool) -> Tensor:
     """``attend`` of queries q [B, H, T, d] over keys/values [B, H, S+T, d] band by band (one
     SDPA per band, the keys a view), the outputs concatenated along the queries; ``causal``
-    applies to a band without a mask. Under CPU autocast it runs in float32 as ``attend``, cast
-    once rather than per band."""
+    applies to a band without a mask. In float32 under CPU autocast, cast once rather than per band."""
     if len(bands) == 1:
         b = bands[0]
         return attend(q, k[:, :, b.k0 : b.k1], v[:, :, b.k0 : b.k1], b.mask, causal=causal)
-    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        with torch.autocast("cpu", enabled=False):
-            o = banded_attend(q.float(), k.float(), v.float(), bands, causal)
-        return o.to(torch.get_autocast_dtype("cpu"))
     outs = [attend(q[:, :, b.q0 : b.q1], k[:, :, b.k0 : b.k1], v[:, :, b.k0 : b.k1], b.mask) for b in bands]
     return torch.cat(outs, dim=2)
 
