@@ -92,11 +92,14 @@ class SynthConfig:
     truncation: int = 0  # segments of ``context`` tokens backpropagated before the state is detached (0: the whole row)
     state_init: Literal["zero", "noise", "passing"] = "zero"  # each training row's initial state
     state_noise: float = 1.0  # sigma of state_init=noise
+    eval_every: int = 0  # validation accuracy every N steps, kept per lr in the sweep ("curve"); 0: only at the end
 
     def __post_init__(self) -> None:
         for k in ("steps", "batch_size", "n_val", "n_test", "n_length_test", "context", "chunk", "eval_batch_size"):
             if getattr(self, k) < 1:
                 raise RecurformerError(f"synth key '{k}' must be >= 1, got {getattr(self, k)}")
+        if self.eval_every < 0:
+            raise RecurformerError(f"synth key 'eval_every' must be >= 0 (0: only at the end), got {self.eval_every}")
         if self.n_train is not None and self.n_train < 1:
             raise RecurformerError(f"synth key 'n_train' must be >= 1, got {self.n_train}")
         if not self.lrs or any(lr <= 0 for lr in self.lrs):
@@ -150,7 +153,7 @@ class SynthResult:
     lr: float
     test: Scores
     val_accuracy: float
-    sweep: list[dict[str, float]]  # per lr: final train loss, val and test headline accuracy
+    sweep: list[dict[str, Any]]  # per lr: final train loss, val accuracy (and the curve with eval_every)
     by_length: dict[int, float]  # headline test accuracy per length of ``eval_lengths``
     task_params: dict[str, Any]
     model_config: dict[str, Any]
@@ -229,7 +232,7 @@ class Learner(nn.Module):
 
     def __init__(self, model: StreamingLM, task: Task) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.metric = model, task.metric
         self.decoder = (
             CompressionDecoder(model.config.dim, model.config.vocab_size, model.config.norm_eps)
             if task.head == "autoencoder"
@@ -360,19 +363,27 @@ def stage_base(t: Task, params: dict[str, Any], cfg: SynthConfig) -> dict[str, i
 
 
 def train_model(
-    learner: Learner, data: TaskData | FreshRows, cfg: SynthConfig, lr: float, progress: bool = False
+    learner: Learner,
+    data: TaskData | FreshRows,
+    cfg: SynthConfig,
+    lr: float,
+    progress: bool = False,
+    val: TaskData | None = None,
+    curve: list[dict[str, float]] | None = None,
 ) -> float:
     """AdamW with warmup + cosine over ``cfg.steps`` steps of random batches (epoch order, seeded),
     or of fresh batches (``FreshRows``). With ``truncation``, ``state_init`` other than zero, or a
     schedule, each batch goes through ``Learner.backward``. Returns the mean training loss over the
-    last 10% of the steps; ``progress``: a tqdm bar."""
+    last 10% of the steps; ``progress``: a tqdm bar. With ``cfg.eval_every`` and ``val``, every
+    that many steps the validation accuracy and the mean training loss since the last point are
+    appended to ``curve`` (a learning curve: recall tasks learn in a sudden jump after a plateau)."""
     min_lr, warmup = lr * cfg.min_lr_ratio, int(cfg.warmup * cfg.steps)
     device = learner.model.tok_emb.weight.device
     opt = make_optimizer(learner, lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(cfg.seed)
     n = len(data.inputs) if isinstance(data, TaskData) else 0
     order = torch.randperm(n, generator=gen)
-    pos, tail = 0, []
+    pos, tail, since = 0, [], []
     sched = cfg.curriculum()
     base = {"truncation": cfg.truncation, "length": data.base_length if isinstance(data, FreshRows) else 0}
     plain = learner.decoder is not None or (sched.values("truncation", base) == [0] and cfg.state_init == "zero")
@@ -410,6 +421,13 @@ def train_model(
         opt.zero_grad(set_to_none=True)
         if step >= cfg.steps - max(1, cfg.steps // 10):
             tail.append(loss)
+        if cfg.eval_every and val is not None and curve is not None:
+            since.append(loss)
+            if (step + 1) % cfg.eval_every == 0:
+                acc = evaluate(learner, val, cfg.chunk, cfg.eval_batch_size).headline(learner.metric)
+                curve.append({"step": step + 1, "train_loss": sum(since) / len(since), "val_accuracy": acc})
+                since = []
+                learner.train()
     return sum(tail) / len(tail)
 
 
@@ -510,9 +528,10 @@ def run_synth(
     for lr in cfg.lrs:
         torch.manual_seed(cfg.seed)
         learner = Learner(build_model(model_name, values), t).to(dev)
-        loss = train_model(learner, train, cfg, lr, progress)
+        curve: list[dict[str, float]] = []
+        loss = train_model(learner, train, cfg, lr, progress, val, curve)
         v = evaluate(learner, val, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
-        sweep.append({"lr": lr, "train_loss": loss, "val_accuracy": v})
+        sweep.append({"lr": lr, "train_loss": loss, "val_accuracy": v, **({"curve": curve} if curve else {})})
         log(f"  {model_name} lr {lr:g}: train loss {loss:.4f}, val accuracy {v:.4f}")
         if best is None or v > best[0]:
             best = (v, lr, learner)

@@ -115,6 +115,26 @@ def test_recipes_end_to_end(name: str, synth: dict) -> None:
     assert math.isfinite(r.sweep[0]["train_loss"]) and set(r.by_length) == {4, 64} and r.test.rows == 8
 
 
+def test_eval_every_records_a_learning_curve_that_ends_at_the_final_score() -> None:
+    """synth.eval_every: the validation accuracy every N steps, per lr; its last point is the
+    trained model's, so it equals the sweep's final validation accuracy; evaluating on the way changes no training step."""
+    cfg = synth_config(
+        {"steps": 6, "batch_size": 4, "n_val": 8, "n_test": 4, "lrs": [3e-3], "context": 4, "chunk": 8, "eval_every": 2}
+    )
+    r = run_synth("mqar", "block_recurrent", TINY, {"num_pairs": 2, "num_queries": 2, "distance": 4}, cfg)
+    curve = r.sweep[0]["curve"]
+    assert [c["step"] for c in curve] == [2, 4, 6] and all(math.isfinite(c["train_loss"]) for c in curve)
+    assert curve[-1]["val_accuracy"] == r.sweep[0]["val_accuracy"]
+    plain = run_synth(
+        "mqar",
+        "block_recurrent",
+        TINY,
+        {"num_pairs": 2, "num_queries": 2, "distance": 4},
+        synth_config({**cfg.__dict__, "eval_every": 0}),
+    )
+    assert "curve" not in plain.sweep[0] and plain.sweep[0]["val_accuracy"] == r.sweep[0]["val_accuracy"]
+
+
 def test_a_length_curriculum_is_scored_at_the_length_it_ends_at() -> None:
     """Held-out rows are at the last stage's length (the headline of a curriculum cell), while
     training starts at the config's; without a schedule they stay at the config's length."""
@@ -159,6 +179,7 @@ def test_a_length_curriculum_is_scored_at_the_length_it_ends_at() -> None:
             ["synth.schedule={double_every: 2, double: {length: 9}}"],
             "'synth.schedule.double.length' must be 3 (the base value) times a power of two, got 9",
         ),
+        (["synth.eval_every=-1"], "synth key 'eval_every' must be >= 0 (0: only at the end), got -1"),
     ],
 )
 def test_bad_recipes_are_one_line_errors(capsys, sets, message) -> None:
@@ -372,7 +393,7 @@ def test_synth_config_files(tmp_path, capsys) -> None:
     assert main(["synth", "--task", "mqar", "--model", "llama", "--config", str(b)]) == 2
     assert "has section 'train'; valid sections: model, task, synth" in capsys.readouterr().err
     memory = [n for n in bundled_configs() if n.startswith("memory/")]
-    assert len(memory) == 12
+    assert len(memory) == 13  # 6 recipes x 2 tasks, and the MQAR-only twostage
     for name in memory:
         raw = load_yaml(name)
         task = name.split("/")[1].split("-")[0]
