@@ -139,6 +139,7 @@ class Scores:
     exact_match: float
     scored_tokens: int
     rows: int
+    by_order: list[float] = field(default_factory=list)  # micro accuracy of each row's j-th scored token
 
     def headline(self, metric: str) -> float:
         return self.token_accuracy if metric == "token" else self.exact_match
@@ -297,7 +298,9 @@ class Learner(nn.Module):
 
 @torch.no_grad()
 def evaluate(learner: Learner, data: TaskData, chunk: int, batch_size: int) -> Scores:
-    """Teacher-forced argmax at the scored positions, reading each row ``chunk`` tokens per call."""
+    """Teacher-forced argmax at the scored positions, reading each row ``chunk`` tokens per call;
+    also by order (MQAR's j-th query: a model that only rules out the values already answered is
+    right on the last query and near chance on the first)."""
     learner.eval()
     device = learner.model.tok_emb.weight.device
     preds = torch.cat(
@@ -314,8 +317,15 @@ def evaluate(learner: Learner, data: TaskData, chunk: int, batch_size: int) -> S
     per_class = torch.stack([hit[tgt == c].mean() for c in classes])
     rows = scored.any(1)
     exact = (correct.sum(1) == scored.sum(1))[rows]
+    order = scored.cumsum(1) - 1  # j at a row's j-th scored position
+    by_order = [float(correct[scored & (order == j)].float().mean()) for j in range(int(scored.sum(1).max()))]
     return Scores(
-        float(hit.mean()), float(per_class.mean()), float(exact.float().mean()), int(scored.sum()), int(rows.sum())
+        float(hit.mean()),
+        float(per_class.mean()),
+        float(exact.float().mean()),
+        int(scored.sum()),
+        int(rows.sum()),
+        by_order,
     )
 
 

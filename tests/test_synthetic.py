@@ -437,3 +437,25 @@ def test_mqar_is_out_of_reach_of_every_bounded_model_beyond_its_reach() -> None:
 def test_mqar_distance_longer_than_the_sequence_is_one_line() -> None:
     with pytest.raises(RecurformerError, match=r"task parameter 'distance' = 100 does not fit in seq_len 50"):
         make_split("mqar", 2, 0, dict(distance=100, seq_len=50))
+
+
+def test_scores_by_order_on_a_predictor_whose_answer_is_known() -> None:
+    """A predictor right on every row's last MQAR query only (what ruling out the values already
+    answered gives): by_order is 0 for every earlier query and 1 for the last; the micro accuracy is
+    1 / num_queries."""
+    from types import SimpleNamespace
+
+    from recurformer.synth import evaluate
+
+    d = make_split("mqar", 16, 0, dict(num_pairs=4, num_queries=4, distance=3))
+    last = torch.zeros_like(d.targets, dtype=torch.bool)
+    for r, row in enumerate(d.targets != IGNORE_INDEX):
+        last[r, row.nonzero().max()] = True
+    preds = torch.where(last, d.targets, torch.full_like(d.targets, -1))
+    stub = SimpleNamespace(
+        eval=lambda: None,
+        model=SimpleNamespace(tok_emb=SimpleNamespace(weight=torch.zeros(1))),
+        predict=lambda x, chunk: preds[: len(x)] if len(x) == len(preds) else None,
+    )
+    s = evaluate(stub, d, chunk=8, batch_size=16)  # type: ignore[arg-type]
+    assert s.by_order == [0.0, 0.0, 0.0, 1.0] and s.token_accuracy == 0.25
