@@ -379,21 +379,20 @@ def train_model(
     lr: float,
     progress: bool = False,
     val: TaskData | None = None,
-    curve: list[dict[str, float]] | None = None,
-) -> float:
+) -> tuple[float, list[dict[str, float]]]:
     """AdamW with warmup + cosine over ``cfg.steps`` steps of random batches (epoch order, seeded),
     or of fresh batches (``FreshRows``). With ``truncation``, ``state_init`` other than zero, or a
     schedule, each batch goes through ``Learner.backward``. Returns the mean training loss over the
-    last 10% of the steps; ``progress``: a tqdm bar. With ``cfg.eval_every`` and ``val``, every
-    that many steps the validation accuracy and the mean training loss since the last point are
-    appended to ``curve`` (a learning curve: recall tasks learn in a sudden jump after a plateau)."""
+    last 10% of the steps and the learning curve: with ``cfg.eval_every`` and ``val``, every that
+    many steps the validation accuracy and the mean training loss since the last point (recall
+    tasks learn in a sudden jump after a plateau), else empty; ``progress``: a tqdm bar."""
     min_lr, warmup = lr * cfg.min_lr_ratio, int(cfg.warmup * cfg.steps)
     device = learner.model.tok_emb.weight.device
     opt = make_optimizer(learner, lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(cfg.seed)
     n = len(data.inputs) if isinstance(data, TaskData) else 0
     order = torch.randperm(n, generator=gen)
-    pos, tail, since = 0, [], []
+    pos, tail, since, curve = 0, [], [], []
     sched = cfg.curriculum()
     base = {"truncation": cfg.truncation, "length": data.base_length if isinstance(data, FreshRows) else 0}
     plain = learner.decoder is not None or (sched.values("truncation", base) == [0] and cfg.state_init == "zero")
@@ -431,14 +430,14 @@ def train_model(
         opt.zero_grad(set_to_none=True)
         if step >= cfg.steps - max(1, cfg.steps // 10):
             tail.append(loss)
-        if cfg.eval_every and val is not None and curve is not None:
+        if cfg.eval_every and val is not None:
             since.append(loss)
             if (step + 1) % cfg.eval_every == 0:
                 acc = evaluate(learner, val, cfg.chunk, cfg.eval_batch_size).headline(learner.metric)
                 curve.append({"step": step + 1, "train_loss": sum(since) / len(since), "val_accuracy": acc})
                 since = []
                 learner.train()
-    return sum(tail) / len(tail)
+    return sum(tail) / len(tail), curve
 
 
 def check_recipe(t: Task, params: dict[str, Any], cfg: SynthConfig) -> None:
@@ -538,8 +537,7 @@ def run_synth(
     for lr in cfg.lrs:
         torch.manual_seed(cfg.seed)
         learner = Learner(build_model(model_name, values), t).to(dev)
-        curve: list[dict[str, float]] = []
-        loss = train_model(learner, train, cfg, lr, progress, val, curve)
+        loss, curve = train_model(learner, train, cfg, lr, progress, val)
         v = evaluate(learner, val, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
         sweep.append({"lr": lr, "train_loss": loss, "val_accuracy": v, **({"curve": curve} if curve else {})})
         log(f"  {model_name} lr {lr:g}: train loss {loss:.4f}, val accuracy {v:.4f}")
