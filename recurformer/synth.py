@@ -344,9 +344,7 @@ class FreshRows:
         if cfg.train_lengths:
             lo, hi = cfg.train_lengths
             return int(np.random.default_rng([cfg.seed, step, 7]).integers(lo, hi + 1))
-        if cfg.curriculum().sets("length"):
-            return cfg.curriculum().at(step, stage_base(self.t, self.params, cfg))["length"]
-        return None
+        return scheduled_length(self.t, self.params, cfg, step)
 
     def batch(self, step: int) -> TaskData:
         L = self.length(step)
@@ -356,12 +354,18 @@ class FreshRows:
         )
 
 
+def scheduled_length(t: Task, params: dict[str, Any], cfg: SynthConfig, step: int) -> int | None:
+    """The task length ``cfg.schedule`` sets at ``step`` (None: the schedule sets no length)."""
+    if not cfg.curriculum().sets("length"):
+        return None
+    return cfg.curriculum().at(step, stage_base(t, params, cfg))["length"]
+
+
 def trained_params(t: Task, params: dict[str, Any], cfg: SynthConfig) -> dict[str, Any]:
     """The task parameters of the validation and test rows: ``params``, at the length the last
     step trains at where a schedule changes the length (a curriculum is scored where it ends)."""
-    if not cfg.curriculum().sets("length"):
-        return params
-    return t.at_length(params, cfg.curriculum().at(cfg.steps - 1, stage_base(t, params, cfg))["length"])
+    L = scheduled_length(t, params, cfg, cfg.steps - 1)
+    return params if L is None else t.at_length(params, L)
 
 
 def stage_base(t: Task, params: dict[str, Any], cfg: SynthConfig) -> dict[str, int]:
