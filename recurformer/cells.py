@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .modules import MLP, RMSNorm, attend, merge_heads, split_heads
+from .modules import MLP, RMSNorm, attend, group_heads, merge_heads, split_heads, ungroup_heads
 
 
 class CellConfig(Protocol):
@@ -39,6 +39,9 @@ class CellConfig(Protocol):
 
     @property
     def qk_norm(self) -> bool: ...
+
+    @property
+    def key_value_heads(self) -> int: ...
 
     @property
     def head_dim(self) -> int: ...
@@ -138,14 +141,14 @@ class StateCell(nn.Module):
 
     def __init__(self, cfg: CellConfig) -> None:
         super().__init__()
-        D, S = cfg.dim, cfg.states
-        self.n_heads, self.kind = cfg.n_heads, cfg.cell
+        D, S, Dkv = cfg.dim, cfg.states, cfg.key_value_heads * cfg.head_dim
+        self.n_heads, self.kv_heads, self.kind = cfg.n_heads, cfg.key_value_heads, cfg.cell
         self.norm = RMSNorm(D, cfg.norm_eps)
         self.ids = nn.Parameter(torch.zeros(S, D))  # learned state IDs, N(0, 1) (meliad)
         self.wq = nn.Linear(D, D, bias=False)
         self.wq2 = nn.Linear(D, D, bias=False)
-        self.wk = nn.Linear(D, D, bias=False)
-        self.wv = nn.Linear(D, D, bias=False)
+        self.wk = nn.Linear(D, Dkv, bias=False)
+        self.wv = nn.Linear(D, Dkv, bias=False)
         self.qk_self, self.qk_cross = QK(cfg), QK(cfg)  # state -> state, state -> tokens
         if cfg.cell in ("skip", "dual"):
             self.proj = nn.Linear(2 * D, D, bias=False)
@@ -163,21 +166,30 @@ class StateCell(nn.Module):
             self.ids.normal_(0.0, 1.0)  # meliad's state IDs
 
     def project(self, c: Tensor, queries: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-        """c [B, S, D] -> (K_c, V_c, Q_c, Q2_c) [B, H, S, d] from u = Norm(c) + ids, in one matmul
+        """c [B, S, D] -> (K_c, V_c [B, Hkv, S, d], Q_c, Q2_c [B, H, S, d]) from u = Norm(c) + ids, in one matmul
         (the weights of W_k, W_v and, if ``queries``, W_q, W_q2 side by side); keys normalised by
         the user, queries (only needed for an update) treated by ``qk_self`` / ``qk_cross``."""
         u = self.norm(c) + self.ids.to(c.dtype)
         ws = (self.wk.weight, self.wv.weight) + ((self.wq.weight, self.wq2.weight) if queries else ())
-        parts = [split_heads(p, self.n_heads) for p in F.linear(u, torch.cat(ws)).split(c.shape[-1], dim=-1)]
+        heads = [self.kv_heads, self.kv_heads, self.n_heads, self.n_heads]
+        sizes = [w.shape[0] for w in ws]
+        parts = [split_heads(p, h) for p, h in zip(F.linear(u, torch.cat(ws)).split(sizes, dim=-1), heads)]
         if not queries:
             return parts[0], parts[1], None, None
         return parts[0], parts[1], self.qk_self.query(parts[2]), self.qk_cross.query(parts[3])
 
     def update(self, c: Tensor, qs: Tensor, qs2: Tensor, kc: Tensor, vc: Tensor, kx: Tensor, vx: Tensor) -> Tensor:
         """One block step. qs/qs2/kc/vc: the state's queries, keys (normalised if qk_norm) and
-        values (``project``); kx/vx [B, H, 2W, d]: token keys/values of the previous and current
+        values (``project``); kx/vx [B, Hkv, 2W, d]: token keys/values of the previous and current
         block (keys as the token queries see them). Returns c' [B, S, D]."""
-        o = torch.cat((attend(qs, kc, vc), attend(qs2, kx, vx)), dim=1)  # [B, 2H, S, d]: [self ; cross] heads
+        H, Hkv = self.n_heads, self.kv_heads
+        o = torch.cat(
+            (
+                ungroup_heads(attend(group_heads(qs, Hkv), kc, vc), H),
+                ungroup_heads(attend(group_heads(qs2, Hkv), kx, vx), H),
+            ),
+            dim=1,
+        )  # [B, 2H, S, d]: [self ; cross] heads
         y = merge_heads(o)  # [B, S, 2D]
         if self.kind == "single":
             hid = self.ffn.hidden(y)

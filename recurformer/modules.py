@@ -77,6 +77,31 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(B, T, H * d)
 
 
+def group_heads(q: Tensor, kv_heads: int) -> Tensor:
+    """Grouped-query attention (Ainslie et al. 2023, "GQA: Training Generalized Multi-Query
+    Transformer Models from Multi-Head Checkpoints", §2.2) as one attention per key/value head:
+    queries [B, H, T, d] -> [B, Hkv, (H/Hkv) T, d], the queries of the H/Hkv heads that share a
+    key/value head stacked along time (heads j H/Hkv ... (j + 1) H/Hkv - 1 read key/value head j).
+    A bias [H, T, Tk] goes the same way (``group_bias``); ``ungroup_heads`` undoes it. Unchanged
+    when Hkv = H."""
+    B, H, T, d = q.shape
+    return q if H == kv_heads else q.reshape(B, kv_heads, (H // kv_heads) * T, d)
+
+
+def group_bias(b: Tensor, n_heads: int, kv_heads: int) -> Tensor:
+    """An additive bias [H or 1, T, Tk] -> [Hkv, (H/Hkv) T, Tk], as ``group_heads`` groups the queries."""
+    if n_heads == kv_heads:
+        return b
+    _, T, Tk = b.shape
+    return b.expand(n_heads, T, Tk).reshape(kv_heads, (n_heads // kv_heads) * T, Tk)
+
+
+def ungroup_heads(o: Tensor, n_heads: int) -> Tensor:
+    """The inverse of ``group_heads``: [B, Hkv, (H/Hkv) T, d] -> [B, H, T, d]."""
+    B, G, GT, d = o.shape
+    return o if G == n_heads else o.reshape(B, n_heads, GT * G // n_heads, d)
+
+
 def float32_under_cpu_autocast(fn: Fn) -> Fn:
     """``fn`` run in float32 under CPU autocast: its floating tensor arguments cast once, autocast
     off inside, the output cast to the autocast dtype; as it is otherwise. For attention, whose

@@ -75,7 +75,7 @@ TEST_CONFIGS: dict[str, list[dict]] = {
             layers=["window", "xl", "full"],
         ),
     ],
-    "block_recurrent": [  # all six gate x cell combinations; query tiles smaller than a block in four
+    "block_recurrent": [  # all six gate x cell combinations; query tiles smaller than a block in four; shared key/value heads in two
         dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="fixed", cell="skip", query_tile=3),
         dict(
             vocab_size=61,
@@ -112,6 +112,7 @@ TEST_CONFIGS: dict[str, list[dict]] = {
             num_states=6,
             position="rope",
             query_tile=1,
+            kv_heads=2,
         ),
         dict(
             vocab_size=61,
@@ -124,6 +125,7 @@ TEST_CONFIGS: dict[str, list[dict]] = {
             recurrent_layers=(-1,),
             mlp="relu",
             query_tile=4,
+            kv_heads=1,
         ),
         dict(
             vocab_size=61,

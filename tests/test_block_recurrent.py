@@ -45,12 +45,15 @@ def attn_ref(q, ks, vs, scale, bias, qk_norm, d):
 def reference(model: BlockRecurrent, tokens: torch.Tensor) -> torch.Tensor:
     c = model.config
     W, H, d, D = c.block_size, c.n_heads, c.head_dim, c.dim
+    Hkv = c.kv_heads or H
+    g = H // Hkv  # query head h reads key/value head h // g
     B, T = tokens.shape
     x = model.tok_emb(tokens)
     for layer in model.layers:
         xn = layer.attn_norm(x)
-        q, k, v = (m(xn).view(B, T, H, d) for m in (layer.attn.wq, layer.attn.wk, layer.attn.wv))
-        zeros = torch.zeros(B, W, H, d, dtype=x.dtype)
+        q = layer.attn.wq(xn).view(B, T, H, d)
+        k, v = (m(xn).view(B, T, Hkv, d) for m in (layer.attn.wk, layer.attn.wv))
+        zeros = torch.zeros(B, W, Hkv, d, dtype=x.dtype)
         K, V = torch.cat((zeros, k), 1), torch.cat((zeros, v), 1)  # index p + W holds position p
         cell = layer.attn.cell
         if cell is not None:
@@ -59,12 +62,12 @@ def reference(model: BlockRecurrent, tokens: torch.Tensor) -> torch.Tensor:
         for blk in range((T + W - 1) // W):
             if cell is not None:
                 u = cell.norm(state) + cell.ids
-                Ks, Vs = cell.wk(u).view(B, -1, H, d), cell.wv(u).view(B, -1, H, d)
+                Ks, Vs = cell.wk(u).view(B, -1, Hkv, d), cell.wv(u).view(B, -1, Hkv, d)
             for t in range(blk * W, min(T, blk * W + W)):
                 for b in range(B):
                     for h in range(H):
                         js = list(range(t - W, t))  # exactly the W previous positions, not t itself
-                        ks, vs = K[b, [j + W for j in js], h], V[b, [j + W for j in js], h]
+                        ks, vs = K[b, [j + W for j in js], h // g], V[b, [j + W for j in js], h // g]
                         qq = q[b, t, h]
                         if c.position == "rope":  # window positions: previous block 0..W-1, current W..2W-1
                             cs = rope_cos_sin(
@@ -86,7 +89,7 @@ def reference(model: BlockRecurrent, tokens: torch.Tensor) -> torch.Tensor:
                             q2 = layer.attn.wq2(xn[b, t]).view(H, d)[h]
                             s2 = layer.attn.qk2.scale[h] if c.qk_norm else 1.0
                             o_all[b, t, D + h * d : D + (h + 1) * d] = attn_ref(
-                                q2, Ks[b, :, h], Vs[b, :, h], s2, 0.0, c.qk_norm, d
+                                q2, Ks[b, :, h // g], Vs[b, :, h // g], s2, 0.0, c.qk_norm, d
                             )
             if cell is not None and blk * W + W <= T:  # block complete: state update
                 lo, hi = blk * W, blk * W + 2 * W  # positions blk*W - W .. blk*W + W - 1 in K
@@ -102,10 +105,10 @@ def reference(model: BlockRecurrent, tokens: torch.Tensor) -> torch.Tensor:
                             s1 = cell.qk_self.scale[h] if c.qk_norm else 1.0
                             s2 = cell.qk_cross.scale[h] if c.qk_norm else 1.0
                             y[b, i, h * d : (h + 1) * d] = attn_ref(
-                                Qs[b, i, h], Ks[b, :, h], Vs[b, :, h], s1, 0.0, c.qk_norm, d
+                                Qs[b, i, h], Ks[b, :, h // g], Vs[b, :, h // g], s1, 0.0, c.qk_norm, d
                             )
                             y[b, i, D + h * d : D + (h + 1) * d] = attn_ref(
-                                Qs2[b, i, h], Kx[b, :, h], Vx[b, :, h], s2, 0.0, c.qk_norm, d
+                                Qs2[b, i, h], Kx[b, :, h // g], Vx[b, :, h // g], s2, 0.0, c.qk_norm, d
                             )
                 state = cell_update_ref(cell, c, state, y)
         x = x + layer.attn.wo(o_all)
@@ -139,8 +142,8 @@ def cell_update_ref(cell, c, state, y):
 
 @pytest.mark.parametrize(
     "cfg",
-    CFGS + [dict(CFGS[0], qk_norm=False), dict(CFGS[3], qk_norm=False)],
-    ids=lambda c: f"{c['gate']}-{c['cell']}-{c.get('position', 't5')}-qk{c.get('qk_norm', True)}",
+    CFGS + [dict(CFGS[0], qk_norm=False), dict(CFGS[3], qk_norm=False), dict(CFGS[0], kv_heads=1)],
+    ids=lambda c: f"{c['gate']}-{c['cell']}-{c.get('position', 't5')}-qk{c.get('qk_norm', True)}-kv{c.get('kv_heads')}",
 )
 def test_matches_slow_reference(cfg) -> None:
     model = build_model("block_recurrent", cfg).double().eval()
@@ -296,6 +299,7 @@ def test_reset_inside_a_block_is_an_error() -> None:
         (dict(n_layers=4, recurrent_layers=(1, -3)), "twice"),
         (dict(gate="gru"), "must be one of"),
         (dict(num_states=0), "num_states"),
+        (dict(kv_heads=3), "kv_heads"),
     ],
 )
 def test_config_errors(values, match) -> None:

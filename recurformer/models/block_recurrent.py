@@ -15,7 +15,9 @@ u = Norm(c) + ids (learned state IDs, added only to the projection input):
 
 four query sets (Q_x, Q2_x from x; Q_c, Q2_c from u) and two key/value sets (K_x, V_x shared by
 token self-attention and state->token attention; K_c, V_c by state self-attention and
-token->state attention); no position bias between state and tokens. The state update, once per
+token->state attention); no position bias between state and tokens. ``kv_heads`` < n_heads gives
+the key/value sets fewer heads than the queries, each shared by n_heads / kv_heads query heads
+(grouped-query attention; 1: one key/value head, as lucidrains' block-recurrent-transformer-pytorch). The state update, once per
 completed block, replaces the residual by a gate (the paper's equations):
 
     fixed:  g = σ(b_g),                                   c' = c ⊙ g + z ⊙ (1 - g)
@@ -52,10 +54,13 @@ from ..modules import (
     attend,
     biased_attend,
     float32_under_cpu_autocast,
+    group_bias,
+    group_heads,
     merge_heads,
     pieces,
     rope_cos_sin,
     split_heads,
+    ungroup_heads,
 )
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
@@ -67,6 +72,7 @@ class BlockRecurrentConfig(ModelConfig):
     context_field = "block_size"
     block_size: int = 512  # W: tokens per block = attention window
     num_states: int | None = None  # S: state vectors per recurrent layer (None: S = W)
+    kv_heads: int | None = None  # key/value heads of every attention (None: n_heads; 1: multi-query)
     recurrent_layers: tuple[int, ...] = (-3,)  # layer indices, negative from the end (-3: layer 10 of 12)
     gate: Literal["fixed", "lstm"] = "fixed"
     cell: Literal["skip", "single", "dual"] = "skip"
@@ -85,6 +91,8 @@ class BlockRecurrentConfig(ModelConfig):
             raise RecurformerError(f"config key 'query_tile' must be >= 1, got {self.query_tile}")
         if self.num_states is not None and self.num_states < 1:
             raise RecurformerError(f"config key 'num_states' must be >= 1, got {self.num_states}")
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.n_heads % self.kv_heads):
+            raise RecurformerError(f"config key 'kv_heads' must divide n_heads ({self.n_heads}), got {self.kv_heads}")
         if self.t5_buckets < 2 or self.t5_max_distance < self.t5_buckets // 2 + 1:
             raise RecurformerError("config keys 't5_buckets' >= 2 and 't5_max_distance' > t5_buckets/2 required")
         idx = self.recurrent_layer_ids
@@ -94,6 +102,10 @@ class BlockRecurrentConfig(ModelConfig):
     @property
     def states(self) -> int:
         return self.block_size if self.num_states is None else self.num_states
+
+    @property
+    def key_value_heads(self) -> int:
+        return self.n_heads if self.kv_heads is None else self.kv_heads
 
     @property
     def recurrent_layer_ids(self) -> list[int]:
@@ -107,7 +119,7 @@ class BlockRecurrentConfig(ModelConfig):
 
 @dataclass
 class BlockRecurrentState(LayerState):
-    """``k``/``v`` [B, H, W + r, d]: un-rotated keys/values of the previous block (zeros at a
+    """``k``/``v`` [B, Hkv, W + r, d]: un-rotated keys/values of the previous block (zeros at a
     document start) followed by the r tokens of the current block read so far. ``cell`` [B, S, D]
     (recurrent layers only): the recurrent state left by the last complete block."""
 
@@ -126,12 +138,12 @@ class BlockAttention(Layer):
 
     def __init__(self, cfg: BlockRecurrentConfig, recurrent: bool) -> None:
         super().__init__()
-        D = cfg.dim
+        D, Dkv = cfg.dim, cfg.key_value_heads * cfg.head_dim
         self.cfg = cfg
-        self.n_heads = cfg.n_heads
+        self.n_heads, self.kv_heads = cfg.n_heads, cfg.key_value_heads
         self.wq = nn.Linear(D, D, bias=False)
-        self.wk = nn.Linear(D, D, bias=False)
-        self.wv = nn.Linear(D, D, bias=False)
+        self.wk = nn.Linear(D, Dkv, bias=False)
+        self.wv = nn.Linear(D, Dkv, bias=False)
         if cfg.position == "t5":
             self.rel_bias = nn.Embedding(cfg.t5_buckets, cfg.n_heads)
         self.qk = QK(cfg)
@@ -162,9 +174,8 @@ class BlockAttention(Layer):
         c, B = self.cfg, batch_size
         z = lambda *s: torch.zeros(*s, device=device, dtype=dtype)  # noqa: E731
         cell = z(B, c.states, c.dim) if self.cell is not None else None  # replaced by initial_state (fresh)
-        return BlockRecurrentState(
-            k=z(B, c.n_heads, c.block_size, c.head_dim), v=z(B, c.n_heads, c.block_size, c.head_dim), cell=cell
-        )
+        kv = (B, c.key_value_heads, c.block_size, c.head_dim)
+        return BlockRecurrentState(k=z(*kv), v=z(*kv), cell=cell)
 
     def reset(self, st: BlockRecurrentState, fresh: Tensor) -> BlockRecurrentState:
         zero = torch.zeros_like(st.k[0])
@@ -172,7 +183,7 @@ class BlockAttention(Layer):
         return BlockRecurrentState(k=reset_rows(fresh, st.k, zero), v=reset_rows(fresh, st.v, zero), cell=cell)
 
     def tile_bias(self, m: int, dtype: torch.dtype, device: torch.device, call: Call) -> Tensor:
-        """[H, m, W + m] additive attention bias of a tile of m consecutive queries over the
+        """[H, m, W + m] (grouped as the queries: ``group_bias``) additive attention bias of a tile of m consecutive queries over the
         keys they can see: query t (0 <= t < m) at window index i sees window indices
         i .. i + W - 1 of [previous block ; current block], i.e. key j of the tile's slice when
         1 <= W + t - j <= W (the W previous tokens, not the token itself). T5 bias (or 0 with RoPE)
@@ -191,14 +202,14 @@ class BlockAttention(Layer):
                 b = self.rel_bias(bucket).permute(2, 0, 1).to(dtype)
             else:
                 b = torch.zeros(1, *bucket.shape, dtype=dtype, device=device)
-            return self.qk.bias(b.masked_fill(~vis, float("-inf")))
+            return group_bias(self.qk.bias(b.masked_fill(~vis, float("-inf"))), self.n_heads, self.kv_heads)
 
         return call.shared(("brt-bias", self, m, dtype), bias)
 
     @float32_under_cpu_autocast  # cast once, not per tile
     def window_attend(self, q: Tensor, k: Tensor, v: Tensor, r: int, call: Call, dtype: torch.dtype) -> Tensor:
         """Token self-attention of n queries at block offsets r..r+n-1 over the window keys
-        k, v [B, H, W + r + n, d] -> [B, n, D] (heads merged), the bias in ``dtype`` (the residual
+        k, v [B, Hkv, W + r + n, d] -> [B, n, D] (heads merged), the bias in ``dtype`` (the residual
         stream's); ``q`` scaled for ``biased_attend``. Query j sees keys r + j .. r + j + W - 1
         (its W previous tokens) whatever block it is in, so the queries of a call go in tiles of
         m = min(``query_tile``, W) regardless of blocks: a tile reads only the W + m - 1 keys its
@@ -210,14 +221,13 @@ class BlockAttention(Layer):
         outs, a = [], r
         for qa in q.split(sizes, dim=2):
             mt = qa.shape[2]
-            outs.append(
-                biased_attend(
-                    qa,
-                    k[:, :, a : a + W + mt],
-                    v[:, :, a : a + W + mt],
-                    self.tile_bias(mt, dtype, q.device, call),
-                )
+            o = biased_attend(
+                group_heads(qa, self.kv_heads),
+                k[:, :, a : a + W + mt],
+                v[:, :, a : a + W + mt],
+                self.tile_bias(mt, dtype, q.device, call),
             )
+            outs.append(ungroup_heads(o, self.n_heads))
             a += mt
         return merge_heads(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0])
 
@@ -228,7 +238,11 @@ class BlockAttention(Layer):
         cfg, W, H, T, D = self.cfg, self.cfg.block_size, self.n_heads, x.shape[1], self.cfg.dim
         r = st.k.shape[2] - W  # offset inside the current block
         ws = (self.wq.weight, self.wk.weight, self.wv.weight) + ((self.wq2.weight,) if self.cell is not None else ())
-        parts = [split_heads(p, H) for p in F.linear(x, torch.cat(ws)).split(D, dim=-1)]  # one matmul
+        sizes = [w.shape[0] for w in ws]
+        heads = [H, self.kv_heads, self.kv_heads, H][: len(ws)]
+        parts = [
+            split_heads(p, h) for p, h in zip(F.linear(x, torch.cat(ws)).split(sizes, dim=-1), heads)
+        ]  # one matmul
         q, k = self.qk.query(parts[0], sdpa=False), self.qk.key(parts[1])  # [B, H, T, d], for biased_attend
         kx, vx = torch.cat((st.k, k), dim=2), torch.cat((st.v, parts[2]), dim=2)  # [B, H, W + r + T, d]
         kr, rope = kx, None  # the keys as the token queries see them
@@ -258,7 +272,7 @@ class BlockAttention(Layer):
         self, q2: Tensor, kx: Tensor, vx: Tensor, r: int, cell: Tensor, rope: tuple[Tensor, Tensor] | None, call: Call
     ) -> tuple[Tensor, Tensor]:
         """The tokens' reads of the state and the state's updates, block by block. q2 [B, H, T, d]:
-        token -> state queries (untreated); kx, vx [B, H, W + r + T, d]: the un-rotated window keys
+        token -> state queries (untreated); kx, vx [B, Hkv, W + r + T, d]: the un-rotated window keys
         and values of ``forward`` (call token t at index W + r + t); ``rope``: its cos/sin table
         (RoPE only); cell [B, S, D]. Returns (cross [B, T, D], the new cell)."""
         assert self.cell is not None
@@ -269,7 +283,7 @@ class BlockAttention(Layer):
             done = r + n == W
             kc, vc, qs, qs2 = self.cell.project(cell, queries=done)
             kc = self.qk2.key(kc)
-            outs.append(attend(qa, kc, vc))
+            outs.append(ungroup_heads(attend(group_heads(qa, self.kv_heads), kc, vc), self.n_heads))
             if done:  # block complete: update the state from this block and the previous one
                 assert qs is not None and qs2 is not None
                 lo = r0 + a - r  # index in kx of the previous block's first token
@@ -311,13 +325,14 @@ class BlockRecurrent(StreamingLM):
     def info_lines(self) -> list[str]:
         c = self.config
         rec = c.recurrent_layer_ids
-        per_row = c.n_layers * 2 * c.dim * (c.block_size + c.block_size - 1) + len(rec) * c.states * c.dim
+        kv_dim = c.key_value_heads * c.head_dim
+        per_row = c.n_layers * 2 * kv_dim * (c.block_size + c.block_size - 1) + len(rec) * c.states * c.dim
         parts = self.param_breakdown()
         total = sum(parts.values())
         lines = super().info_lines() + [
             f"blocks of W={c.block_size} tokens, S={c.states} states; recurrent layers "
             f"{[i + 1 for i in rec]} (1-based) of {c.n_layers}; gate={c.gate}, cell={c.cell}, position={c.position}",
-            f"state per row: {c.n_layers} x 2 x (W + r) x D window keys/values + {len(rec)} x S x D cell "
+            f"state per row: {c.n_layers} x 2 x (W + r) x {kv_dim} window keys/values + {len(rec)} x S x D cell "
             f"(<= {per_row:,} numbers)",
         ]
         lines += [f"params {k}: {v:,} ({100 * v / total:.1f}%)" for k, v in parts.items()]
