@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -389,7 +390,8 @@ def train_model(
     schedule, each batch goes through ``Learner.backward``. Returns the mean training loss over the
     last 10% of the steps and the learning curve: with ``cfg.eval_every`` and ``val``, every that
     many steps the validation accuracy and the mean training loss since the last point (recall
-    tasks learn in a sudden jump after a plateau), else empty; ``progress``: a tqdm bar."""
+    tasks learn in a sudden jump after a plateau; each point also printed to stderr), else empty;
+    ``progress``: a tqdm bar."""
     min_lr, warmup = lr * cfg.min_lr_ratio, int(cfg.warmup * cfg.steps)
     device = learner.model.tok_emb.weight.device
     opt = make_optimizer(learner, lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), fused=device.type == "cuda")
@@ -439,6 +441,11 @@ def train_model(
             if (step + 1) % cfg.eval_every == 0:
                 acc = evaluate(learner, val, cfg.chunk, cfg.eval_batch_size).headline(learner.metric)
                 curve.append({"step": step + 1, "train_loss": sum(since) / len(since), "val_accuracy": acc})
+                tqdm.write(
+                    f"lr {lr:g} step {step + 1}/{cfg.steps}: train loss {curve[-1]['train_loss']:.4f}, "
+                    f"val accuracy {acc:.3f}",
+                    file=sys.stderr,
+                )
                 since = []
                 learner.train()
     return sum(tail) / len(tail), curve

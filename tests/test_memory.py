@@ -115,9 +115,10 @@ def test_recipes_end_to_end(name: str, synth: dict) -> None:
     assert math.isfinite(r.sweep[0]["train_loss"]) and set(r.by_length) == {4, 64} and r.test.rows == 8
 
 
-def test_eval_every_records_a_learning_curve_that_ends_at_the_final_score() -> None:
-    """synth.eval_every: the validation accuracy every N steps, per lr; its last point is the
-    trained model's, so it equals the sweep's final validation accuracy; evaluating on the way changes no training step."""
+def test_eval_every_records_a_learning_curve_that_ends_at_the_final_score(capsys) -> None:
+    """synth.eval_every: the validation accuracy every N steps, per lr, each point also printed on
+    stderr; its last point is the trained model's, so it equals the sweep's final validation
+    accuracy; evaluating on the way changes no training step."""
     cfg = synth_config(
         {"steps": 6, "batch_size": 4, "n_val": 8, "n_test": 4, "lrs": [3e-3], "context": 4, "chunk": 8, "eval_every": 2}
     )
@@ -125,6 +126,11 @@ def test_eval_every_records_a_learning_curve_that_ends_at_the_final_score() -> N
     curve = r.sweep[0]["curve"]
     assert [c["step"] for c in curve] == [2, 4, 6] and all(math.isfinite(c["train_loss"]) for c in curve)
     assert curve[-1]["val_accuracy"] == r.sweep[0]["val_accuracy"]
+    printed = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lr 0.003 step ")]
+    assert printed == [
+        f"lr 0.003 step {c['step']}/6: train loss {c['train_loss']:.4f}, val accuracy {c['val_accuracy']:.3f}"
+        for c in curve
+    ]
     plain = run_synth(
         "mqar",
         "block_recurrent",
