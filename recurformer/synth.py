@@ -254,12 +254,16 @@ class Learner(nn.Module):
         """Backpropagate the mean loss over the scored tokens of ``x`` read from ``state``,
         detaching the state every ``piece`` tokens (0: never): truncated BPTT within a row.
         Returns the loss and the state after the row's last whole multiple of ``boundary``
-        tokens, detached (what ``state_init=passing`` gives another row)."""
+        tokens, detached (what ``state_init=passing`` gives another row); a row shorter than
+        ``boundary`` (a mixed length below the chunk) passes on the state it was read from."""
         assert self.decoder is None, "the autoencoder head reads whole rows"
         T = x.shape[1]
         n = (y != IGNORE_INDEX).sum().clamp(min=1)
-        cuts = sorted({0, T, (T // boundary) * boundary, *range(piece or T, T, piece or T)})
+        whole = (T // boundary) * boundary
+        cuts = sorted({0, T, whole, *range(piece or T, T, piece or T)})
         total, pending, kept = 0.0, None, None
+        if whole == 0:
+            kept = (state if state is not None else self.model.init_state(x.shape[0], x.device)).detach()
         for a, b in zip(cuts[:-1], cuts[1:]):
             out = self.model(x[:, a:b], state=state)
             loss = (
@@ -270,7 +274,7 @@ class Learner(nn.Module):
             )
             pending = loss if pending is None else pending + loss
             state = out.state
-            if b == (T // boundary) * boundary:
+            if b == whole:
                 kept = state.detach()
             if piece and b % piece == 0 or b == T:
                 pending.backward()

@@ -65,6 +65,20 @@ def test_learner_backward_matches_the_whole_row_and_a_hand_truncation() -> None:
     assert any(not torch.allclose(full_again[k], got[k], atol=1e-6) for k in got), "truncation changes the gradient"
 
 
+def test_a_row_shorter_than_a_chunk_passes_on_the_state_it_was_read_from() -> None:
+    """Mixed lengths can draw a row shorter than one chunk: it completes no chunk, so the state
+    it gives ``state_init=passing`` is the one it started from (detached), or the fresh state."""
+    lr = learner()
+    d = make_split("mqar", 4, 0, dict(num_pairs=1, num_queries=1, distance=0))  # 3 tokens < chunk 4
+    _, kept = lr.backward(d.inputs, d.targets, None, 0, 4)
+    assert kept.pos == 0 and torch.equal(kept.layers[0].memory, lr.model.init_state(4).layers[0].memory)
+    long = make_split("mqar", 4, 1, dict(num_pairs=3, num_queries=3, distance=5))
+    _, after = lr.backward(long.inputs, long.targets, None, 0, 4)
+    _, kept = lr.backward(d.inputs, d.targets, after, 0, 4)
+    assert kept.pos == after.pos and torch.equal(kept.layers[0].memory, after.layers[0].memory)
+    assert not kept.layers[0].memory.requires_grad
+
+
 def test_fresh_rows_follow_the_schedule_and_mixed_lengths() -> None:
     p = TASKS["mqar"].params(dict(num_pairs=2, num_queries=2, distance=4))
     cfg = synth_config({"batch_size": 4, "schedule": {"stages": [{"step": 3, "length": 8}, {"step": 5, "length": 16}]}})
@@ -93,6 +107,10 @@ def test_fresh_rows_follow_the_schedule_and_mixed_lengths() -> None:
             {"schedule": {"double_every": 2, "double": {"length": 16}}, "truncation": 2, "state_init": "passing"},
         ),
         ("block_recurrent", {"train_lengths": [4, 12], "state_init": "noise"}),
+        (
+            "memory_attention",
+            {"train_lengths": [0, 1], "state_init": "passing", "context": 8},
+        ),  # rows of 7 or 8 tokens, chunks of 8
         ("transformer_xl", {"fresh_data": True, "truncation": 1}),
     ],
 )
