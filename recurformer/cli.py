@@ -206,6 +206,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_synth(args: argparse.Namespace) -> None:
     from .config import load_yaml, merge
+    from .data.synthetic import TASKS
     from .files import atomic_write_text, check_writable
     from .synth import result_dict, run_synth, split_overrides, summary, synth_config
 
@@ -221,14 +222,21 @@ def cmd_synth(args: argparse.Namespace) -> None:
             )
         files = {k: merge(v, raw.get(k) or {}) for k, v in files.items()}
     model_over, task_over, synth_over = (merge(files[k], d) for k, d in zip(files, split_overrides(args.set)))
+    task, model = task_over.pop("name", None), model_over.pop("name", None)
+    task, model = args.task or task, args.model or model  # the command line wins over a config
+    if task is None or model is None:
+        missing = "--task" if task is None else "--model"
+        raise RecurformerError(f"synth needs {missing} (or {missing[2:]}.name in a --config)")
+    if task not in TASKS:
+        raise RecurformerError(f"unknown synth task '{task}' (task.name); one of: {', '.join(sorted(TASKS))}")
     for key, value in (("steps", args.steps), ("lrs", args.lrs), ("n_train", args.n_train), ("n_test", args.n_test)):
         if value is not None:
             synth_over[key] = value
     if args.save:
         check_writable(Path(args.save), "--save directory", is_dir=True)
     r = run_synth(
-        args.task,
-        args.model,
+        task,
+        model,
         model_over,
         task_over,
         synth_config(synth_over),
@@ -488,13 +496,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--task",
-        required=True,
         choices=sorted(TASKS),
-        help="the diagnostic task (MAD tasks, copy, delayed copy, passkey)",
+        help="the diagnostic task (MAD tasks, copy, delayed copy, passkey); or task.name in a --config",
     )
-    p.add_argument("--model", required=True, help=f"one of: {', '.join(model_names())}")
+    p.add_argument("--model", help=f"one of: {', '.join(model_names())}; or model.name in a --config")
     p.add_argument(
-        "--config", action="append", metavar="FILE", help="YAML with model/task/synth sections (repeatable; --set wins)"
+        "--config",
+        action="append",
+        metavar="FILE",
+        help="YAML with model/task/synth sections (repeatable; --set wins); a config that names its task and "
+        "model (task.name, model.name) is a whole experiment: `recurformer synth --config FILE`",
     )
     _add_set(p)
     p.add_argument("--steps", type=int, help="optimizer steps per learning rate (default 500)")

@@ -425,3 +425,33 @@ def test_synth_config_files(tmp_path, capsys) -> None:
         from recurformer.synth import check_recipe
 
         check_recipe(TASKS[task], TASKS[task].params(raw["task"]), cfg)
+
+
+def test_a_synth_config_that_names_its_task_and_model_is_one_command(tmp_path, capsys) -> None:
+    """task.name and model.name in a config stand for --task and --model (the command line wins);
+    without either, one line naming what is missing."""
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text(
+        "model: {name: llama, dim: 16, n_heads: 2, ffn_hidden: 32}\n"
+        "task: {name: mqar, num_pairs: 2, num_queries: 2, distance: 3}\n"
+        "synth: {steps: 2, batch_size: 4, n_train: 8, n_val: 4, n_test: 4, lrs: [1e-3], context: 4}\n"
+    )
+    named, flags = tmp_path / "named.json", tmp_path / "flags.json"
+    assert main(["synth", "--config", str(cfg), "--json", str(named)]) == 0
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(cfg.read_text().replace("name: llama, ", "").replace("name: mqar, ", ""))
+    assert main(["synth", "--task", "mqar", "--model", "llama", "--config", str(plain), "--json", str(flags)]) == 0
+    a, b = json.loads(named.read_text()), json.loads(flags.read_text())
+    assert a["task"] == b["task"] == "mqar" and a["model"] == b["model"] == "llama"
+    assert a["test"] == b["test"] and a["sweep"] == b["sweep"]
+    over = tmp_path / "over.json"
+    assert main(["synth", "--config", str(cfg), "--model", "sliding_window", "--json", str(over)]) == 0
+    assert json.loads(over.read_text())["model"] == "sliding_window"
+    capsys.readouterr()
+    assert main(["synth", "--config", str(plain)]) == 2
+    assert capsys.readouterr().err.strip() == "recurformer: error: synth needs --task (or task.name in a --config)"
+    assert main(["synth", "--task", "mqar", "--config", str(plain)]) == 2
+    assert capsys.readouterr().err.strip() == "recurformer: error: synth needs --model (or model.name in a --config)"
+    plain.write_text(cfg.read_text().replace("name: mqar", "name: recall"))
+    assert main(["synth", "--config", str(plain)]) == 2
+    assert "unknown synth task 'recall' (task.name); one of: compression" in capsys.readouterr().err
