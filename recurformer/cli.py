@@ -212,6 +212,8 @@ def cmd_synth(args: argparse.Namespace) -> None:
 
     if args.json:
         check_writable(Path(args.json), "--json file")  # before training, not after it
+    if args.evaluate:
+        return synth_evaluate(args)
     files: dict[str, dict] = {"model": {}, "task": {}, "synth": {}}
     for path in args.config or []:  # YAML files with model / task / synth sections, the later and --set winning
         raw = load_yaml(path)
@@ -248,6 +250,47 @@ def cmd_synth(args: argparse.Namespace) -> None:
     print(summary(r))
     if args.json:
         atomic_write_text(args.json, json.dumps(result_dict(r), indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+def synth_evaluate(args: argparse.Namespace) -> None:
+    """``synth --evaluate DIR --lengths ...``: a model saved by ``synth --save`` scored at more lengths."""
+    import dataclasses
+
+    from .device import pick_device
+    from .files import atomic_write_text
+    from .hub import load_model
+    from .synth import score_lengths, split_overrides, synth_config
+
+    if not args.lengths:
+        raise RecurformerError("synth --evaluate needs --lengths, e.g. --lengths 128,256,512")
+    lengths = _int_list(args.lengths, "--lengths")
+    model_over, task_over, synth_over = split_overrides(args.set)
+    if model_over:
+        raise RecurformerError(
+            f"synth --evaluate reads the saved model as it is; --set {next(iter(model_over))}=... does not apply"
+        )
+    model, name, _, saved = load_model(args.evaluate, pick_device(args.device))
+    params = {k: v for k, v in (saved.get("task") or {}).items() if k != "name"}
+    task = (saved.get("task") or {}).get("name")
+    if task is None:
+        raise RecurformerError(f"{args.evaluate} holds no synthetic task (task.name): not saved by synth --save")
+    params.update(task_over)
+    scores = score_lengths(model, task, params, lengths, args.n_test or 128, synth_config(synth_over))
+    print(f"{args.evaluate}: {name} on {task}, {args.n_test or 128} rows per length")
+    print("| length | exact match | token accuracy |\n|---|---|---|")
+    for L, sc in scores.items():
+        print(f"| {L} | {sc.exact_match:.3f} | {sc.token_accuracy:.3f} |")
+    if args.json:
+        out = {
+            "checkpoint": str(args.evaluate),
+            "model": name,
+            "task": task,
+            "task_params": params,
+            "rows": args.n_test or 128,
+            "by_length": {str(L): dataclasses.asdict(sc) for L, sc in scores.items()},
+        }
+        atomic_write_text(args.json, json.dumps(out, indent=2) + "\n")
         print(f"wrote {args.json}")
 
 
@@ -517,6 +560,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--save", metavar="DIR", help="save the selected model (pretrained layout) for `recurformer readout`"
     )
+    p.add_argument(
+        "--evaluate",
+        metavar="DIR",
+        help="instead of training, score a model saved by --save on its task at --lengths (--n-test rows each, default 128)",
+    )
+    p.add_argument("--lengths", help="with --evaluate: comma-separated task lengths, e.g. 128,256,512")
 
     p = sub.add_parser(
         "readout",

@@ -585,6 +585,33 @@ def run_synth(
     )
 
 
+def score_lengths(
+    model: StreamingLM,
+    task: str,
+    params: dict[str, Any],
+    lengths: list[int],
+    n_rows: int,
+    cfg: SynthConfig | None = None,
+) -> dict[int, Scores]:
+    """A trained model (e.g. one saved by ``run_synth(save=...)``) scored on ``n_rows`` rows of
+    ``task`` at each of ``lengths``, drawn as ``run_synth`` draws its length tests (seed
+    ``cfg.seed + 3 + L``), read ``cfg.chunk`` tokens per call: a length curve finer or longer
+    than a run's ``eval_lengths``, without training again."""
+    cfg = cfg or SynthConfig()
+    t = get_task(task)
+    if t.head != "lm":
+        raise RecurformerError(f"task {task} is read by a decoder that a saved model does not hold")
+    if not t.length_key:
+        raise RecurformerError(f"task {task} has no length to sweep")
+    learner = Learner(model, t)
+    return {
+        L: evaluate(
+            learner, make_split(task, n_rows, cfg.seed + 3 + L, t.at_length(params, L)), cfg.chunk, cfg.eval_batch_size
+        )
+        for L in lengths
+    }
+
+
 def synth_config(values: dict[str, Any]) -> SynthConfig:
     return from_dict(SynthConfig, values, where="synth")
 

@@ -455,3 +455,29 @@ def test_a_synth_config_that_names_its_task_and_model_is_one_command(tmp_path, c
     plain.write_text(cfg.read_text().replace("name: mqar", "name: recall"))
     assert main(["synth", "--config", str(plain)]) == 2
     assert "unknown synth task 'recall' (task.name); one of: compression" in capsys.readouterr().err
+
+
+def test_synth_evaluate_scores_a_saved_model_at_more_lengths(tmp_path, capsys) -> None:
+    """synth --evaluate DIR --lengths: the saved model on the rows its run would draw at each
+    length, so at a length of the run's eval_lengths it gives the run's own scores; bad use is
+    one line."""
+    cfg = SynthConfig(steps=20, batch_size=8, n_val=4, n_test=4, lrs=[3e-3], context=4, eval_lengths=[4, 12])
+    cfg.n_length_test = 64
+    task = {"num_pairs": 3, "num_queries": 3, "distance": 4}
+    r = run_synth("mqar", "memory_attention", TINY, task, cfg, save=str(tmp_path / "m"))
+    capsys.readouterr()
+    out = tmp_path / "e.json"
+    args = ["synth", "--evaluate", str(tmp_path / "m"), "--lengths", "4,12,40", "--n-test", "64", "--json", str(out)]
+    assert main(args) == 0
+    e = json.loads(out.read_text())
+    assert e["task"] == "mqar" and e["model"] == "memory_attention" and set(e["by_length"]) == {"4", "12", "40"}
+    for L in (4, 12):  # MQAR's headline is the token accuracy: 192 scored tokens per length
+        assert e["by_length"][str(L)]["token_accuracy"] == r.by_length[L] and e["by_length"][str(L)]["rows"] == 64
+    assert "| 40 |" in capsys.readouterr().out
+    for extra, message in [
+        ([], "synth --evaluate needs --lengths"),
+        (["--lengths", "8", "--set", "dim=8"], "reads the saved model as it is; --set dim=... does not apply"),
+    ]:
+        assert main(["synth", "--evaluate", str(tmp_path / "m"), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("recurformer: error: ") and "\n" not in err and message in err, err
