@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from .checkpoint import load_checkpoint, load_model_weights
 from .config import RecurformerError, from_dict, merge, parse_overrides
 from .curriculum import Schedule, initial_state, schedule_from
 from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
@@ -94,6 +95,7 @@ class SynthConfig:
     state_init: Literal["zero", "noise", "passing"] = "zero"  # each training row's initial state
     state_noise: float = 1.0  # sigma of state_init=noise
     eval_every: int = 0  # validation accuracy every N steps, kept per lr in the sweep ("curve"); 0: only at the end
+    init_from: str | None = None  # a model saved by synth --save to start from (post-training), same model config
 
     def __post_init__(self) -> None:
         for k in ("steps", "batch_size", "n_val", "n_test", "n_length_test", "context", "chunk", "eval_batch_size"):
@@ -455,6 +457,20 @@ def train_model(
     return sum(tail) / len(tail), curve
 
 
+def saved_weights(path: str, model_name: str, config: dict[str, Any]) -> dict[str, Tensor]:
+    """The weights of a model saved by ``synth --save`` for ``synth.init_from``: one line, before
+    any work, if it is missing or holds another model or another config than this run builds."""
+    ck = load_checkpoint(path)
+    saved = dict(ck["config"].get("model") or {})
+    name = saved.pop("name", None)
+    if name != model_name:
+        raise RecurformerError(f"synth.init_from {path} holds a '{name}' model, this run trains '{model_name}'")
+    for k, v in config.items():
+        if k in saved and saved[k] != v and not (isinstance(v, (list, tuple)) and list(saved[k] or []) == list(v)):
+            raise RecurformerError(f"synth.init_from {path} has model {k} = {saved[k]!r}, this run builds {v!r}")
+    return ck["model"]
+
+
 def check_recipe(t: Task, params: dict[str, Any], cfg: SynthConfig) -> None:
     """One-line errors, before any work, for a recipe that does not fit the task: a schedule that
     is not monotone or names a key the task lacks, mixed lengths for a task without a length,
@@ -512,7 +528,8 @@ def run_synth(
             f"task {task} has no length to sweep; eval_lengths applies to {[n for n, x in TASKS.items() if x.length_key]}"
         )
     values = model_values(model_name, dict(model_over or {}), int(params["vocab_size"]), cfg.context)
-    build_model(model_name, values)  # validate before generating data
+    built = build_model(model_name, values)  # validate before generating data
+    start = saved_weights(cfg.init_from, model_name, dataclasses.asdict(built.config)) if cfg.init_from else None
     check_recipe(t, params, cfg)
     t0 = time.perf_counter()
     train: TaskData | FreshRows
@@ -551,7 +568,10 @@ def run_synth(
     sweep = []
     for lr in cfg.lrs:
         torch.manual_seed(cfg.seed)
-        learner = Learner(build_model(model_name, values), t).to(dev)
+        learner = Learner(build_model(model_name, values), t)
+        if start is not None:
+            load_model_weights(learner.model, start, str(cfg.init_from))
+        learner = learner.to(dev)
         loss, curve = train_model(learner, train, cfg, lr, progress, val)
         v = evaluate(learner, val, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
         sweep.append({"lr": lr, "train_loss": loss, "val_accuracy": v, **({"curve": curve} if curve else {})})

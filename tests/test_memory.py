@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -479,5 +480,55 @@ def test_synth_evaluate_scores_a_saved_model_at_more_lengths(tmp_path, capsys) -
         (["--lengths", "8", "--set", "dim=8"], "reads the saved model as it is; --set dim=... does not apply"),
     ]:
         assert main(["synth", "--evaluate", str(tmp_path / "m"), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("recurformer: error: ") and "\n" not in err and message in err, err
+
+
+def test_synth_init_from_starts_from_a_saved_model(tmp_path, capsys) -> None:
+    """synth.init_from: training starts from a model saved by synth --save (post-training, e.g.
+    with state passing after a curriculum); another model or config is one line before any work."""
+    from recurformer.checkpoint import load_checkpoint
+
+    task = {"num_pairs": 2, "num_queries": 2, "distance": 4}
+    cfg = SynthConfig(steps=4, batch_size=4, n_val=4, n_test=4, lrs=[3e-3], context=4, fresh_data=True)
+    run_synth("mqar", "memory_attention", TINY, task, cfg, save=str(tmp_path / "a"))
+    a = load_checkpoint(tmp_path / "a")["model"]
+    tiny_lr = dataclasses.replace(cfg, lrs=[1e-9], steps=2, seed=1)
+    run_synth(
+        "mqar",
+        "memory_attention",
+        TINY,
+        task,
+        dataclasses.replace(tiny_lr, init_from=str(tmp_path / "a")),
+        save=str(tmp_path / "b"),
+    )
+    b = load_checkpoint(tmp_path / "b")["model"]
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    run_synth("mqar", "memory_attention", TINY, task, tiny_lr, save=str(tmp_path / "c"))  # the control: a fresh start
+    c = load_checkpoint(tmp_path / "c")["model"]
+    assert any(not torch.allclose(a[k], c[k], atol=1e-3) for k in a)
+    capsys.readouterr()
+    base = [
+        "synth",
+        "--task",
+        "mqar",
+        "--steps",
+        "1",
+        "--set",
+        "dim=16",
+        "--set",
+        "n_heads=2",
+        "--set",
+        "ffn_hidden=32",
+    ]
+    base += ["--set", "synth.context=4", "--set", f"synth.init_from={tmp_path / 'a'}"]
+    for extra, message in [
+        (
+            ["--model", "llama"],
+            f"synth.init_from {tmp_path / 'a'} holds a 'memory_attention' model, this run trains 'llama'",
+        ),
+        (["--model", "memory_attention", "--set", "ffn_hidden=64"], "has model ffn_hidden = 32, this run builds 64"),
+    ]:
+        assert main(base + extra) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("recurformer: error: ") and "\n" not in err and message in err, err
