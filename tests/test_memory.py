@@ -13,7 +13,7 @@ from helpers import randomize_params
 
 from recurformer.cli import main
 from recurformer.data.synthetic import TASKS, make_split
-from recurformer.models import build_model
+from recurformer.models import build_model, model_names
 from recurformer.nn import IGNORE_INDEX
 from recurformer.readout import memory_share, readout, state_gradient
 from recurformer.synth import FreshRows, Learner, SynthConfig, model_values, run_synth, synth_config
@@ -418,10 +418,11 @@ def test_synth_config_files(tmp_path, capsys) -> None:
     assert main(["synth", "--task", "mqar", "--model", "llama", "--config", str(b)]) == 2
     assert "has section 'train'; valid sections: model, task, synth" in capsys.readouterr().err
     memory = [n for n in bundled_configs() if n.startswith("memory/")]
-    assert len(memory) == 13  # 6 recipes x 2 tasks, and the MQAR-only twostage
+    assert len(memory) == 15  # 6 recipes x 2 tasks, the MQAR-only twostage, 2 whole experiments (best results)
     for name in memory:
         raw = load_yaml(name)
         task = name.split("/")[1].split("-")[0]
+        assert raw["task"].pop("name", task) == task and raw["model"].pop("name", None) in (None, *model_names())
         cfg = synth_config(raw["synth"])
         from recurformer.synth import check_recipe
 
