@@ -533,3 +533,30 @@ def test_synth_init_from_starts_from_a_saved_model(tmp_path, capsys) -> None:
         assert main(base + extra) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("recurformer: error: ") and "\n" not in err and message in err, err
+
+
+def test_key_signal_sees_a_carried_key_and_the_exact_zero_of_a_window() -> None:
+    """experiments/memory/key_signal.py: the distance between the states of rows that differ only
+    in the passkey. A sliding window of 8 tokens has forgotten the key once 8 filler tokens follow
+    it (exactly 0); full attention keeps the key's keys and values in its cache (> 0 at every
+    segment); Memory Attention's memory carries a trace of it (> 0)."""
+    import sys as _sys
+    from pathlib import Path as P
+
+    _sys.path.insert(0, str(P(__file__).resolve().parent.parent / "experiments" / "memory"))
+    import key_signal  # noqa: PLC0415
+
+    def model(name: str, **extra):  # noqa: ANN202
+        torch.manual_seed(0)
+        m = build_model(name, {**TINY, "vocab_size": 32, **extra})
+        randomize_params(m)
+        return m.eval()
+
+    # 2 layers of a window of 8: the state after position p (the last 7 keys/values of each layer)
+    # depends on tokens p - 14 .. p, so on the key (tokens 0..3) after segments 1 and 2 only
+    window = key_signal.key_signal(model("sliding_window", n_layers=2, window=8), 6, 8, 8, 0, 32, 4, 16)
+    assert min(window[:2]) > 0.01 and window[2:] == [0.0] * 4
+    full = key_signal.key_signal(model("llama", n_layers=2), 6, 8, 8, 0, 32, 4, 16)
+    assert min(full) > 0.01
+    memory = key_signal.key_signal(model("memory_attention", n_layers=2, chunk_size=8), 6, 8, 8, 0, 32, 4, 16)
+    assert min(memory) > 0.01
