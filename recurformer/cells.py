@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .modules import MLP, RMSNorm, attend, group_heads, merge_heads, split_heads, ungroup_heads
+from .modules import MLP, RMSNorm, grouped_attend, merge_heads, split_heads
 
 
 class CellConfig(Protocol):
@@ -182,14 +182,7 @@ class StateCell(nn.Module):
         """One block step. qs/qs2/kc/vc: the state's queries, keys (normalised if qk_norm) and
         values (``project``); kx/vx [B, Hkv, 2W, d]: token keys/values of the previous and current
         block (keys as the token queries see them). Returns c' [B, S, D]."""
-        H, Hkv = self.n_heads, self.kv_heads
-        o = torch.cat(
-            (
-                ungroup_heads(attend(group_heads(qs, Hkv), kc, vc), H),
-                ungroup_heads(attend(group_heads(qs2, Hkv), kx, vx), H),
-            ),
-            dim=1,
-        )  # [B, 2H, S, d]: [self ; cross] heads
+        o = torch.cat((grouped_attend(qs, kc, vc), grouped_attend(qs2, kx, vx)), dim=1)  # [B, 2H, S, d]: [self ; cross]
         y = merge_heads(o)  # [B, S, 2D]
         if self.kind == "single":
             hid = self.ffn.hidden(y)

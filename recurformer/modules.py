@@ -128,6 +128,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
 
 
+def grouped_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """``attend`` without a mask of queries [B, H, T, d] over keys/values [B, Hkv, Tk, d] whose
+    Hkv heads are each shared by H / Hkv query heads (``group_heads``); [B, H, T, d]."""
+    return ungroup_heads(attend(group_heads(q, k.shape[1]), k, v), q.shape[1])
+
+
 @float32_under_cpu_autocast
 def biased_attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     """softmax(q k^T + bias) v, written out: ``q`` comes scaled (no 1/sqrt(d) here), ``bias`` is

@@ -17,8 +17,8 @@ four query sets (Q_x, Q2_x from x; Q_c, Q2_c from u) and two key/value sets (K_x
 token self-attention and state->token attention; K_c, V_c by state self-attention and
 token->state attention); no position bias between state and tokens. ``kv_heads`` < n_heads gives
 the key/value sets fewer heads than the queries, each shared by n_heads / kv_heads query heads
-(grouped-query attention; 1: one key/value head, as lucidrains' block-recurrent-transformer-pytorch). The state update, once per
-completed block, replaces the residual by a gate (the paper's equations):
+(grouped-query attention; 1: one key/value head, as lucidrains' block-recurrent-transformer-pytorch).
+The state update, once per completed block, replaces the residual by a gate (the paper's equations):
 
     fixed:  g = σ(b_g),                                   c' = c ⊙ g + z ⊙ (1 - g)
     lstm:   i = σ(W_i h + b_i - 1), f = σ(W_f h + b_f + 1), c' = c ⊙ f + z ⊙ i
@@ -51,11 +51,11 @@ from ..cells import QK, StateCell, t5_buckets
 from ..config import RecurformerError
 from ..modules import (
     apply_rope,
-    attend,
     biased_attend,
     float32_under_cpu_autocast,
     group_bias,
     group_heads,
+    grouped_attend,
     merge_heads,
     pieces,
     rope_cos_sin,
@@ -183,8 +183,8 @@ class BlockAttention(Layer):
         return BlockRecurrentState(k=reset_rows(fresh, st.k, zero), v=reset_rows(fresh, st.v, zero), cell=cell)
 
     def tile_bias(self, m: int, dtype: torch.dtype, device: torch.device, call: Call) -> Tensor:
-        """[H, m, W + m] (grouped as the queries: ``group_bias``) additive attention bias of a tile of m consecutive queries over the
-        keys they can see: query t (0 <= t < m) at window index i sees window indices
+        """[H, m, W + m] additive attention bias (grouped as the queries: ``group_bias``) of a tile
+        of m consecutive queries over the keys they can see: query t (0 <= t < m) at window index i sees window indices
         i .. i + W - 1 of [previous block ; current block], i.e. key j of the tile's slice when
         1 <= W + t - j <= W (the W previous tokens, not the token itself). T5 bias (or 0 with RoPE)
         where visible, -inf elsewhere; the same for every tile, so each layer builds it once per call.
@@ -283,7 +283,7 @@ class BlockAttention(Layer):
             done = r + n == W
             kc, vc, qs, qs2 = self.cell.project(cell, queries=done)
             kc = self.qk2.key(kc)
-            outs.append(ungroup_heads(attend(group_heads(qa, self.kv_heads), kc, vc), self.n_heads))
+            outs.append(grouped_attend(qa, kc, vc))
             if done:  # block complete: update the state from this block and the previous one
                 assert qs is not None and qs2 is not None
                 lo = r0 + a - r  # index in kx of the previous block's first token
