@@ -539,10 +539,7 @@ def run_synth(
         seen = val.row_keys()
         test = make_split(task, cfg.n_test, cfg.seed + 2, held, exclude=seen)
         seen |= test.row_keys()
-        length_data = {
-            L: make_split(task, cfg.n_length_test, cfg.seed + 3 + L, t.at_length(params, L), exclude=seen)
-            for L in cfg.eval_lengths
-        }
+        length_data = {L: length_split(t, params, L, cfg.n_length_test, cfg.seed, seen) for L in cfg.eval_lengths}
         for d in length_data.values():
             seen |= d.row_keys()
         train = FreshRows(task, params, cfg, seen)
@@ -556,10 +553,7 @@ def run_synth(
         seen |= val.row_keys()
         test = make_split(task, cfg.n_test, cfg.seed + 2, params, exclude=seen)
         seen |= test.row_keys()
-        length_data = {
-            L: make_split(task, cfg.n_length_test, cfg.seed + 3 + L, t.at_length(params, L), exclude=seen)
-            for L in cfg.eval_lengths
-        }
+        length_data = {L: length_split(t, params, L, cfg.n_length_test, cfg.seed, seen) for L in cfg.eval_lengths}
         log(
             f"{task} {params}: {len(train.inputs)} train / {cfg.n_val} val / {cfg.n_test} test rows of {train.inputs.shape[1]} tokens"
         )
@@ -605,6 +599,14 @@ def run_synth(
     )
 
 
+def length_split(
+    t: Task, params: dict[str, Any], L: int, n: int, seed: int, exclude: set[bytes] | None = None
+) -> TaskData:
+    """The test rows of ``t`` at length ``L`` of a run with seed ``seed`` (``run_synth``'s
+    ``eval_lengths``, and ``score_lengths`` after it)."""
+    return make_split(t.name, n, seed + 3 + L, t.at_length(params, L), exclude=exclude)
+
+
 def score_lengths(
     model: StreamingLM,
     task: str,
@@ -614,9 +616,9 @@ def score_lengths(
     cfg: SynthConfig | None = None,
 ) -> dict[int, Scores]:
     """A trained model (e.g. one saved by ``run_synth(save=...)``) scored on ``n_rows`` rows of
-    ``task`` at each of ``lengths``, drawn as ``run_synth`` draws its length tests (seed
-    ``cfg.seed + 3 + L``), read ``cfg.chunk`` tokens per call: a length curve finer or longer
-    than a run's ``eval_lengths``, without training again."""
+    ``task`` at each of ``lengths``, drawn as ``run_synth`` draws its length tests
+    (``length_split``), read ``cfg.chunk`` tokens per call: a length curve finer or longer than a
+    run's ``eval_lengths``, without training again."""
     cfg = cfg or SynthConfig()
     t = get_task(task)
     if t.head != "lm":
@@ -625,9 +627,7 @@ def score_lengths(
         raise RecurformerError(f"task {task} has no length to sweep")
     learner = Learner(model, t)
     return {
-        L: evaluate(
-            learner, make_split(task, n_rows, cfg.seed + 3 + L, t.at_length(params, L)), cfg.chunk, cfg.eval_batch_size
-        )
+        L: evaluate(learner, length_split(t, params, L, n_rows, cfg.seed), cfg.chunk, cfg.eval_batch_size)
         for L in lengths
     }
 
