@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         for n, tr in zip(names, trainers, strict=True):
             tok = tokens_per_step(tr) * args.steps
             ratios = [s0 / s for s0, s in zip(seconds[names[0]], seconds[n], strict=True)]  # tok/s ratio
+            tok_s = statistics.median(tok / s for s in seconds[n])
             t = tr.cfg.train
             rows.append(
                 {
@@ -97,11 +98,9 @@ def main(argv: list[str] | None = None) -> int:
                     "precision": resolve_precision(t.precision, tr.device),
                     "batch": f"{t.grad_accum} x {t.batch_size} x {tr.streams.seq_len}",
                     "truncation": t.truncation,
-                    "tokens_per_s": round(statistics.median(tok / s for s in seconds[n])),
+                    "tokens_per_s": round(tok_s),
                     "flops_per_token": tr.flops_per_token,
-                    "of_peak": round(
-                        statistics.median(tok / s for s in seconds[n]) * tr.flops_per_token / tr.peak_flops, 4
-                    ),
+                    "of_peak": round(tok_s * tr.flops_per_token / tr.peak_flops, 4),
                     "ratio_to_first": round(statistics.median(ratios), 3),
                     "ratio_min": round(min(ratios), 3),
                     "ratio_max": round(max(ratios), 3),

@@ -271,13 +271,14 @@ def synth_evaluate(args: argparse.Namespace) -> None:
             f"synth --evaluate reads the saved model as it is; --set {next(iter(model_over))}=... does not apply"
         )
     model, name, _, saved = load_model(args.evaluate, pick_device(args.device))
-    params = {k: v for k, v in (saved.get("task") or {}).items() if k != "name"}
-    task = (saved.get("task") or {}).get("name")
+    params = dict(saved.get("task") or {})
+    task = params.pop("name", None)
     if task is None:
         raise RecurformerError(f"{args.evaluate} holds no synthetic task (task.name): not saved by synth --save")
     params.update(task_over)
-    scores = score_lengths(model, task, params, lengths, args.n_test or 128, synth_config(synth_over))
-    print(f"{args.evaluate}: {name} on {task}, {args.n_test or 128} rows per length")
+    rows = args.n_test or 128
+    scores = score_lengths(model, task, params, lengths, rows, synth_config(synth_over))
+    print(f"{args.evaluate}: {name} on {task}, {rows} rows per length")
     print("| length | exact match | token accuracy |\n|---|---|---|")
     for L, sc in scores.items():
         print(f"| {L} | {sc.exact_match:.3f} | {sc.token_accuracy:.3f} |")
@@ -287,7 +288,7 @@ def synth_evaluate(args: argparse.Namespace) -> None:
             "model": name,
             "task": task,
             "task_params": params,
-            "rows": args.n_test or 128,
+            "rows": rows,
             "by_length": {str(L): dataclasses.asdict(sc) for L, sc in scores.items()},
         }
         atomic_write_text(args.json, json.dumps(out, indent=2) + "\n")

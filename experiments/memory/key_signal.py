@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from recurformer.data.synthetic import passkey  # noqa: E402
 from recurformer.hub import load_model  # noqa: E402
+from recurformer.nn import State, StreamingLM  # noqa: E402
 
 
-def state_vector(state) -> torch.Tensor:  # noqa: ANN001
+def state_vector(state: State) -> torch.Tensor:
     """[B, N]: every floating-point tensor of the state with a batch dimension, flattened per row."""
     B = state.fresh.shape[0]
     parts = [
@@ -36,8 +37,8 @@ def state_vector(state) -> torch.Tensor:  # noqa: ANN001
 
 
 def key_signal(
-    model, segments: int, segment: int, rows: int, seed: int, vocab: int, key_len: int, key_vocab: int
-) -> list[float]:  # noqa: ANN001
+    model: StreamingLM, segments: int, segment: int, rows: int, seed: int, vocab: int, key_len: int, key_vocab: int
+) -> list[float]:
     rng = np.random.default_rng(seed)
     x, _ = passkey(rng, rows, vocab, segments * segment, key_len, key_vocab)
     a = torch.as_tensor(x[:, : key_len + segments * segment])  # key, then filler: no query
