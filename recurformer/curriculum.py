@@ -21,7 +21,9 @@ Recurrent Models", ICML 2025, §4: state passing and noise as initial states): a
 new document begins from the model's own initial state (``zero``), from that state plus Gaussian
 noise N(0, sigma^2) on every floating-point tensor of its layer states (``noise``), or from the
 final state of another stream's last segment (``passing``), so the model sees non-zero states at
-the start of training documents and not only after reading one.
+the start of training documents and not only after reading one. ``share`` < 1 gives the noisy or
+passed state to that fraction of the starting rows only; the others begin from the initial state,
+which then keeps being trained (with ``passing`` alone no row ever starts from it).
 """
 
 from __future__ import annotations
@@ -159,6 +161,14 @@ def check_state_init(value: str, where: str) -> None:
         raise RecurformerError(f"config key '{where}' must be one of ['zero', 'noise', 'passing'], got {value!r}")
 
 
+def check_state_init_share(share: float, kind: str, where: str) -> None:
+    """``share`` is a fraction in [0, 1], and one other than 1 needs a noisy or passed state to share."""
+    if not 0 <= share <= 1:
+        raise RecurformerError(f"config key '{where}_share' is a fraction of rows in [0, 1], got {share}")
+    if share != 1 and kind == "zero":
+        raise RecurformerError(f"config key '{where}_share' = {share} needs {where} noise or passing, got zero")
+
+
 def initial_state(
     model: StreamingLM,
     kind: str,
@@ -168,6 +178,7 @@ def initial_state(
     device: torch.device | str,
     generator: torch.Generator,
     sigma: float = 1.0,
+    share: float = 1.0,
 ) -> State:
     """The state to read the next segment from, where the rows marked in ``rows`` ([B] bool)
     start a new document and the others continue ``state`` (None: every row starts).
@@ -177,7 +188,9 @@ def initial_state(
     drawn from ``generator`` (on the CPU, so a seed gives the same noise on every device).
     ``passing``: row b takes the final state of row (b + s) mod B of ``state``, s in 1..B-1
     drawn from ``generator`` once per call (another stream's segment; where ``state`` is None the
-    rows start from zero). The new states are detached: no gradient reaches the other stream."""
+    rows start from zero). The new states are detached: no gradient reaches the other stream.
+    ``share`` < 1: each starting row takes the noisy or passed state with that probability (drawn
+    from ``generator`` first) and the initial state otherwise; 1 draws nothing."""
     check_state_init(kind, "train.state_init")
     fresh = model.init_state(batch_size, device)
     rows = rows.to(fresh.fresh.device)
@@ -185,6 +198,9 @@ def initial_state(
         if kind != "noise":  # nothing to pass yet: every row starts from the initial state
             return fresh
         rows, state = torch.ones_like(rows), fresh
+    if share < 1:
+        given_rows = rows & (torch.rand(rows.shape, generator=generator) < share).to(rows.device)
+        state, rows = state.reset(rows & ~given_rows), given_rows
     if kind == "zero" or not bool(rows.any()):
         return state.reset(rows)
     if kind == "passing":
@@ -231,4 +247,4 @@ def _where_rows(rows: torch.Tensor, given: State, own: State) -> State:
     return State(fresh=own.fresh & ~rows, start=pick(given.start, own.start), pos=own.pos, layers=layers)
 
 
-__all__ = ["Schedule", "StateInit", "check_state_init", "initial_state", "schedule_from"]
+__all__ = ["Schedule", "StateInit", "check_state_init", "check_state_init_share", "initial_state", "schedule_from"]

@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 from .checkpoint import load_checkpoint, load_model_weights
 from .config import RecurformerError, from_dict, merge, parse_overrides
-from .curriculum import Schedule, initial_state, schedule_from
+from .curriculum import Schedule, check_state_init_share, initial_state, schedule_from
 from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
 from .device import autocast_context, pick_device, slow_bf16_warning
 from .models import build_model, lookup
@@ -94,6 +94,7 @@ class SynthConfig:
     truncation: int = 0  # segments of ``context`` tokens backpropagated before the state is detached (0: the whole row)
     state_init: Literal["zero", "noise", "passing"] = "zero"  # each training row's initial state
     state_noise: float = 1.0  # sigma of state_init=noise
+    state_init_share: float = 1.0  # the fraction of rows given the noisy / passed state (others: the initial state)
     eval_every: int = 0  # validation accuracy every N steps, kept per lr in the sweep ("curve"); 0: only at the end
     init_from: str | None = None  # a model saved by synth --save to start from (post-training), same model config
 
@@ -121,6 +122,7 @@ class SynthConfig:
             raise RecurformerError(f"synth key 'truncation' must be >= 0 (0: the whole row), got {self.truncation}")
         if self.state_noise < 0:
             raise RecurformerError(f"synth key 'state_noise' must be >= 0, got {self.state_noise}")
+        check_state_init_share(self.state_init_share, self.state_init, "synth.state_init")
         sched = self.curriculum()
         if self.train_lengths and sched.sets("length"):
             raise RecurformerError(
@@ -434,7 +436,15 @@ def train_model(
                 rows = torch.ones(x.shape[0], dtype=torch.bool)
                 noise = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
                 state = initial_state(
-                    learner.model, cfg.state_init, rows, passed, x.shape[0], device, noise, cfg.state_noise
+                    learner.model,
+                    cfg.state_init,
+                    rows,
+                    passed,
+                    x.shape[0],
+                    device,
+                    noise,
+                    cfg.state_noise,
+                    cfg.state_init_share,
                 )
                 loss, passed = learner.backward(x, y, state, truncation * cfg.context, learner.model.reset_boundary)
         torch.nn.utils.clip_grad_norm_(learner.parameters(), cfg.grad_clip)

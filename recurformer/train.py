@@ -38,7 +38,7 @@ from tqdm import tqdm
 from . import checkpoint as ckpt
 from . import loggers
 from .config import RecurformerError, check_options, from_dict, load_yaml, merge, parse_overrides
-from .curriculum import Schedule, initial_state, schedule_from
+from .curriculum import Schedule, check_state_init_share, initial_state, schedule_from
 from .device import autocast_context, configure, pick_device, resolve_precision, to_device
 from .flops import reference_peak, train_flops_per_token
 from .models import build_model, make_config
@@ -104,6 +104,7 @@ class TrainConfig:
     state: Literal["carry", "reset"] = "carry"
     state_init: Literal["zero", "noise", "passing"] = "zero"  # where a row starts a document (curriculum.initial_state)
     state_noise: float = 1.0  # sigma of state_init=noise
+    state_init_share: float = 1.0  # the fraction of starting rows given the noisy / passed state
     schedule: dict[str, Any] = field(default_factory=dict)  # seq_len / truncation by step (curriculum.Schedule)
     data_order: Literal["contiguous", "shuffled"] = "contiguous"
     lr: float = 1e-3
@@ -163,6 +164,7 @@ class TrainConfig:
                 )
         if self.state_noise < 0:
             raise RecurformerError(f"config key 'train.state_noise' must be >= 0, got {self.state_noise}")
+        check_state_init_share(self.state_init_share, self.state_init, "train.state_init")
         if self.state_init == "passing" and self.batch_size < 2:
             raise RecurformerError(
                 "config key 'train.state_init' = passing needs train.batch_size >= 2 (a row takes another stream's state)"
@@ -623,7 +625,9 @@ class Trainer:
         ):  # rows that start a document take a noisy or another stream's state
             rows = torch.ones(t.batch_size, dtype=torch.bool) if t.state == "reset" else batch.wrapped
             gen = torch.Generator().manual_seed(((t.seed * 1_000_003 + self.step) * 4099 + index) * 1031 + self.rank)
-            state = initial_state(self.model, t.state_init, rows, state, t.batch_size, self.device, gen, t.state_noise)
+            state = initial_state(
+                self.model, t.state_init, rows, state, t.batch_size, self.device, gen, t.state_noise, t.state_init_share
+            )
         elif t.state == "reset" or state is None:
             state = self.model.init_state(t.batch_size, self.device)
         elif bool(batch.wrapped.any()):  # host data: no wait for the device

@@ -113,6 +113,7 @@ def test_fresh_rows_follow_the_schedule_and_mixed_lengths() -> None:
             {"train_lengths": [0, 1], "state_init": "passing", "context": 8},
         ),  # rows of 7 or 8 tokens, chunks of 8
         ("transformer_xl", {"fresh_data": True, "truncation": 1}),
+        ("rmt", {"train_lengths": [4, 12], "state_init": "passing", "state_init_share": 0.5}),
     ],
 )
 def test_recipes_end_to_end(name: str, synth: dict) -> None:
@@ -205,6 +206,10 @@ def test_a_length_curriculum_is_scored_at_the_length_it_ends_at() -> None:
             "'synth.schedule.double.length' must be 3 (the base value) times a power of two, got 9",
         ),
         (["synth.eval_every=-1"], "synth key 'eval_every' must be >= 0 (0: only at the end), got -1"),
+        (
+            ["synth.state_init_share=0.5"],
+            "config key 'synth.state_init_share' = 0.5 needs synth.state_init noise or passing, got zero",
+        ),
     ],
 )
 def test_bad_recipes_are_one_line_errors(capsys, sets, message) -> None:

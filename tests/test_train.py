@@ -190,6 +190,38 @@ def test_state_init_per_row(corpus, tmp_path) -> None:
         initial_state(m, "warm", rows, prev, B, "cpu", g())
 
 
+def test_state_init_share_splits_the_starting_rows() -> None:
+    """share f: each starting row takes the passed / noisy state with probability f (seeded) and
+    the initial state otherwise; f = 1 draws nothing (the plain recipe, bitwise), f = 0 is zero."""
+    from recurformer import build_model
+    from recurformer.curriculum import initial_state
+
+    torch.manual_seed(0)
+    m = build_model("memory_attention", dict(vocab_size=50, dim=16, n_layers=1, n_heads=2, chunk_size=8))
+    B = 64
+    prev = m(torch.randint(0, 50, (B, 8)), state=None).state
+    p = prev.layers[0].memory
+    rows = torch.ones(B, dtype=torch.bool)
+    rows[:4] = False  # these rows go on reading their own stream
+    g = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    for kind in ("passing", "noise"):
+        half = initial_state(m, kind, rows, prev, B, "cpu", g(), share=0.5)
+        again = initial_state(m, kind, rows, prev, B, "cpu", g(), share=0.5)
+        assert torch.equal(half.fresh, again.fresh) and torch.equal(half.layers[0].memory, again.layers[0].memory)
+        fresh = half.fresh
+        assert not fresh[:4].any() and torch.equal(half.layers[0].memory[:4], p[:4])
+        assert 15 < int(fresh.sum()) < 45, int(fresh.sum())  # about half of the 60 starting rows
+        given = rows & ~fresh
+        assert given.any() and not any(
+            torch.equal(half.layers[0].memory[b], p[b]) for b in range(B) if given[b]
+        )  # another row's state, or noise
+    full = initial_state(m, "passing", rows, prev, B, "cpu", g(), share=1.0)
+    plain = initial_state(m, "passing", rows, prev, B, "cpu", g())
+    assert not full.fresh.any() and torch.equal(full.layers[0].memory, plain.layers[0].memory)
+    none = initial_state(m, "passing", rows, prev, B, "cpu", g(), share=0.0)
+    assert torch.equal(none.fresh, rows)
+
+
 @pytest.mark.parametrize(
     "key, value, message",
     [
@@ -213,6 +245,12 @@ def test_state_init_per_row(corpus, tmp_path) -> None:
         ("schedule", "{double_every: 2, stages: [{step: 1}]}", "give either 'stages' or 'double_every'"),
         ("state_init", "warm", "config key 'train.state_init' must be one of ['zero', 'noise', 'passing'], got 'warm'"),
         ("state_init", "passing, batch_size: 1", "'train.state_init' = passing needs train.batch_size >= 2"),
+        ("state_init_share", "1.5", "config key 'train.state_init_share' is a fraction of rows in [0, 1], got 1.5"),
+        (
+            "state_init_share",
+            "0.5",
+            "config key 'train.state_init_share' = 0.5 needs train.state_init noise or passing",
+        ),
     ],
 )
 def test_bad_schedules_and_state_inits_are_one_line_errors(corpus, tmp_path, capsys, key, value, message) -> None:
