@@ -619,11 +619,11 @@ def figure(results: Sequence[ProbeResult], title: str):  # type: ignore[no-untyp
             bs = r.metrics.get(metric, [])
             if not bs:
                 continue
-            color = f"C{i % 10}"
+            color, style = f"C{i % 10}", ("-", "--", "-.")[i // 10 % 3]  # beyond 10 arms: a new line style
             x = [max(b.lo, 0.5) * (np.sqrt(2) if b.hi - b.lo > 1 else 1) for b in bs]  # bin centre (geometric)
             xs += x
             reach = "R unbounded" if r.receptive_field is None else f"R = {r.receptive_field:,}"
-            ax.plot(x, [b.mean for b in bs], marker="o", ms=3, color=color, label=f"{r.label} ({reach})")
+            ax.plot(x, [b.mean for b in bs], marker="o", ms=3, color=color, ls=style, label=f"{r.label} ({reach})")
             ax.fill_between(x, [b.ci_lo for b in bs], [b.ci_hi for b in bs], color=color, alpha=0.2, lw=0)
             if r.receptive_field is not None:
                 ax.axvline(r.receptive_field, color=color, ls=":", lw=1.2)
