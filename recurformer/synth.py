@@ -28,7 +28,7 @@ longer than that.
 
 Recipes for memory (``recurformer.curriculum``): ``schedule`` changes the task length or the
 truncation by step (a curriculum), ``train_lengths`` draws each batch's length from a range
-(mixed lengths), ``state_init`` starts each training row from a noisy state or another row's
+(mixed lengths; with a length schedule, from its low end up to the stage's length), ``state_init`` starts each training row from a noisy state or another row's
 final state, and ``truncation`` backpropagates through that many segments of ``context`` tokens
 before detaching (``Learner.backward``). Any of the first two, or ``fresh_data``, draws the
 training rows fresh for every batch (``FreshRows``), disjoint from every held-out row. Validation
@@ -88,7 +88,9 @@ class SynthConfig:
     seed: int = 0
     # recipes for memory (recurformer.curriculum): with any of the first three, training rows are drawn
     # fresh for every batch (disjoint from every test row) instead of from a fixed set of n_train rows
-    train_lengths: list[int] = field(default_factory=list)  # [lo, hi]: each batch at a task length drawn from lo..hi
+    train_lengths: list[int] = field(
+        default_factory=list
+    )  # [lo, hi]: each batch at a length from lo..hi (..the stage's)
     schedule: dict[str, Any] = field(default_factory=dict)  # the task length / truncation by step
     fresh_data: bool = False  # fresh rows for every batch at the task's own length
     truncation: int = 0  # segments of ``context`` tokens backpropagated before the state is detached (0: the whole row)
@@ -123,11 +125,6 @@ class SynthConfig:
         if self.state_noise < 0:
             raise RecurformerError(f"synth key 'state_noise' must be >= 0, got {self.state_noise}")
         check_state_init_share(self.state_init_share, self.state_init, "synth.state_init")
-        sched = self.curriculum()
-        if self.train_lengths and sched.sets("length"):
-            raise RecurformerError(
-                "give either synth.train_lengths (mixed lengths) or a length in synth.schedule, not both"
-            )
 
     def curriculum(self) -> Schedule:
         return schedule_from(self.schedule, "synth.schedule")
@@ -340,8 +337,10 @@ def evaluate(learner: Learner, data: TaskData, chunk: int, batch_size: int) -> S
 
 class FreshRows:
     """Training batches drawn fresh for every step (``SynthConfig.fresh``): batch k at the task
-    length the schedule sets at step k, or drawn uniformly from ``train_lengths``; rows from the
-    seed ``(seed, k)``, none equal to a row of ``exclude`` (the validation and test rows)."""
+    length the schedule sets at step k, or drawn uniformly from ``train_lengths`` [lo, hi]; with
+    both, from lo up to the stage's length (at most hi; a stage shorter than lo trains at its own
+    length), so mixed lengths can follow a curriculum. Rows from the seed ``(seed, k)``, none equal
+    to a row of ``exclude`` (the validation and test rows)."""
 
     def __init__(self, task: str, params: dict[str, Any], cfg: SynthConfig, exclude: set[bytes]) -> None:
         self.task, self.t, self.params, self.cfg, self.exclude = task, get_task(task), params, cfg, exclude
@@ -350,10 +349,14 @@ class FreshRows:
     def length(self, step: int) -> int | None:
         """The task length of batch ``step`` (None: the task's own parameters)."""
         cfg = self.cfg
+        stage = scheduled_length(self.t, self.params, cfg, step)
         if cfg.train_lengths:
             lo, hi = cfg.train_lengths
+            if stage is not None:
+                hi = min(hi, stage)
+                lo = min(lo, hi)
             return int(np.random.default_rng([cfg.seed, step, 7]).integers(lo, hi + 1))
-        return scheduled_length(self.t, self.params, cfg, step)
+        return stage
 
     def batch(self, step: int) -> TaskData:
         L = self.length(step)
@@ -500,7 +503,9 @@ def check_recipe(t: Task, params: dict[str, Any], cfg: SynthConfig) -> None:
             "synth key 'state_init' = passing needs batch_size >= 2 (a row takes another row's state)"
         )
     if t.length_key:
-        lengths = [cfg.train_lengths[0]] if cfg.train_lengths else sched.values("length", base)
+        lengths = sched.values("length", base)
+        if cfg.train_lengths:
+            lengths = [min(cfg.train_lengths[0], *lengths)]
         shortest = min(make_split(t.name, 1, 0, t.at_length(params, L)).inputs.shape[1] for L in lengths)
     else:
         shortest = make_split(t.name, 1, 0, params).inputs.shape[1]

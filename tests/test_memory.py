@@ -93,6 +93,20 @@ def test_fresh_rows_follow_the_schedule_and_mixed_lengths() -> None:
     assert set(lengths) == set(range(3, 10)) and lengths == [
         mixed.length(s) for s in range(200)
     ]  # every length, seeded
+    staged = FreshRows(
+        "mqar", p, synth_config({"train_lengths": [2, 6], "schedule": {"stages": [{"step": 100, "length": 8}]}}), set()
+    )  # mixed lengths up to the stage's length: 2..4 (the task's 4) before step 100, then 2..6
+    assert {staged.length(s) for s in range(100)} == {2, 3, 4} and {staged.length(s) for s in range(100, 300)} == {
+        2,
+        3,
+        4,
+        5,
+        6,
+    }
+    short = FreshRows(
+        "mqar", p, synth_config({"train_lengths": [6, 9], "schedule": {"stages": [{"step": 5, "length": 8}]}}), set()
+    )  # a stage below lo trains at its own length
+    assert [short.length(s) for s in range(5)] == [4] * 5 and {short.length(s) for s in range(5, 200)} == {6, 7, 8}
     held = make_split(
         "mqar", 4, 10**9 + 0 * 10**6 + 1, TASKS["mqar"].at_length(p, mixed.length(1))
     )  # what batch 1 would draw first
@@ -197,8 +211,8 @@ def test_a_length_curriculum_is_scored_at_the_length_it_ends_at() -> None:
             "config key 'synth.state_init' must be one of ['zero', 'noise', 'passing'], got 'warm'",
         ),
         (
-            ["synth.train_lengths=[4, 8]", "synth.schedule={stages: [{step: 1, length: 8}]}"],
-            "give either synth.train_lengths",
+            ["synth.train_lengths=[5, 8]", "synth.schedule={stages: [{step: 1, length: 8}]}", "synth.truncation=3"],
+            "synth key 'truncation' = 3: more segments of 4 tokens (synth.context) than the shortest training row (10 tokens) has",
         ),
         (["task.distance=100", "task.seq_len=50"], "task parameter 'distance' = 100 does not fit in seq_len 50"),
         (
@@ -423,7 +437,8 @@ def test_synth_config_files(tmp_path, capsys) -> None:
     assert main(["synth", "--task", "mqar", "--model", "llama", "--config", str(b)]) == 2
     assert "has section 'train'; valid sections: model, task, synth" in capsys.readouterr().err
     memory = [n for n in bundled_configs() if n.startswith("memory/")]
-    assert len(memory) == 15  # 6 recipes x 2 tasks, the MQAR-only twostage, 2 whole experiments (best results)
+    # 6 recipes x 2 tasks, MQAR's twostage and twostage-mixed, 2 whole experiments (best results)
+    assert len(memory) == 16
     for name in memory:
         raw = load_yaml(name)
         task = name.split("/")[1].split("-")[0]
