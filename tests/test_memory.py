@@ -437,8 +437,8 @@ def test_synth_config_files(tmp_path, capsys) -> None:
     assert main(["synth", "--task", "mqar", "--model", "llama", "--config", str(b)]) == 2
     assert "has section 'train'; valid sections: model, task, synth" in capsys.readouterr().err
     memory = [n for n in bundled_configs() if n.startswith("memory/")]
-    # 6 recipes x 2 tasks, MQAR's twostage and twostage-mixed, 2 whole experiments (best results)
-    assert len(memory) == 16
+    # 6 recipes x 2 tasks, MQAR's twostage and twostage-mixed, 3 whole experiments (best results)
+    assert len(memory) == 17
     for name in memory:
         raw = load_yaml(name)
         task = name.split("/")[1].split("-")[0]
