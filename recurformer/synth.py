@@ -28,9 +28,10 @@ longer than that.
 
 Recipes for memory (``recurformer.curriculum``): ``schedule`` changes the task length or the
 truncation by step (a curriculum), ``train_lengths`` draws each batch's length from a range
-(mixed lengths; with a length schedule, from its low end up to the stage's length), ``state_init`` starts each training row from a noisy state or another row's
-final state, and ``truncation`` backpropagates through that many segments of ``context`` tokens
-before detaching (``Learner.backward``). Any of the first two, or ``fresh_data``, draws the
+(mixed lengths; with a length schedule, from its low end up to the stage's length), ``state_init``
+starts each training row from a noisy state or another row's final state, and ``truncation``
+backpropagates through that many segments of ``context`` tokens before detaching
+(``Learner.backward``). Any of the first two, or ``fresh_data``, draws the
 training rows fresh for every batch (``FreshRows``), disjoint from every held-out row. Validation
 and test rows are at the task's own length, or at the length a schedule ends at (a curriculum is
 scored at the length it trains towards).
@@ -88,9 +89,7 @@ class SynthConfig:
     seed: int = 0
     # recipes for memory (recurformer.curriculum): with any of the first three, training rows are drawn
     # fresh for every batch (disjoint from every test row) instead of from a fixed set of n_train rows
-    train_lengths: list[int] = field(
-        default_factory=list
-    )  # [lo, hi]: each batch at a length from lo..hi (..the stage's)
+    train_lengths: list[int] = field(default_factory=list)  # [lo, hi]: each batch's length (mixed_range)
     schedule: dict[str, Any] = field(default_factory=dict)  # the task length / truncation by step
     fresh_data: bool = False  # fresh rows for every batch at the task's own length
     truncation: int = 0  # segments of ``context`` tokens backpropagated before the state is detached (0: the whole row)
@@ -351,10 +350,7 @@ class FreshRows:
         cfg = self.cfg
         stage = scheduled_length(self.t, self.params, cfg, step)
         if cfg.train_lengths:
-            lo, hi = cfg.train_lengths
-            if stage is not None:
-                hi = min(hi, stage)
-                lo = min(lo, hi)
+            lo, hi = mixed_range(cfg.train_lengths, stage)
             return int(np.random.default_rng([cfg.seed, step, 7]).integers(lo, hi + 1))
         return stage
 
@@ -364,6 +360,16 @@ class FreshRows:
         return make_split(
             self.task, self.cfg.batch_size, 10**9 + self.cfg.seed * 10**6 + step, params, exclude=self.exclude
         )
+
+
+def mixed_range(train_lengths: list[int], stage: int | None) -> tuple[int, int]:
+    """The range [lo, hi] a batch's length is drawn from: ``train_lengths``, its top capped by the
+    length a schedule's stage sets (``stage``; None: no length schedule) and its bottom by that top."""
+    lo, hi = train_lengths
+    if stage is not None:
+        hi = min(hi, stage)
+        lo = min(lo, hi)
+    return lo, hi
 
 
 def scheduled_length(t: Task, params: dict[str, Any], cfg: SynthConfig, step: int) -> int | None:
@@ -504,8 +510,9 @@ def check_recipe(t: Task, params: dict[str, Any], cfg: SynthConfig) -> None:
         )
     if t.length_key:
         lengths = sched.values("length", base)
-        if cfg.train_lengths:
-            lengths = [min(cfg.train_lengths[0], *lengths)]
+        if cfg.train_lengths:  # the shortest length each stage draws (FreshRows.length)
+            stages: list[int | None] = list(lengths) if sched.sets("length") else [None]
+            lengths = [mixed_range(cfg.train_lengths, s)[0] for s in stages]
         shortest = min(make_split(t.name, 1, 0, t.at_length(params, L)).inputs.shape[1] for L in lengths)
     else:
         shortest = make_split(t.name, 1, 0, params).inputs.shape[1]

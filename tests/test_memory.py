@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import randomize_params
 
+import recurformer
 from recurformer.cli import main
 from recurformer.data.synthetic import TASKS, make_split
 from recurformer.models import build_model, model_names
@@ -78,6 +79,19 @@ def test_a_row_shorter_than_a_chunk_passes_on_the_state_it_was_read_from() -> No
     _, kept = lr.backward(d.inputs, d.targets, after, 0, 4)
     assert kept.pos == after.pos and torch.equal(kept.layers[0].memory, after.layers[0].memory)
     assert not kept.layers[0].memory.requires_grad
+
+
+def test_the_truncation_check_reads_the_shortest_row_mixed_lengths_draw() -> None:
+    """Without a length schedule mixed lengths never train at the task's own length, so a task
+    length below lo does not make the shortest row; with one, every stage's range counts."""
+    from recurformer.synth import check_recipe
+
+    t = TASKS["mqar"]
+    p = t.params(dict(num_pairs=2, num_queries=2, distance=3))  # rows of 10 tokens; 15 at distance 8
+    check_recipe(t, p, synth_config({"train_lengths": [8, 12], "truncation": 3, "context": 4}))
+    with pytest.raises(recurformer.RecurformerError, match=r"shortest training row \(10 tokens\)"):
+        staged = {"train_lengths": [8, 12], "schedule": {"stages": [{"step": 5, "length": 12}]}}
+        check_recipe(t, p, synth_config({**staged, "truncation": 3, "context": 4}))
 
 
 def test_fresh_rows_follow_the_schedule_and_mixed_lengths() -> None:
