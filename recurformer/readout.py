@@ -143,7 +143,10 @@ def table(r: Readout, kinds: list[str]) -> str:
         "| k | norm |",
         "|---|---|",
     ]
-    lines += [f"| {j} | {g:.3e} |" for j, g in enumerate(r.grad_norm, start=1)]
+    lines += [
+        f"| {j} | {g:.3e} |" if g == g else f"| {j} | - (no token scored in segment {j}) |"
+        for j, g in enumerate(r.grad_norm, start=1)
+    ]
     return "\n".join(lines)
 
 

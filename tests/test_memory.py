@@ -407,6 +407,8 @@ def test_readout_cli_on_a_saved_synth_model(tmp_path, capsys) -> None:
     assert "| 0 | memory |" in text and "| 3 |" in text
     r = json.loads(out.read_text())
     assert r["segment"] == 4 and len(r["share"]["0"]) == 5 and len(r["grad_norm"]) == 3
+    # the queries lie in segments 4..5: the segments before them score nothing, said in words, not 'nan'
+    assert math.isnan(r["grad_norm"][0]) and "| 1 | - (no token scored in segment 1) |" in text and "nan" not in text
     assert main(args[:-4] + ["--segments", "9"]) == 2
     assert "the read-out needs 40 (10 segments of 4); lengthen the task" in capsys.readouterr().err
     m = build_model("memory_attention", {**TINY, "vocab_size": 64, "chunk_size": 4})
