@@ -43,6 +43,11 @@ def state_bytes(name: str, config: dict[str, Any], length: int) -> int:
     return sum(t.numel() * t.element_size() for t in state.to_flat().values() if t.is_floating_point())
 
 
+def look(i: int) -> dict[str, str]:
+    """The i-th line's colour, line style and marker: ten colours, then a new style and marker."""
+    return {"color": f"C{i % 10}", "ls": ("-", "--", "-.")[i // 10 % 3], "marker": ("o", "s", "^")[i // 10 % 3]}
+
+
 def label(r: dict[str, Any]) -> str:
     return f"{r['model']} {r.get('recipe', '')}".strip()
 
@@ -88,18 +93,18 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for lab, by_d in sorted(table.items()):
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    for i, (lab, by_d) in enumerate(sorted(table.items())):
         ds = sorted(by_d)
         mean = [statistics.fmean(by_d[d]) for d in ds]
         lo = [m - min(by_d[d]) for m, d in zip(mean, ds)]
         hi = [max(by_d[d]) - m for m, d in zip(mean, ds)]
-        ax.errorbar([max(d, 1) for d in ds], mean, yerr=[lo, hi], marker="o", capsize=3, label=lab)
+        ax.errorbar([max(d, 1) for d in ds], mean, yerr=[lo, hi], capsize=3, label=lab, **look(i))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("distance from the pairs to the queries (tokens; 0 plotted at 1)")
     ax.set_ylabel("test accuracy")
     ax.set_title(f"{task.pop()}: accuracy vs distance (mean over seeds, min-max bars)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(f"{out}_distance.png", dpi=120)
 
@@ -111,19 +116,19 @@ def main() -> None:
             p = get_task(r["task"]).at_length(r["task_params"], args.distance)
             length = make_split(r["task"], 1, 0, p).inputs.shape[1]
             sizes[lab] = state_bytes(r["model"], r["model_config"], length)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for lab, by_d in sorted(table.items()):
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    for i, (lab, by_d) in enumerate(sorted(table.items())):
         accs = by_d.get(args.distance)
         if not accs:
             continue
         m = statistics.fmean(accs)
-        ax.errorbar([sizes[lab]], [m], yerr=[[m - min(accs)], [max(accs) - m]], marker="o", capsize=3, label=lab)
+        ax.errorbar([sizes[lab]], [m], yerr=[[m - min(accs)], [max(accs) - m]], capsize=3, label=lab, **look(i))
         rows.append({"label": lab, "state_bytes": sizes[lab], "accuracy": accs, "mean": m})
     ax.set_xscale("log")
     ax.set_xlabel("state size per row (bytes, measured after a row at this distance)")
     ax.set_ylabel(f"test accuracy at distance {args.distance}")
     ax.set_title("accuracy vs state size")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(f"{out}_state.png", dpi=120)
 
