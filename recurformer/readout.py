@@ -144,7 +144,7 @@ def table(r: Readout, kinds: list[str]) -> str:
         "|---|---|",
     ]
     lines += [
-        f"| {j} | {g:.3e} |" if g == g else f"| {j} | - (no token scored in segment {j}) |"
+        f"| {j} | - (no token scored in segment {j}) |" if math.isnan(g) else f"| {j} | {g:.3e} |"
         for j, g in enumerate(r.grad_norm, start=1)
     ]
     return "\n".join(lines)
