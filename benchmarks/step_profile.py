@@ -126,16 +126,23 @@ def alone_flops_per_s(
     dims: tuple[int, ...], dtype: torch.dtype, clock: Clock = time.perf_counter, seconds: float = 0.2
 ) -> float:
     """Best FLOP/s of one matmul of these dims in ``dtype`` timed by itself on ``clock`` over
-    ~``seconds``; of (1, 1024, 1024, 1024) it is the peak (as ``recurformer.flops.matmul_peak``)."""
+    ~``seconds``; of (1, 1024, 1024, 1024) it is the peak (as ``recurformer.flops.matmul_peak``).
+    Each sample times as many calls as take ~1 ms, so a matmul of a few microseconds is not below
+    the clock's resolution (the CPU clock's can be coarse enough to read 0 for one call)."""
     bsz, m, k, n = dims
     a, b = torch.randn(bsz, m, k, dtype=dtype), torch.randn(bsz, k, n, dtype=dtype)
     mm = torch.bmm if bsz > 1 else lambda x, y: x[0] @ y[0]
     mm(a, b)
+    t0 = time.perf_counter()
+    mm(a, b)
+    reps = max(1, int(1e-3 / max(time.perf_counter() - t0, 1e-7)))
     best, t_end = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < t_end or best == float("inf"):
         t0 = clock()
-        mm(a, b)
-        best = min(best, clock() - t0)
+        for _ in range(reps):
+            mm(a, b)
+        if (elapsed := clock() - t0) > 0:
+            best = min(best, elapsed / reps)
     return 2 * bsz * m * k * n / best
 
 

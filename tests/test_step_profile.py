@@ -84,3 +84,17 @@ def test_split_of_a_real_step(name: str, extra: dict) -> None:
     assert "aten::mm" not in elementwise and "aten::addcdiv_" not in elementwise  # AdamW's update is the optimizer's
     # Llama attends through SDPA's fused kernel; Transformer-XL writes its relative attention in matmuls
     assert (seconds["attention"] > 0) == (name == "llama")
+
+
+def test_alone_rate_of_a_tiny_matmul_on_a_coarse_clock() -> None:
+    """A matmul of a few microseconds timed on a clock that ticks in 1 ms steps (as a process's
+    CPU clock can): each sample must span many calls, so the rate comes out finite and within the
+    range the same matmul reaches on the fine wall clock (no division by a zero reading)."""
+    import time
+
+    coarse = lambda: round(time.perf_counter(), 3)  # noqa: E731
+    dims = (1, 8, 32, 32)
+    rate = step_profile.alone_flops_per_s(dims, torch.float32, coarse, seconds=0.05)
+    fine = step_profile.alone_flops_per_s(dims, torch.float32, time.perf_counter, seconds=0.05)
+    assert 0 < rate < float("inf")
+    assert rate <= 3 * fine
