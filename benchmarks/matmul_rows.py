@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from recurformer.flops import matmul_peak
+from recurformer.flops import machine_name, matmul_peak
 
 SHAPES = [(288, 288), (288, 768), (768, 288)]  # (K, N): W_k / W_v / W_o, W_1 / W_3, W_2
 ROWS = [8, 64, 2048]
@@ -77,7 +76,8 @@ def main() -> None:
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         torch=torch.__version__,
         threads=torch.get_num_threads(),
-        machine=platform.processor() or platform.machine(),
+        cpu=machine_name(),
+        cores=os.cpu_count(),
         omp=os.environ.get("OMP_NUM_THREADS"),
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
