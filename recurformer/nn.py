@@ -20,7 +20,7 @@ from .compat import upgrade_state
 from .config import RecurformerError
 from .generate import GenerationMixin
 from .hub import HubMixin
-from .modules import MLP, RMSNorm
+from .modules import MLP, RMSNorm, cross_entropy
 from .registry import build_layer
 from .state import IGNORE_INDEX, Call, LayerState, Output, Room, State, reset_rows, writable
 
@@ -340,7 +340,12 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
         if targets is not None:
             if targets.shape != tokens.shape:
                 raise RecurformerError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+            V = self.config.vocab_size
+            wrong = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= V)) if self.check_tokens else None
+            if wrong is not None and bool(wrong.any()):
+                bad = int(targets[wrong][0])
+                raise RecurformerError(f"target id {bad} is outside the vocabulary [0, {V}) and is not {IGNORE_INDEX}")
+            loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), IGNORE_INDEX)
         return Output(logits=logits, loss=loss, state=state)
 
     def check_state(self, state: State, batch_size: int) -> State:

@@ -1,0 +1,87 @@
+"""The training loss (``recurformer.modules.cross_entropy``, gradient computed in the forward,
+block by block) against ``F.cross_entropy`` over float32 logits, on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recurformer import build_model
+from recurformer.config import RecurformerError
+from recurformer.modules import _CrossEntropy, cross_entropy
+
+
+def reference(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = logits.detach().requires_grad_()
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    loss = F.cross_entropy(x.to(acc), targets, ignore_index=-100)
+    (loss * 3.0).backward()
+    return loss.detach(), x.grad
+
+
+def ours(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = logits.detach().requires_grad_()
+    loss = _CrossEntropy.apply(x, targets, -100)  # in every dtype, though only float16/bfloat16 logits take it
+    (loss * 3.0).backward()
+    return loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("V", [7, 4096, 70000])  # one block, 64-row blocks, 3-row blocks with a short last one
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_loss_and_gradient_match_torch(V: int, dtype: torch.dtype) -> None:
+    N = 130
+    logits = (torch.randn(N, V, dtype=torch.float64) * 3).to(dtype)
+    targets = torch.randint(0, V, (N,))
+    targets[torch.rand(N) < 0.2] = -100
+    (l0, g0), (l1, g1) = reference(logits, targets), ours(logits, targets)
+    assert l1.dtype == l0.dtype and g1.dtype == dtype
+    assert torch.allclose(l1, l0, rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=0)
+    # elementwise, within a few roundings in the logits' dtype (softmax, the scale, the backward's
+    # product) of the entry, or of the row's scale 3 / n where p - 1 cancels at the target
+    err, row_scale = (g1.double() - g0.double()).abs(), 3.0 / int((targets != -100).sum())
+    assert (err <= 4 * torch.finfo(dtype).eps * (g0.double().abs() + row_scale)).all()
+    assert g1[targets == -100].abs().sum() == 0
+
+
+def test_every_target_ignored_gives_nan_and_a_zero_gradient() -> None:
+    logits, targets = torch.randn(5, 11), torch.full((5,), -100)
+    (l0, g0), (l1, g1) = reference(logits, targets), ours(logits, targets)
+    assert l0.isnan() and l1.isnan()
+    assert torch.equal(g1, g0) and g1.abs().sum() == 0
+
+
+def test_under_bf16_autocast_the_loss_is_float32() -> None:
+    logits = torch.randn(64, 300).bfloat16()
+    targets = torch.randint(0, 300, (64,))
+    x = logits.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cross_entropy(x, targets)
+    assert loss.dtype == torch.float32 and loss.grad_fn is not None and "_CrossEntropy" in type(loss.grad_fn).__name__
+    assert torch.allclose(loss, reference(logits, targets)[0], rtol=1e-6, atol=0)
+
+
+def test_the_model_loss_is_the_cross_entropy_of_its_logits() -> None:
+    torch.manual_seed(0)
+    model = build_model("llama", dict(vocab_size=97, dim=32, n_layers=2, n_heads=2)).double()
+    x = torch.randint(0, 97, (3, 20))
+    y = torch.randint(0, 97, (3, 20))
+    y[0, :5] = -100
+    out = model(x, targets=y)
+    assert torch.allclose(out.loss, F.cross_entropy(out.logits.flatten(0, 1), y.flatten()), rtol=1e-12, atol=0)
+    out.loss.backward()
+    g = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).backward()
+    for a, b in zip(g, (p.grad for p in model.parameters())):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+
+
+def test_a_target_outside_the_vocabulary_is_a_clear_error() -> None:
+    model = build_model("llama", dict(vocab_size=97, dim=32, n_layers=1, n_heads=2))
+    x = torch.randint(0, 97, (2, 8))
+    for bad in (97, -3):
+        y = x.clone()
+        y[1, 4] = bad
+        with pytest.raises(RecurformerError, match=f"target id {bad} is outside the vocabulary"):
+            model(x, targets=y)
