@@ -154,17 +154,21 @@ class MemoryAttentionLayer(Layer):
             m = self.mem_norm(m)
         return m
 
-    def kv_weights(self) -> tuple[Tensor, Tensor]:
-        """[Wk; Wv] [2D, D] of the chunk's tokens and of the memory (the same with shared memory
-        Q/K/V): keys and values in one matmul. Built once per call (a few launches per chunk fewer
-        than two projections)."""
-        w = torch.cat((self.wk.weight, self.wv.weight))
-        return w, (torch.cat((self.wkm.weight, self.wvm.weight)) if self.cfg.memory_qkv == "separate" else w)
+    def qkv_weights(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """[Wq; Wk; Wv] [3D, D] for the chunk's tokens (queries, keys and values in one matmul) and
+        [Wk; Wv] [2D, D] for the memory (its rows D.. with shared memory Q/K/V). Built once per
+        call, in the autocast dtype when autocast is on, so its cast is not repeated per chunk."""
+        w = torch.cat((self.wq.weight, self.wk.weight, self.wv.weight))
+        w_m = torch.cat((self.wkm.weight, self.wvm.weight)) if self.cfg.memory_qkv == "separate" else w[self.cfg.dim :]
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev) and w.dtype != (low := torch.get_autocast_dtype(dev)):
+            return w.to(low), w_m.to(low)
+        return w, w_m
 
     def memory_kv(self, m: Tensor, cos: Tensor, sin: Tensor, w_kv: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Keys/values of the evolved memory M' = ``evolve(m)`` at RoPE positions 0..C-1: [B, H, C, d] each
-        (``w_kv``: ``kv_weights()[1]``, when the caller holds it)."""
-        k, v = F.linear(m, self.kv_weights()[1] if w_kv is None else w_kv).chunk(2, dim=-1)
+        (``w_kv``: ``qkv_weights()[1]``, when the caller holds it)."""
+        k, v = F.linear(m, self.qkv_weights(m)[1] if w_kv is None else w_kv).chunk(2, dim=-1)
         return apply_rope(split_heads(k, self.n_heads), cos, sin), split_heads(v, self.n_heads)
 
     def gated_update(self, evolved: Tensor, out: Tensor) -> Tensor:
@@ -187,15 +191,15 @@ class MemoryAttentionLayer(Layer):
         Only the attention and the memory evolution run chunk by chunk; the projections, RoPE
         (chunk positions C..2C-1, whatever chunk a token is in) and, for ``pre_wo`` memory, Wo
         run once over all T tokens."""
-        C, T, H = self.cfg.chunk_size, x.shape[1], self.n_heads
+        C, T, H, D = self.cfg.chunk_size, x.shape[1], self.n_heads, self.cfg.dim
         cos, sin, mask = call.shared(("memory", C, x.dtype), lambda: self.tables(x))
         r0 = call.pos % C  # tokens of the current chunk read by earlier calls
         pos = C + (r0 + torch.arange(T, device=x.device)) % C
-        w_kv, w_kv_memory = self.kv_weights()
-        k_x, v_x = F.linear(x, w_kv).chunk(2, dim=-1)
-        q_all = apply_rope(split_heads(self.wq(x), H), cos[pos], sin[pos])  # [B, H, T, d]
-        k_all = apply_rope(split_heads(k_x, H), cos[pos], sin[pos])
-        v_all = split_heads(v_x, H)
+        w_qkv, w_kv_memory = self.qkv_weights(x)
+        qkv = F.linear(x, w_qkv)
+        qk = apply_rope(split_heads(qkv[..., : 2 * D], 2 * H), cos[pos], sin[pos])  # RoPE of q and k at once
+        q_all, k_all = qk.split(H, dim=1)  # [B, H, T, d] each
+        v_all = split_heads(qkv[..., 2 * D :], H)
         sizes = pieces(r0, T, C)
         pre_wo = self.cfg.memory_source == "pre_wo"
         memory, mem_k, mem_v, part_k, part_v, part_o = st.memory, st.mem_k, st.mem_v, st.part_k, st.part_v, st.part_o
