@@ -60,8 +60,8 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dt
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate pairs (x[i], x[i + d/2]) of ``x`` [B, H, T, d] by angles given as cos/sin [T, d/2]
     (or [B, 1, T, d/2])."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
+    x = x.to(torch.promote_types(x.dtype, cos.dtype))  # the result's dtype: one cast, not one per mixed-dtype product
+    x1, x2 = x.chunk(2, dim=-1)  # one split: its backward is one cat, where two slices' are two zero-filled copies
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 

@@ -196,10 +196,9 @@ class MemoryAttentionLayer(Layer):
         r0 = call.pos % C  # tokens of the current chunk read by earlier calls
         pos = C + (r0 + torch.arange(T, device=x.device)) % C
         w_qkv, w_kv_memory = self.qkv_weights(x)
-        qkv = F.linear(x, w_qkv)
-        qk = apply_rope(split_heads(qkv[..., : 2 * D], 2 * H), cos[pos], sin[pos])  # RoPE of q and k at once
-        q_all, k_all = qk.split(H, dim=1)  # [B, H, T, d] each
-        v_all = split_heads(qkv[..., 2 * D :], H)
+        qk_x, v_x = F.linear(x, w_qkv).split((2 * D, D), dim=-1)
+        q_all, k_all = apply_rope(split_heads(qk_x, 2 * H), cos[pos], sin[pos]).split(H, dim=1)  # RoPE of q, k at once
+        v_all = split_heads(v_x, H)
         sizes = pieces(r0, T, C)
         pre_wo = self.cfg.memory_source == "pre_wo"
         memory, mem_k, mem_v, part_k, part_v, part_o = st.memory, st.mem_k, st.mem_v, st.part_k, st.part_v, st.part_o
