@@ -15,8 +15,35 @@ from torch.overrides import handle_torch_function, has_torch_function
 Fn = TypeVar("Fn", bound=Callable[..., Tensor])
 
 
+class _RMSNorm(torch.autograd.Function):
+    """y = n * g with n = (x r) in x's dtype, r = 1 / sqrt(mean(x^2) + eps) in at least float32,
+    and its gradient written out: dg = sum(dy * n), dx = r (dn - x r^2 mean(dn * x)) with
+    dn = dy * g. Fewer passes over x than autograd's graph of the same ops (pow, mean, rsqrt, two
+    products and their backwards); equal to it to rounding (tests/test_modules.py)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        n = (xf * r).to(x.dtype)
+        ctx.save_for_backward(x, weight, r, n)
+        return n * weight
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, weight, r, n = ctx.saved_tensors
+        dw = (dy * n).flatten(0, -2).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        if not ctx.needs_input_grad[0]:
+            return None, dw, None
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        dn = (dy * weight).to(xf.dtype)
+        dx = (dn - xf * (r * r * (dn * xf).mean(-1, keepdim=True))) * r
+        return dx.to(x.dtype), dw, None
+
+
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * g  (Zhang & Sennrich 2019)."""
+    """y = x / sqrt(mean(x^2) + eps) * g  (Zhang & Sennrich 2019), the normalisation in at least
+    float32, rounded to x's dtype before the gain (as Llama)."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -24,8 +51,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return cast(Tensor, _RMSNorm.apply(x, self.weight, self.eps))
 
 
 class MLP(nn.Module):
@@ -153,7 +179,7 @@ class _CrossEntropy(torch.autograd.Function):
     in the logits' dtype. One pass over the logits per block, the float32 block staying in cache,
     and one scaling pass in the backward, where autograd's log-softmax and NLL take about five
     passes over [N, V] float32 and keep the log-probabilities alive. Exact to rounding against
-    ``F.cross_entropy`` (tests/test_cross_entropy.py)."""
+    ``F.cross_entropy`` (tests/test_modules.py)."""
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:

@@ -1,5 +1,6 @@
-"""The training loss (``recurformer.modules.cross_entropy``, gradient computed in the forward,
-block by block) against ``F.cross_entropy`` over float32 logits, on fresh random inputs."""
+"""Building blocks with a hand-written gradient against autograd's, on fresh random inputs: the
+training loss (``recurformer.modules.cross_entropy``, gradient computed in the forward, block by
+block) against ``F.cross_entropy`` over float32 logits, and RMSNorm against the graph of its ops."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from recurformer import build_model
 from recurformer.config import RecurformerError
-from recurformer.modules import _CrossEntropy, cross_entropy
+from recurformer.modules import RMSNorm, _CrossEntropy, cross_entropy
 
 
 def reference(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,3 +86,45 @@ def test_a_target_outside_the_vocabulary_is_a_clear_error() -> None:
         y[1, 4] = bad
         with pytest.raises(RecurformerError, match=f"target id {bad} is outside the vocabulary"):
             model(x, targets=y)
+
+
+def rms_norm_by_autograd(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the graph of its operations (what autograd differentiates)."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * g
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 48), (2, 0, 48), (7, 48)])
+def test_rms_norm_gradient_matches_autograd_in_float64(shape: tuple[int, ...]) -> None:
+    norm = RMSNorm(48, eps=1e-5).double()
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(*shape, dtype=torch.float64) * 3).requires_grad_()
+    dy = torch.randn(*shape, dtype=torch.float64)
+    got = torch.autograd.grad(norm(x), (x, norm.weight), dy)
+    want = torch.autograd.grad(rms_norm_by_autograd(x, norm.weight, 1e-5), (x, norm.weight), dy)
+    assert torch.equal(norm(x), rms_norm_by_autograd(x, norm.weight, 1e-5))
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-13)
+
+
+def test_rms_norm_under_bf16_autocast_and_without_an_input_gradient() -> None:
+    norm = RMSNorm(64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    for dtype in (torch.float32, torch.bfloat16):  # the residual stream (float32) and a bf16 memory
+        x0, dy = torch.randn(4, 9, 64).to(dtype), torch.randn(4, 9, 64)
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = norm(x)
+            y_ref = rms_norm_by_autograd(x, norm.weight, norm.eps)
+        assert y.dtype == y_ref.dtype == torch.float32 and torch.equal(y, y_ref)
+        got = torch.autograd.grad(y, (x, norm.weight), dy)
+        want = torch.autograd.grad(y_ref, (x, norm.weight), dy)
+        assert got[0].dtype == dtype
+        for a, b in zip(got, want):  # dx cancels (dn - x r^2 mean(dn x)): a few units of x's dtype at the largest entry
+            assert (a.float() - b.float()).abs().max() <= 4 * torch.finfo(dtype).eps * b.float().abs().max()
+    x = torch.randn(4, 9, 64)  # no gradient to x: the gain's alone
+    (dw,) = torch.autograd.grad(norm(x), norm.weight, dy)
+    (dw_ref,) = torch.autograd.grad(rms_norm_by_autograd(x, norm.weight, norm.eps), norm.weight, dy)
+    assert torch.allclose(dw, dw_ref, rtol=1e-6, atol=1e-6)
