@@ -15,6 +15,13 @@ from torch.overrides import handle_torch_function, has_torch_function
 Fn = TypeVar("Fn", bound=Callable[..., Tensor])
 
 
+def _rms_normalize(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """r = 1 / sqrt(mean(x^2) + eps) in at least float32, and n = x r in x's dtype."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return r, (xf * r).to(x.dtype)
+
+
 class _RMSNorm(torch.autograd.Function):
     """y = n * g with n = (x r) in x's dtype, r = 1 / sqrt(mean(x^2) + eps) in at least float32,
     and its gradient written out: dg = sum(dy * n), dx = r (dn - x r^2 mean(dn * x)) with
@@ -23,9 +30,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        n = (xf * r).to(x.dtype)
+        r, n = _rms_normalize(x, eps)
         ctx.save_for_backward(x, weight, r, n)
         return n * weight
 
@@ -51,7 +56,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return cast(Tensor, _RMSNorm.apply(x, self.weight, self.eps))
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return cast(Tensor, _RMSNorm.apply(x, self.weight, self.eps))
+        return _rms_normalize(x, self.eps)[1] * self.weight  # no graph: the ops alone, fewer calls (decoding)
 
 
 class MLP(nn.Module):
