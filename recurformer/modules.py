@@ -15,9 +15,14 @@ from torch.overrides import handle_torch_function, has_torch_function
 Fn = TypeVar("Fn", bound=Callable[..., Tensor])
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 accumulators for half types, otherwise the input dtype (float64 stays float64)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _rms_normalize(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """r = 1 / sqrt(mean(x^2) + eps) in at least float32, and n = x r in x's dtype."""
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    xf = x.to(acc_dtype(x.dtype))
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return r, (xf * r).to(x.dtype)
 
@@ -40,7 +45,7 @@ class _RMSNorm(torch.autograd.Function):
         dw = (dy * n).flatten(0, -2).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         if not ctx.needs_input_grad[0]:
             return None, dw, None
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = x.to(acc_dtype(x.dtype))
         dn = (dy * weight).to(xf.dtype)
         dx = (dn - xf * (r * r * (dn * xf).mean(-1, keepdim=True))) * r
         return dx.to(x.dtype), dw, None
@@ -191,7 +196,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
         N, V = logits.shape
-        acc = torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
+        acc = acc_dtype(logits.dtype)
         keep = targets != ignore_index
         t = targets.masked_fill(~keep, 0)
         n = keep.sum()
@@ -223,10 +228,10 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> 
     in their dtype instead of float32 log-probabilities, in about a third of the time on the CPU
     (benchmarks/cross_entropy.py; on float32 logits PyTorch's own is as fast). Targets must lie in
     [0, V) or equal ``ignore_index``."""
-    low = logits.dtype in (torch.float16, torch.bfloat16)
-    if low and torch.is_grad_enabled() and logits.requires_grad:
+    acc = acc_dtype(logits.dtype)
+    if acc != logits.dtype and torch.is_grad_enabled() and logits.requires_grad:
         return cast(Tensor, _CrossEntropy.apply(logits, targets, ignore_index))
-    return F.cross_entropy(logits.float() if low else logits, targets, ignore_index=ignore_index)
+    return F.cross_entropy(logits.to(acc), targets, ignore_index=ignore_index)
 
 
 def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> Tensor:

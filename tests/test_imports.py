@@ -13,9 +13,20 @@ ROOT = Path(__file__).resolve().parents[1] / "recurformer"
 # The floors, lowest first. A module may import only modules on a lower floor.
 FLOORS: list[list[str]] = [
     # 0: nothing of the package
-    ["config", "modules", "compat", "optim", "ops", "ops.recurrent_attention", "ops.reference", "tap"],
-    # 1: the state types, files, the registry, the recurrent cell, devices, data readers
-    ["files", "state", "registry", "cells", "device", "ops.relative", "data.tokenizer", "data.streams", "data.sources"],
+    ["config", "modules", "compat", "optim", "ops", "ops.reference", "tap"],
+    # 1: the state types, files, the registry, the recurrent cell, devices, data readers, the attention ops
+    [
+        "files",
+        "state",
+        "registry",
+        "cells",
+        "device",
+        "ops.relative",
+        "ops.recurrent_attention",
+        "data.tokenizer",
+        "data.streams",
+        "data.sources",
+    ],
     # 2: file formats and helpers on the state types
     ["checkpoint", "generate", "flops", "data.prepare", "data.synthetic"],
     ["data", "loggers"],

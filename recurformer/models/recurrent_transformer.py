@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..modules import MLP, RMSNorm, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
+from ..modules import MLP, RMSNorm, acc_dtype, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
 from ..nn import Layer, ModelConfig, StreamingLM
 from ..ops.recurrent_attention import BiasFn, alibi_bias, recurrent_attention_naive, recurrent_attention_tiled
 from ..registry import register, register_layer
@@ -137,7 +137,7 @@ class RecurrentLayer(Layer):
         return None, alibi_bias(cast(Tensor, self.slopes).to(dtype))
 
     def forward(self, x: Tensor, st: RecurrentState, call: Call) -> tuple[Tensor, RecurrentState]:
-        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        acc = acc_dtype(x.dtype)
         rope, bias_fn = call.shared(
             ("rt-pos", self.cfg.position, acc), lambda: self.position_signal(call.pos, x.shape[1], x.device, acc)
         )

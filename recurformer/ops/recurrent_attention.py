@@ -41,6 +41,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from ..modules import acc_dtype
+
 # finish(a [B, H, n, d] (accumulator dtype), s, e) -> (z [B, n, D], k [B, H, n, d], v [B, H, n, d])
 # for the call's positions s..e-1
 Finish = Callable[[Tensor, int, int], tuple[Tensor, Tensor, Tensor]]
@@ -60,11 +62,6 @@ class _Tiling:
     scale: float
     bias_fn: BiasFn | None
     query_chunk: int
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 accumulators for half types, otherwise the input dtype (float64 stays float64)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def alibi_bias(slopes: Tensor) -> BiasFn:
