@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -21,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from recurformer.flops import machine_name
+from recurformer.flops import machine_meta
 from recurformer.modules import cross_entropy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -79,11 +77,7 @@ def main() -> None:
         lo, hi = r["speedup_range"]
         print(f"{r['precision']:6} {r['torch_ms']:19.1f} {r['ours_ms']:8.1f} {r['speedup']:8.2f}x {lo:5.2f}-{hi:4.2f}")
     meta = dict(
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        torch=torch.__version__,
-        threads=torch.get_num_threads(),
-        cpu=machine_name(),
-        cores=os.cpu_count(),
+        machine_meta(),
         rows=args.rows,
         vocab=args.vocab,
         rounds=args.rounds,

@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from recurformer.flops import machine_name, matmul_peak
+from recurformer.flops import machine_meta, matmul_peak
 
 SHAPES = [(288, 288), (288, 768), (768, 288)]  # (K, N): W_k / W_v / W_o, W_1 / W_3, W_2
 ROWS = [8, 64, 2048]
@@ -73,11 +72,7 @@ def main() -> None:
             f"{r['precision']:5} {r['M']:5d} {r['K']:4d} {r['N']:4d} {r['us']:9.1f} {r['gflops']:8.1f} {r['of_peak']:8.1%}"
         )
     meta = dict(
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        torch=torch.__version__,
-        threads=torch.get_num_threads(),
-        cpu=machine_name(),
-        cores=os.cpu_count(),
+        machine_meta(),
         omp=os.environ.get("OMP_NUM_THREADS"),
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,17 @@ def machine_name(device: torch.device | str = "cpu") -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def machine_meta() -> dict[str, object]:
+    """Where a CPU measurement ran, for its JSON: the time (UTC), torch, threads, CPU model, cores."""
+    return dict(
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        cpu=machine_name(),
+        cores=os.cpu_count(),
+    )
 
 
 def peak_cache_file() -> Path:
