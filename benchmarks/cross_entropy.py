@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="torch threads (default: as OMP_NUM_THREADS gives)")
     ap.add_argument("--out", default="out/cross_entropy.json")
     args = ap.parse_args()
+    if min(args.rows, args.vocab, args.rounds) < 1:
+        ap.error(f"--rows, --vocab and --rounds must be >= 1, got {args.rows}, {args.vocab}, {args.rounds}")
     if args.threads:
         torch.set_num_threads(args.threads)
     targets = torch.randint(0, args.vocab, (args.rows,))
