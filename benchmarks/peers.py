@@ -1,8 +1,14 @@
 """Training throughput of recurformer's models beside the implementations a researcher would
 otherwise use, each pair at the same dim, depth, heads, window / segment / memory sizes and batch,
 fp32 or bf16 (``--precision``), training steps (forward + backward + AdamW) timed A B A B
-interleaved, warm-up rounds discarded; reported as median tokens/s, the median and spread
-(min-max) of the per-round ratios ours / theirs, and the same ratio per FLOP.
+interleaved, warm-up rounds discarded; reported as median tokens/s, the median of the per-round
+ratios ours / theirs with its 95% interval and spread (min-max), and the same ratio per FLOP.
+
+The interval is distribution-free: the order statistics r_(k) <= median <= r_(n+1-k) of n
+per-round ratios, with the largest k whose binomial tail P(Bin(n, 1/2) < k) is at most 2.5%
+(n = 7: min-max, 98%; n = 15: r_(4)-r_(12), 96%); it needs n >= 6. ``--until W`` keeps adding
+rounds, up to ``--max-rounds``, until that interval is at most W wide: machine noise of 10-15% per
+step leaves a 7-round interval wider than the few percent a comparison may turn on.
 
 Pairs (ours vs theirs):
   transformer_xl   vs x-transformers' ``TransformerWrapper(max_mem_len=...)``, segments of L with
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -346,7 +353,40 @@ class Worker:
         self.log.close()
 
 
-def run_pair(pair: str, config: dict, peer_python: Path, dist: str | None, rounds: int, warmup: int) -> dict | None:
+def per_round(times: dict[str, list[float]]) -> list[float]:
+    """ours / theirs in tokens/s, one per A B round."""
+    return [b / a for a, b in zip(times["ours"], times["theirs"])]
+
+
+def width(times: dict[str, list[float]]) -> float:
+    """The width of the 95% interval of the median ratio (inf while there are too few rounds)."""
+    ci = median_interval(per_round(times))
+    return ci[1] - ci[0] if ci else math.inf
+
+
+def median_interval(xs: list[float], level: float = 0.95) -> tuple[float, float, float] | None:
+    """(low, high, coverage): the distribution-free interval [x_(k), x_(n+1-k)] of the median of
+    ``xs`` (1-based order statistics), k the largest with P(Bin(n, 1/2) <= k - 1) <= (1 - level) / 2,
+    and its exact coverage 1 - 2 P(Bin(n, 1/2) <= k - 1); None when even min-max falls short."""
+    n, tail = len(xs), (1 - level) / 2
+    cdf = [sum(math.comb(n, i) for i in range(j + 1)) / 2**n for j in range(n)]  # P(Bin <= j)
+    k = max((k for k in range(1, (n + 1) // 2 + 1) if cdf[k - 1] <= tail), default=0)
+    if k == 0:
+        return None
+    s = sorted(xs)
+    return s[k - 1], s[n - k], 1 - 2 * cdf[k - 1]
+
+
+def run_pair(
+    pair: str,
+    config: dict,
+    peer_python: Path,
+    dist: str | None,
+    rounds: int,
+    warmup: int,
+    until: float,
+    max_rounds: int,
+) -> dict | None:
     ours = Worker(Path(sys.executable), pair, "ours", config, None)
     theirs = Worker(peer_python, pair, "theirs", config, dist)
     try:
@@ -355,11 +395,15 @@ def run_pair(pair: str, config: dict, peer_python: Path, dist: str | None, round
                 print(f"{pair}: {name} skipped: {w.info['error']}", flush=True)
                 return None
         times: dict[str, list[float]] = {"ours": [], "theirs": []}
-        for r in range(warmup + rounds):  # A B A B: machine noise hits both alike
-            a, b = ours.step(), theirs.step()
-            if r >= warmup:
-                times["ours"].append(a)
-                times["theirs"].append(b)
+        for _ in range(warmup):
+            ours.step()
+            theirs.step()
+        while True:  # A B A B: machine noise hits both alike
+            times["ours"].append(ours.step())
+            times["theirs"].append(theirs.step())
+            n = len(times["ours"])
+            if n >= rounds and (not until or n >= max_rounds or width(times) <= until):
+                break
     except RuntimeError as e:
         print(f"{pair}: skipped, a step failed: {e}", flush=True)
         return None
@@ -367,7 +411,8 @@ def run_pair(pair: str, config: dict, peer_python: Path, dist: str | None, round
         ours.close()
         theirs.close()
     tokens = config["batch"] * config["seq"]
-    ratios = [b / a for a, b in zip(times["ours"], times["theirs"])]  # ours / theirs in tokens/s
+    ratios = per_round(times)
+    ci = median_interval(ratios)
     f_o, f_t = ours.info["flops"], theirs.info["flops"]
     return dict(
         pair=pair,
@@ -381,6 +426,9 @@ def run_pair(pair: str, config: dict, peer_python: Path, dist: str | None, round
             theirs=round(tokens / statistics.median(times["theirs"])),
         ),  # fmt: skip
         ratio=round(statistics.median(ratios), 3),
+        ratio_ci=[round(ci[0], 3), round(ci[1], 3)] if ci else None,
+        ratio_ci_coverage=round(ci[2], 3) if ci else None,
+        rounds=len(ratios),
         ratio_min=round(min(ratios), 3),
         ratio_max=round(max(ratios), 3),
         ratio_per_flop=round(statistics.median(ratios) * f_o / f_t, 3),
@@ -406,8 +454,13 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=32, help="Memory Attention chunk (llama2Rnn's memseqlen)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=5, help="timed A B rounds per pair (>= 3)")
+    ap.add_argument("--rounds", type=int, default=7, help="timed A B rounds per pair (>= 3; an interval needs 6)")
     ap.add_argument("--warmup", type=int, default=2, help="A B rounds run first and discarded")
+    ap.add_argument(
+        "--until", type=float, default=0.0, metavar="W",
+        help="after --rounds, add rounds until the ratio's 95%% interval is at most W wide (e.g. 0.1), or --max-rounds",
+    )  # fmt: skip
+    ap.add_argument("--max-rounds", type=int, default=40, help="the most timed rounds per pair with --until")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: both sides under CPU autocast")
     ap.add_argument(
@@ -422,6 +475,8 @@ def main() -> None:
             ap.error(f"--pairs: unknown pair {p!r} (choose from {', '.join(PEER_NAMES)})")
     if args.rounds < 3:
         ap.error(f"--rounds must be >= 3, got {args.rounds}")
+    if args.until < 0 or (args.until and args.max_rounds < args.rounds):
+        ap.error(f"--until must be >= 0 and --max-rounds >= --rounds, got {args.until} and {args.max_rounds}")
     if args.seq % args.segment:
         ap.error(f"--seq ({args.seq}) must be a multiple of --segment ({args.segment})")
     if args.llama2rnn and not (Path(args.llama2rnn) / "model.py").is_file():
@@ -450,7 +505,12 @@ def main() -> None:
         f"{args.precision}, {args.threads} thread(s), batch {args.batch} x {args.seq}, dim {args.dim} x {args.depth} layers, "
         f"{args.heads} heads, segment/block {args.segment}, RMT memory {args.memory}; "
         + (f"ours with {ours_set}; " if ours_set else "")
-        + f"{args.warmup} warm-up + {args.rounds} timed A B rounds",
+        + f"{args.warmup} warm-up + {args.rounds} timed A B rounds"
+        + (
+            f", more until the ratio's 95% interval is <= {args.until} wide (at most {args.max_rounds})"
+            if args.until
+            else ""
+        ),
         flush=True,
     )
     results = []
@@ -465,26 +525,28 @@ def main() -> None:
         if not py.exists():
             print(f"{pair}: skipped, no python in --venv {args.venv}", flush=True)
             continue
-        row = run_pair(pair, config, py, dist, args.rounds, args.warmup)
+        row = run_pair(pair, config, py, dist, args.rounds, args.warmup, args.until, args.max_rounds)
         if row:
             results.append(row)
-            print(f"{pair}: done, ours / theirs {row['ratio']:.2f}", flush=True)
+            print(f"{pair}: done, ours / theirs {row['ratio']:.2f} ({row['rounds']} rounds)", flush=True)
 
-    head = f"{'ours':<17}{'theirs':<23}{'ours tok/s':>11}{'theirs tok/s':>13}{'ratio':>7}{'spread':>12}"
+    head = f"{'ours':<17}{'theirs':<23}{'ours tok/s':>11}{'theirs tok/s':>13}{'ratio':>7}{'95% interval':>14}{'spread':>12}"
     head += f"{'MFLOP/tok o|t':>16}{'per FLOP':>9}  differs"
     print(head)
     for r in results:
         t, f = r["tokens_per_s"], r["flops_per_token"]
         print(
             f"{r['pair']:<17}{r['peer']:<23}{t['ours']:>11,}{t['theirs']:>13,}{r['ratio']:>7.2f}"
-            f"{r['ratio_min']:>6.2f}-{r['ratio_max']:<5.2f}{f['ours'] / 1e6:>8.1f}|{f['theirs'] / 1e6:<7.1f}"
+            + (f"{ci[0]:>8.2f}-{ci[1]:<5.2f}" if (ci := r["ratio_ci"]) else f"{'n < 6':>14}")
+            + f"{r['ratio_min']:>6.2f}-{r['ratio_max']:<5.2f}{f['ours'] / 1e6:>8.1f}|{f['theirs'] / 1e6:<7.1f}"
             f"{r['ratio_per_flop']:>9.2f}  {r['differs']}"
         )
     argv = ["PATH" if a == args.llama2rnn else "VENV" if a == args.venv else a for a in sys.argv]  # no local paths
     meta = dict(
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), cpu=machine_name(), cores=os.cpu_count(),
         threads=args.threads, precision=args.precision, torch=torch.__version__, config={k: v for k, v in config.items() if k != "llama2rnn"},
-        rounds=args.rounds, warmup=args.warmup, command="python " + " ".join(argv),
+        rounds=args.rounds, until=args.until or None, max_rounds=args.max_rounds if args.until else None,
+        warmup=args.warmup, command="python " + " ".join(argv),
     )  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(args.out).with_suffix(".tmp")

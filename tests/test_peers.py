@@ -4,6 +4,7 @@ copy must give our count, or the per-FLOP ratios compare different rules."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -69,3 +70,58 @@ def test_ours_set_reaches_our_model_and_a_wrong_key_is_one_line(monkeypatch, cap
         peers.main()
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and "--ours-set" in err[-1] and "positon" in err[-1]
+
+
+@pytest.mark.parametrize("n, k, coverage", [(6, 1, 0.969), (7, 1, 0.984), (15, 4, 0.965), (21, 6, 0.973)])
+def test_median_interval_is_the_order_statistics_and_covers_as_it_says(n: int, k: int, coverage: float) -> None:
+    """[x_(k), x_(n+1-k)] with its exact binomial coverage; over many samples of a skewed
+    distribution the interval holds the true median as often as the coverage says."""
+    xs = [float(v) for v in torch.randperm(n)]
+    lo, hi, cov = peers.median_interval(xs)
+    assert (lo, hi) == (k - 1, n - k) and round(cov, 3) == coverage
+    g = torch.Generator().manual_seed(0)
+    samples = torch.empty(4000, n).exponential_(generator=g)  # true median ln 2
+    hits = 0
+    for row in samples.tolist():
+        lo, hi, cov = peers.median_interval(row)
+        hits += lo <= math.log(2) <= hi
+    assert abs(hits / 4000 - cov) < 4 * math.sqrt(cov * (1 - cov) / 4000)
+
+
+def test_median_interval_needs_six() -> None:
+    assert peers.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+
+
+class _FakeWorker:
+    """Step times from a script: ours 1 s, theirs 1.1 s times a factor that alternates, so the
+    per-round ratios spread around 1.1 and the interval narrows only as rounds add up."""
+
+    def __init__(self, python: Path, pair: str, side: str, config: dict, dist: str | None) -> None:
+        self.side, self.n = side, 0
+        self.info = dict(params=1, flops=1.0, torch="x", version="x")
+
+    def step(self) -> float:
+        self.n += 1
+        return 1.0 if self.side == "ours" else 1.1 * (1 + 0.2 * (-1) ** self.n / (self.n**0.5))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("until, max_rounds, want", [(0.0, 40, 7), (10.0, 40, 7), (1e-9, 12, 12), (0.2, 40, None)])
+def test_until_adds_rounds_until_the_interval_is_narrow(monkeypatch, until, max_rounds, want) -> None:
+    """--until stops at the first round count >= --rounds whose interval is at most W wide, and
+    never past --max-rounds; without it, exactly --rounds."""
+    monkeypatch.setattr(peers, "Worker", _FakeWorker)
+    c = dict(batch=1, seq=1)
+    row = peers.run_pair("llama", c, Path("x"), None, rounds=7, warmup=2, until=until, max_rounds=max_rounds)
+    assert row is not None
+    n = row["rounds"]
+    if want is not None:
+        assert n == want
+    else:  # the first n >= 7 at which the interval is <= 0.2 wide, and none before it
+        lo, hi = row["ratio_ci"]
+        assert hi - lo <= 0.2 + 1e-3 and n > 7
+        times = {k: v[:-1] for k, v in row["seconds"].items()}
+        assert peers.width(times) > 0.2
+    assert len(row["seconds"]["ours"]) == n
