@@ -3,7 +3,7 @@ for each (at small sizes a step is launch-bound, not FLOP-bound).
 
 One training step (forward, backward, AdamW) of every registered model at the Memory Attention paper's width
 (dim 288, 6 layers, 6 heads, vocab 4096; chunk / segment / block 32, sliding window 256), on the
-CPU under ``torch.profiler``, with the fused AdamW the trainer uses on CUDA. Counted: the ATen
+CPU under ``torch.profiler``, with the fused AdamW the trainer uses. Counted: the ATen
 operators that would launch a kernel, in forward, backward and the optimizer step: those that
 call no other launching operator, without the ones that launch nothing on a GPU (views,
 reshapes, allocations, no-op ``to``/``type_as``, CPU scalars; a factory counts

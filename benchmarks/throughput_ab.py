@@ -33,7 +33,7 @@ cfg.update(overrides)
 amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
 torch.manual_seed(0)
 model = build_model(name, cfg)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as the trainer
 x = torch.randint(0, 4096, (B, T))
 state, times = None, []
 for i in range(steps + 1):

@@ -3,7 +3,7 @@
 Every command takes ``--device`` (``train.device`` in a run config): ``auto`` is CUDA when a GPU is
 present, else the CPU. On CUDA: bf16 autocast where the GPU supports it (attention then runs in
 bf16 through SDPA's flash / memory-efficient kernels), TF32 matmuls for fp32 work, fused AdamW
-(``optim.make_optimizer``), pinned host memory with non-blocking copies for batches, and the
+(``optim.make_optimizer``, on the CPU too), pinned host memory with non-blocking copies for batches, and the
 allocator's peak (``torch.cuda.max_memory_allocated``) as the memory figure. Timings synchronise
 first, as CUDA kernels run asynchronously.
 """

@@ -18,15 +18,18 @@ def lr_at(step: int, lr: float, min_lr: float, warmup: int, steps: int) -> float
 
 
 def make_optimizer(
-    model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], fused: bool = False
+    model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]
 ) -> torch.optim.AdamW:
-    """AdamW with weight decay on >= 2-D weights only (not norms, not biases); ``fused`` (CUDA)
-    runs the update as one kernel, the same math as the per-parameter loop."""
+    """AdamW with weight decay on >= 2-D weights only (not norms, not biases), fused (the update as
+    one kernel, the same math as the per-parameter loop) where PyTorch has the kernel: on CUDA, and
+    on the CPU, where it is ~6x faster than the multi-tensor loop for a 11M-parameter model
+    (tests/test_devices.py holds it to the reference AdamW)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None)
+    fused = all(p.device.type in ("cpu", "cuda") for p in params) or None
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
 
 
 def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

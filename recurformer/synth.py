@@ -411,7 +411,7 @@ def train_model(
     ``progress``: a tqdm bar."""
     min_lr, warmup = lr * cfg.min_lr_ratio, int(cfg.warmup * cfg.steps)
     device = learner.model.tok_emb.weight.device
-    opt = make_optimizer(learner, lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    opt = make_optimizer(learner, lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
     gen = torch.Generator().manual_seed(cfg.seed)
     n = len(data.inputs) if isinstance(data, TaskData) else 0
     order = torch.randperm(n, generator=gen)

@@ -494,9 +494,7 @@ class Trainer:
             raise RecurformerError(
                 f"{cfg.model['name']} carries a KV cache that grows without bound; train it with train.state=reset"
             )
-        self.opt = make_optimizer(
-            self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), fused=self.device.type == "cuda"
-        )
+        self.opt = make_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2))
         # tokens/s as a fraction of this machine's matmul peak, measured once and cached (flops.py)
         self.flops_per_token = train_flops_per_token(self.model, t.seq_len, self.device)
         bf16 = resolve_precision(t.precision, self.device) == "bf16"
