@@ -287,6 +287,7 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
             pos=0,
             layers=[layer.init_state(batch_size, device, dtype) for layer in self.layers],
             any_fresh=True,
+            start_floor=0,
         )
 
     def body(self, h: Tensor, state: State) -> tuple[Tensor, State]:
@@ -305,14 +306,15 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
             # row is fresh), so that DDP finds every parameter used
             layers = [layer.reset(s, state.fresh) for layer, s in zip(self.layers, layers)]
         start = torch.where(state.fresh, torch.full_like(state.start, pos), state.start)
-        call = Call(pos, start)
+        call = Call(pos, start, state.start_floor)
         new = []
         for layer, s in zip(self.layers, layers):
             h, s = layer(h, s, call)
             new.append(s)
-        return h, State(
-            fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=new, any_fresh=False
-        )
+        return h, State(  # a start only moves forward (to pos <= any later one), so the floor holds
+            fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=new, any_fresh=False,
+            start_floor=state.start_floor,
+        )  # fmt: skip
 
     def features(self, tokens: Tensor, state: State | None = None) -> tuple[Tensor, State]:
         """Validated ``tokens`` [B, T] -> final-norm hidden states [B, T, D] (what the LM head

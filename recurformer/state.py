@@ -76,6 +76,7 @@ class State:
     pos: int
     layers: list[LayerState]
     any_fresh: bool | None = None  # whether fresh.any(), when known on the host (None: ask the device)
+    start_floor: int | None = None  # a bound <= every start[b], known on the host (None: unknown)
 
     @property
     def batch_size(self) -> int:
@@ -138,10 +139,13 @@ class Output:
 @dataclass
 class Call:
     """What every layer of one call shares: the position of its first token, the document start
-    of every row, and a memo for tables (masks, RoPE angles) that several layers would build alike."""
+    of every row (and a bound below every start that the host knows, ``State.start_floor``: a
+    layer can skip cached positions before it, which no row can see, without asking the device),
+    and a memo for tables (masks, RoPE angles) that several layers would build alike."""
 
     pos: int
     start: Tensor  # [B] int64
+    start_floor: int | None = None
     memo: dict[Any, Any] = field(default_factory=dict)
 
     def shared(self, key: Any, make: Callable[[], Any]) -> Any:

@@ -195,7 +195,7 @@ class RMT(StreamingLM):
         for n in pieces(pos % S, h.shape[1], S):
             r, done = (pos + a) % S, (pos + a) % S + n == S
             x = torch.cat([memory] * (r == 0) + [h[:, a : a + n]] + [memory] * done, dim=1)
-            call = Call(pos + a, start)
+            call = Call(pos + a, start, state.start_floor)
             for i, (layer, s) in enumerate(zip(self.layers, layers)):
                 x, layers[i] = layer(x, s, call)
             lo = M if r == 0 else 0
@@ -206,7 +206,10 @@ class RMT(StreamingLM):
                 layers[0] = with_memory(layers[0], memory)
             a += n
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        return out, State(fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=layers)
+        return out, State(
+            fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=layers,
+            start_floor=state.start_floor,
+        )  # fmt: skip
 
     def info_lines(self) -> list[str]:
         c = self.config

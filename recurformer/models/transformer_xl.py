@@ -220,13 +220,18 @@ class RelAttention(Layer):
             r = seg.shape[1]
             seg_start = call.pos + a - r
             mask = call.shared(("xl-mask", L, M, a), lambda: self.mask(r, n, (seg_start - call.start).clamp(0, M)))
+            # memory slots before every row's document start (a fresh stream's first segment):
+            # hidden from every row, so neither projected nor attended
+            drop = 0 if call.start_floor is None else min(M, max(M - (seg_start - call.start_floor), 0))
             xa = x[:, a : a + n]
             if room is None:
-                ctx = torch.cat((mem, seg, xa), dim=1)
+                ctx = torch.cat((mem[:, drop:], seg, xa), dim=1)
                 k, v = split_heads(self.wk(ctx), H), split_heads(self.wv(ctx), H)
             else:
                 k, v = room.write(M + r, split_heads(self.wk(xa), H), split_heads(self.wv(xa), H))
-            outs.append(self.attention(split_heads(self.wq(xa), H), k, v, rel[:, : M + r + n], mask))
+                k, v = k[:, :, drop:], v[:, :, drop:]
+            q = split_heads(self.wq(xa), H)
+            outs.append(self.attention(q, k, v, rel[:, : M - drop + r + n], mask[..., drop:]))
             seg = torch.cat((seg, xa), dim=1)
             if r + n == L:  # segment complete: its inputs become the memory (stop-gradient)
                 mem, seg = torch.cat((mem, seg), dim=1)[:, L:].detach(), seg[:, :0]
