@@ -42,6 +42,10 @@ FLOP count is the same in both precisions.
     python benchmarks/peers.py --llama2rnn /path/to/llama2Rnn --pairs memory_attention --precision bf16
     python benchmarks/peers.py --pairs block_recurrent --ours-set position=rope   # ours with the peer's positions
 
+Both sides run under one OpenMP wait policy (``--wait-policy``): PASSIVE by default, as the
+``recurformer`` command line sets it (a waiting thread sleeps at once), or OpenMP's default (spin a
+while, then sleep) or ACTIVE (spin), as a user of the peer's code may run it.
+
 ``--ours-set KEY=VALUE`` configures our side of every pair (checked before anything runs) to put
 an option of ours closer to what the peer does; the JSON's config records it.
 """
@@ -322,6 +326,10 @@ class Worker:
         spec = json.dumps(dict(pair=pair, side=side, config=config, dist=dist))
         env = {**os.environ, "OMP_NUM_THREADS": str(config["threads"]), "PYTHONNOUSERSITE": "1"}
         env.pop("PYTHONPATH", None)  # the peer's process sees its own venv only
+        # both sides under --wait-policy (this process's import of recurformer has set one)
+        env.pop("OMP_WAIT_POLICY", None)
+        if config["wait_policy"] != "default":
+            env["OMP_WAIT_POLICY"] = config["wait_policy"].upper()
         self.proc = subprocess.Popen(
             [str(python), __file__, "--worker", spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log, text=True, bufsize=1, env=env, cwd=ROOT,
@@ -464,6 +472,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: both sides under CPU autocast")
     ap.add_argument(
+        "--wait-policy", choices=("passive", "default", "active"), default="passive",
+        help="OMP_WAIT_POLICY of both sides: passive (what the recurformer command line sets), OpenMP's default, active",
+    )  # fmt: skip
+    ap.add_argument(
         "--ours-set", action="append", metavar="KEY=VALUE", default=[],
         help="a config value of ours in every pair, e.g. position=rope (a peer's positions); repeatable",
     )  # fmt: skip
@@ -488,7 +500,20 @@ def main() -> None:
     from recurformer.models import build_model
     from recurformer.nn import ModelConfig
 
-    keys = ("dim", "depth", "heads", "vocab", "segment", "memory", "chunk", "batch", "seq", "threads", "precision")
+    keys = (
+        "dim",
+        "depth",
+        "heads",
+        "vocab",
+        "segment",
+        "memory",
+        "chunk",
+        "batch",
+        "seq",
+        "threads",
+        "precision",
+        "wait_policy",
+    )
     config = dict(
         {k: getattr(args, k) for k in keys},
         ffn_hidden=ModelConfig(dim=args.dim, n_heads=args.heads).hidden,
@@ -502,7 +527,7 @@ def main() -> None:
         ap.error(f"--ours-set: {e}")
     py, failed = venv_python(Path(args.venv).resolve(), not args.no_install)
     print(
-        f"{args.precision}, {args.threads} thread(s), batch {args.batch} x {args.seq}, dim {args.dim} x {args.depth} layers, "
+        f"{args.precision}, {args.threads} thread(s), OMP_WAIT_POLICY {args.wait_policy}, batch {args.batch} x {args.seq}, dim {args.dim} x {args.depth} layers, "
         f"{args.heads} heads, segment/block {args.segment}, RMT memory {args.memory}; "
         + (f"ours with {ours_set}; " if ours_set else "")
         + f"{args.warmup} warm-up + {args.rounds} timed A B rounds"
