@@ -1,6 +1,7 @@
 """Building blocks with a hand-written gradient against autograd's, on fresh random inputs: the
 training loss (``recurformer.modules.cross_entropy``, gradient computed in the forward, block by
-block) against ``F.cross_entropy`` over float32 logits, and RMSNorm against the graph of its ops."""
+block) against ``F.cross_entropy`` over float32 logits, RMSNorm against the graph of its ops, and
+RoPE against the rotation written as complex multiplication."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 from recurformer import build_model
 from recurformer.config import RecurformerError
-from recurformer.modules import RMSNorm, _CrossEntropy, cross_entropy
+from recurformer.modules import RMSNorm, _CrossEntropy, apply_rope, cross_entropy, rope_cos_sin
 
 
 def reference(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,3 +131,45 @@ def test_rms_norm_under_bf16_autocast_and_without_an_input_gradient() -> None:
     (dw,) = torch.autograd.grad(norm(x), norm.weight, dy)
     (dw_ref,) = torch.autograd.grad(rms_norm_by_autograd(x, norm.weight, norm.eps), norm.weight, dy)
     assert torch.allclose(dw, dw_ref, rtol=1e-6, atol=1e-6)
+
+
+def rope_reference(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """The pairs (x[i], x[i + d/2]) as complex numbers times e^{i angle}, in complex128."""
+    h = x.shape[-1] // 2
+    z = torch.complex(x[..., :h].double(), x[..., h:].double()) * torch.polar(torch.ones_like(angles), angles)
+    return torch.cat((z.real, z.imag), dim=-1)
+
+
+@pytest.mark.parametrize("table", ["shared", "per_row"])  # cos/sin [T, d/2] or [B, 1, T, d/2]
+def test_rope_and_its_gradient_match_the_complex_rotation(table: str) -> None:
+    B, H, T, d = 3, 2, 7, 8
+    x = torch.randn(B, H, T, d, dtype=torch.float64, requires_grad=True)
+    pos = torch.randint(0, 10**6, (T,)) if table == "shared" else torch.randint(0, 10**6, (B, 1, T))
+    cos, sin = rope_cos_sin(pos, d, 1e4, torch.float64)
+    inv_freq = 1e4 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = pos.double().unsqueeze(-1) * inv_freq
+    y, ref = apply_rope(x, cos, sin), rope_reference(x.detach(), angles)
+    assert torch.allclose(y, ref, rtol=0, atol=1e-12)
+    dy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, dy)
+    xr = x.detach().requires_grad_()
+    (gref,) = torch.autograd.grad(rope_reference(xr, angles), xr, dy)
+    assert torch.allclose(gx, gref, rtol=0, atol=1e-12)
+    with torch.no_grad():  # decoding takes the plain ops: the same values to rounding
+        assert torch.allclose(apply_rope(x, cos, sin), ref, rtol=0, atol=1e-12)
+
+
+def test_rope_of_bf16_under_float32_tables_is_float32_with_a_bf16_gradient() -> None:
+    """Under CPU autocast the projections give bf16 and the tables are float32: the rotation runs
+    in float32 (one cast of x), and the gradient reaching x is bf16 again."""
+    x = torch.randn(2, 2, 5, 8, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(5), 8, 1e4, torch.float32)
+    y = apply_rope(x, cos, sin)
+    assert y.dtype == torch.float32
+    assert torch.allclose(
+        y,
+        rope_reference(x.detach().float(), torch.arange(5.0)[:, None] * 1e4 ** (-torch.arange(0, 8, 2) / 8)).float(),
+        atol=1e-6,
+    )
+    y.sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16
