@@ -94,11 +94,14 @@ def test_the_optimizer_step_equals_the_reference_adamw(device) -> None:
     )
     x = torch.randint(0, 61, (2, 32), device=dev)
     reset_peak_memory(dev)
-    for m, o in ((model, opt), (ref, plain)):
-        for _ in range(2):
-            m(x, targets=x).loss.backward()
+    for _ in range(3):  # the same gradients for both: Adam's update of a near-zero gradient would
+        # turn rounding differences in the parameters into larger ones in the next gradients
+        model(x, targets=x).loss.backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        for o in (opt, plain):
             o.step()
             o.zero_grad()
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=n)
     assert memory_kind(dev) == ("CUDA allocated" if dev.type == "cuda" else "RSS") and peak_memory_mb(dev) > 0
