@@ -13,7 +13,9 @@ step leaves a 7-round interval wider than the few percent a comparison may turn 
 Pairs (ours vs theirs):
   transformer_xl   vs x-transformers' ``TransformerWrapper(max_mem_len=...)``, segments of L with
                       the previous segment's hidden states as memory (XL recurrence), memory detached
-  block_recurrent  vs lucidrains' block-recurrent-transformer-pytorch, block width = window = states
+  block_recurrent  vs lucidrains' block-recurrent-transformer-pytorch, block width = window = states,
+                      one key/value head on both sides (the peer's multi-query attention; ours
+                      at its default of one per query head: ``--ours-set kv_heads=null``)
   rmt              vs lucidrains' recurrent-memory-transformer-pytorch (rotary positions,
                       one residual stream, no XL memories, no memory replay)
   llama            vs x-transformers' ``Decoder`` (rotary, RMSNorm, SwiGLU of Llama's width)
@@ -163,7 +165,7 @@ def ours_values(pair: str, c: dict) -> dict[str, Any]:
     base = dict(vocab_size=c["vocab"], dim=c["dim"], n_layers=c["depth"], n_heads=c["heads"])
     extra = {
         "transformer_xl": dict(segment_len=c["segment"], mem_len=c["segment"]),
-        "block_recurrent": dict(block_size=c["segment"], num_states=c["segment"]),
+        "block_recurrent": dict(block_size=c["segment"], num_states=c["segment"], kv_heads=1),
         "rmt": dict(segment_len=c["segment"], memory_size=c["memory"]),
         "llama": {},
         "memory_attention": dict(chunk_size=c["chunk"], memory_qkv="shared"),

@@ -63,6 +63,9 @@ def test_ours_set_reaches_our_model_and_a_wrong_key_is_one_line(monkeypatch, cap
     c = dict(vocab=64, dim=16, depth=3, heads=2, segment=8, memory=4, chunk=8, batch=1, seq=16, precision="fp32")
     model, _, _ = peers.build_ours("block_recurrent", {**c, "ours_set": {"position": "rope"}})
     assert model.config.position == "rope"
+    assert model.config.kv_heads == 1  # the pair's default: the peer's one key/value head
+    model, _, _ = peers.build_ours("block_recurrent", {**c, "ours_set": {"kv_heads": None}})
+    assert model.config.key_value_heads == c["heads"]
     monkeypatch.setattr(
         sys, "argv", ["peers.py", "--pairs", "block_recurrent", "--venv", "/nonexistent", "--ours-set", "positon=rope"]
     )
