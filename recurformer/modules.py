@@ -254,6 +254,8 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
         (grad,) = ctx.saved_tensors
+        if grad_out.device.type == "cpu" and bool(grad_out == 1):  # the usual loss.backward(): skip a pass
+            return grad, None, None
         return grad * grad_out.to(grad.dtype), None, None
 
 

@@ -14,34 +14,35 @@ from recurformer.config import RecurformerError
 from recurformer.modules import RMSNorm, _CrossEntropy, apply_rope, cross_entropy, rope_cos_sin
 
 
-def reference(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(logits: torch.Tensor, targets: torch.Tensor, scale: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
     x = logits.detach().requires_grad_()
     acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     loss = F.cross_entropy(x.to(acc), targets, ignore_index=-100)
-    (loss * 3.0).backward()
+    (loss * scale).backward()
     return loss.detach(), x.grad
 
 
-def ours(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ours(logits: torch.Tensor, targets: torch.Tensor, scale: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
     x = logits.detach().requires_grad_()
     loss = _CrossEntropy.apply(x, targets, -100)  # in every dtype, though only float16/bfloat16 logits take it
-    (loss * 3.0).backward()
+    (loss * scale).backward()
     return loss.detach(), x.grad
 
 
 @pytest.mark.parametrize("V", [7, 4096, 70000])  # one block, 64-row blocks, 3-row blocks with a short last one
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_loss_and_gradient_match_torch(V: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("scale", [3.0, 1.0])  # 1: the backward hands back the saved gradient as it is
+def test_loss_and_gradient_match_torch(V: int, dtype: torch.dtype, scale: float) -> None:
     N = 130
     logits = (torch.randn(N, V, dtype=torch.float64) * 3).to(dtype)
     targets = torch.randint(0, V, (N,))
     targets[torch.rand(N) < 0.2] = -100
-    (l0, g0), (l1, g1) = reference(logits, targets), ours(logits, targets)
+    (l0, g0), (l1, g1) = reference(logits, targets, scale), ours(logits, targets, scale)
     assert l1.dtype == l0.dtype and g1.dtype == dtype
     assert torch.allclose(l1, l0, rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=0)
     # elementwise, within a few roundings in the logits' dtype (softmax, the scale, the backward's
     # product) of the entry, or of the row's scale 3 / n where p - 1 cancels at the target
-    err, row_scale = (g1.double() - g0.double()).abs(), 3.0 / int((targets != -100).sum())
+    err, row_scale = (g1.double() - g0.double()).abs(), scale / int((targets != -100).sum())
     assert (err <= 4 * torch.finfo(dtype).eps * (g0.double().abs() + row_scale)).all()
     assert g1[targets == -100].abs().sum() == 0
 
