@@ -50,6 +50,12 @@ while, then sleep) or ACTIVE (spin), as a user of the peer's code may run it.
 
 ``--ours-set KEY=VALUE`` configures our side of every pair (checked before anything runs) to put
 an option of ours closer to what the peer does; the JSON's config records it.
+
+``--base REV`` (a git revision of this checkout, or a directory holding another source tree) puts
+our model as that tree builds it in the peer's place: the same pair configuration, the two trees'
+steps interleaved A B with the same interval, for a change's before and after in one run:
+
+    python benchmarks/peers.py --base HEAD~1 --pairs memory_attention --precision bf16 --until 0.05
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -173,8 +180,9 @@ def ours_values(pair: str, c: dict) -> dict[str, Any]:
     return {**base, **extra, **c["ours_set"]}
 
 
-def build_ours(pair: str, c: dict) -> tuple[torch.nn.Module, Step, float]:
-    sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+def build_ours(pair: str, c: dict, root: Path = ROOT) -> tuple[torch.nn.Module, Step, float]:
+    """Our model of ``pair`` as the source tree at ``root`` builds it (this one, or ``--base``)."""
+    sys.path.insert(0, str(root))  # run from a checkout without installing
     from recurformer import build_model
     from recurformer.flops import train_flops_per_token
 
@@ -271,7 +279,8 @@ def build_theirs(pair: str, c: dict) -> Built:
 
 
 def worker(spec: str) -> None:
-    """One JSON line when built ({params, flops, torch, version} or {error}), then per line on
+    """One JSON line when built ({params, flops, torch, version, source: the tree our model came
+    from} or {error}), then per line on
     stdin one step and its seconds; output goes to the saved stdout, the models' prints to stderr."""
     out: IO[str] = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -281,20 +290,24 @@ def worker(spec: str) -> None:
     torch.manual_seed(0)
     try:
         if side == "ours":
-            model, step, flops = build_ours(pair, c)
-            version = "recurformer"
+            model, step, flops = build_ours(pair, c, Path(s.get("root") or ROOT))
+            import recurformer
+
+            version, source = "recurformer", str(Path(recurformer.__file__).resolve().parents[1])  # its tree
         else:
             from importlib import metadata
 
             model, step, fwd = build_theirs(pair, c)
             flops = peer_train_flops(model, fwd, c["seq"])
             dist = s.get("dist")
-            version = f"{dist} {metadata.version(dist)}" if dist else "checkout"
+            version, source = (f"{dist} {metadata.version(dist)}" if dist else "checkout"), ""
     except Exception as e:  # noqa: BLE001 - any failure of a peer is one line for the parent
         out.write(json.dumps(dict(error=f"{type(e).__name__}: {e}".splitlines()[0][:200])) + "\n")
         return
     params = sum(p.numel() for p in model.parameters())
-    out.write(json.dumps(dict(params=params, flops=flops, torch=torch.__version__, version=version)) + "\n")
+    out.write(
+        json.dumps(dict(params=params, flops=flops, torch=torch.__version__, version=version, source=source)) + "\n"
+    )
     for _ in sys.stdin:
         t0 = time.perf_counter()
         step()
@@ -323,9 +336,9 @@ def venv_python(venv: Path, install: bool) -> tuple[Path, set[str]]:
 
 
 class Worker:
-    def __init__(self, python: Path, pair: str, side: str, config: dict, dist: str | None) -> None:
+    def __init__(self, python: Path, pair: str, side: str, config: dict, dist: str | None, root: Path = ROOT) -> None:
         self.log = tempfile.TemporaryFile(mode="w+")
-        spec = json.dumps(dict(pair=pair, side=side, config=config, dist=dist))
+        spec = json.dumps(dict(pair=pair, side=side, config=config, dist=dist, root=str(root)))
         env = {**os.environ, "OMP_NUM_THREADS": str(config["threads"]), "PYTHONNOUSERSITE": "1"}
         env.pop("PYTHONPATH", None)  # the peer's process sees its own venv only
         # both sides under --wait-policy (this process's import of recurformer has set one)
@@ -334,7 +347,7 @@ class Worker:
             env["OMP_WAIT_POLICY"] = config["wait_policy"].upper()
         self.proc = subprocess.Popen(
             [str(python), __file__, "--worker", spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self.log, text=True, bufsize=1, env=env, cwd=ROOT,
+            stderr=self.log, text=True, bufsize=1, env=env, cwd=root,
         )  # fmt: skip
         self.info = self._read()
 
@@ -396,13 +409,24 @@ def run_pair(
     warmup: int,
     until: float,
     max_rounds: int,
+    base: tuple[Path, str] | None = None,
 ) -> dict | None:
+    """One pair, A B interleaved; with ``base`` (a source tree and its label) our model as that
+    tree builds it takes the peer's place."""
     ours = Worker(Path(sys.executable), pair, "ours", config, None)
-    theirs = Worker(peer_python, pair, "theirs", config, dist)
+    if base:
+        theirs = Worker(Path(sys.executable), pair, "ours", config, None, root=base[0])
+        peer, differs = f"ours at {base[1]}", "the same configuration, built by the base tree"
+    else:
+        theirs = Worker(peer_python, pair, "theirs", config, dist)
+        peer, differs = PEER_NAMES[pair], DIFFERS[pair]
     try:
-        for name, w in (("ours", ours), (PEER_NAMES[pair], theirs)):
+        for name, w, root in (("ours", ours, ROOT), (peer, theirs, base[0] if base else None)):
             if "error" in w.info:
                 print(f"{pair}: {name} skipped: {w.info['error']}", flush=True)
+                return None
+            if root and w.info["source"] != str(root.resolve()):  # not another installed copy
+                print(f"{pair}: {name} skipped: imported recurformer from {w.info['source']}, not {root}", flush=True)
                 return None
         times: dict[str, list[float]] = {"ours": [], "theirs": []}
         for _ in range(warmup):
@@ -426,8 +450,8 @@ def run_pair(
     f_o, f_t = ours.info["flops"], theirs.info["flops"]
     return dict(
         pair=pair,
-        peer=PEER_NAMES[pair],
-        peer_version=theirs.info["version"],
+        peer=peer,
+        peer_version=f"recurformer {base[1]}" if base else theirs.info["version"],
         peer_torch=theirs.info["torch"],
         params=dict(ours=ours.info["params"], theirs=theirs.info["params"]),
         flops_per_token=dict(ours=round(f_o), theirs=round(f_t)),
@@ -442,9 +466,24 @@ def run_pair(
         ratio_min=round(min(ratios), 3),
         ratio_max=round(max(ratios), 3),
         ratio_per_flop=round(statistics.median(ratios) * f_o / f_t, 3),
-        differs=DIFFERS[pair],
+        differs=differs,
         seconds={k: [round(t, 4) for t in v] for k, v in times.items()},
     )
+
+
+def source_tree(base: str) -> tuple[Path, str]:
+    """``--base``: (a source tree, its label). A directory holding ``recurformer/`` is used as it is
+    (label: its name); otherwise ``base`` is a git revision of this checkout, exported into a
+    temporary directory (label: the short commit). ValueError, one line, when it is neither."""
+    if Path(base, "recurformer").is_dir():
+        return Path(base).resolve(), Path(base).resolve().name
+    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", f"{base}^{{commit}}"], capture_output=True, text=True)  # fmt: skip
+    if rev.returncode:
+        raise ValueError(f"{base!r} is neither a directory with recurformer/ nor a git revision of {ROOT}")
+    out = Path(tempfile.mkdtemp(prefix="peers-base-"))
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev.stdout.strip()], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out, rev.stdout.strip()
 
 
 def main() -> None:
@@ -480,6 +519,10 @@ def main() -> None:
     ap.add_argument(
         "--ours-set", action="append", metavar="KEY=VALUE", default=[],
         help="a config value of ours in every pair, e.g. position=rope (a peer's positions); repeatable",
+    )  # fmt: skip
+    ap.add_argument(
+        "--base", metavar="REV",
+        help="a git revision of this checkout (or a directory with another source tree): its build of our model is the peer",
     )  # fmt: skip
     ap.add_argument("--out", default="out/peers.json")
     args = ap.parse_args()
@@ -527,11 +570,20 @@ def main() -> None:
             build_model(p, ours_values(p, config))
     except RecurformerError as e:
         ap.error(f"--ours-set: {e}")
-    py, failed = venv_python(Path(args.venv).resolve(), not args.no_install)
+    base = None
+    if args.base:
+        try:
+            base = source_tree(args.base)
+        except ValueError as e:
+            ap.error(f"--base: {e}")
+        py, failed = Path(sys.executable), set[str]()  # no peers to install
+    else:
+        py, failed = venv_python(Path(args.venv).resolve(), not args.no_install)
     print(
         f"{args.precision}, {args.threads} thread(s), OMP_WAIT_POLICY {args.wait_policy}, batch {args.batch} x {args.seq}, dim {args.dim} x {args.depth} layers, "
         f"{args.heads} heads, segment/block {args.segment}, RMT memory {args.memory}; "
         + (f"ours with {ours_set}; " if ours_set else "")
+        + (f"the peer: ours at {base[1]}; " if base else "")
         + f"{args.warmup} warm-up + {args.rounds} timed A B rounds"
         + (
             f", more until the ratio's 95% interval is <= {args.until} wide (at most {args.max_rounds})"
@@ -542,8 +594,8 @@ def main() -> None:
     )
     results = []
     for pair in pairs:
-        dist = next((d for d, ps in PACKAGES.items() if pair in ps), None)
-        if pair == "memory_attention" and not args.llama2rnn:
+        dist = None if base else next((d for d, ps in PACKAGES.items() if pair in ps), None)
+        if pair == "memory_attention" and not (base or args.llama2rnn):
             print("memory_attention: skipped, no --llama2rnn PATH (a checkout of siyuanseever/llama2Rnn)", flush=True)
             continue
         if dist in failed:
@@ -552,10 +604,12 @@ def main() -> None:
         if not py.exists():
             print(f"{pair}: skipped, no python in --venv {args.venv}", flush=True)
             continue
-        row = run_pair(pair, config, py, dist, args.rounds, args.warmup, args.until, args.max_rounds)
+        row = run_pair(pair, config, py, dist, args.rounds, args.warmup, args.until, args.max_rounds, base)
         if row:
             results.append(row)
             print(f"{pair}: done, ours / theirs {row['ratio']:.2f} ({row['rounds']} rounds)", flush=True)
+    if base and not Path(args.base, "recurformer").is_dir():
+        shutil.rmtree(base[0])  # the exported revision
 
     head = f"{'ours':<17}{'theirs':<23}{'ours tok/s':>11}{'theirs tok/s':>13}{'ratio':>7}{'95% interval':>14}{'spread':>12}"
     head += f"{'MFLOP/tok o|t':>16}{'per FLOP':>9}  differs"
@@ -573,7 +627,7 @@ def main() -> None:
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), cpu=machine_name(), cores=os.cpu_count(),
         threads=args.threads, precision=args.precision, torch=torch.__version__, config={k: v for k, v in config.items() if k != "llama2rnn"},
         rounds=args.rounds, until=args.until or None, max_rounds=args.max_rounds if args.until else None,
-        warmup=args.warmup, command="python " + " ".join(argv),
+        warmup=args.warmup, base=base[1] if base else None, command="python " + " ".join(argv),
     )  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(args.out).with_suffix(".tmp")

@@ -4,7 +4,9 @@ copy must give our count, or the per-FLOP ratios compare different rules."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -99,9 +101,11 @@ class _FakeWorker:
     """Step times from a script: ours 1 s, theirs 1.1 s times a factor that alternates, so the
     per-round ratios spread around 1.1 and the interval narrows only as rounds add up."""
 
-    def __init__(self, python: Path, pair: str, side: str, config: dict, dist: str | None) -> None:
+    def __init__(
+        self, python: Path, pair: str, side: str, config: dict, dist: str | None, root: Path = peers.ROOT
+    ) -> None:
         self.side, self.n = side, 0
-        self.info = dict(params=1, flops=1.0, torch="x", version="x")
+        self.info = dict(params=1, flops=1.0, torch="x", version="x", source=str(root.resolve()))
 
     def step(self) -> float:
         self.n += 1
@@ -128,3 +132,41 @@ def test_until_adds_rounds_until_the_interval_is_narrow(monkeypatch, until, max_
         times = {k: v[:-1] for k, v in row["seconds"].items()}
         assert peers.width(times) > 0.2
     assert len(row["seconds"]["ours"]) == n
+
+
+TINY_RUN = ["--pairs", "llama", "--dim", "16", "--depth", "1", "--heads", "2", "--vocab", "64", "--batch", "1"]
+TINY_RUN += ["--seq", "64", "--segment", "32", "--rounds", "6", "--warmup", "0"]
+
+
+def test_base_tree_takes_the_peers_place(monkeypatch, tmp_path, capsys) -> None:
+    """--base DIR: our model as a copy of the package in DIR builds it is timed against ours, A B
+    with the interval; no peer is installed. A tree whose recurformer is not its own (a link to this
+    one) is refused, so a run never compares a tree with itself unawares."""
+    tree, linked, out = tmp_path / "base", tmp_path / "linked", tmp_path / "ab.json"
+    shutil.copytree(peers.ROOT / "recurformer", tree / "recurformer", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(sys, "argv", ["peers.py", *TINY_RUN, "--base", str(tree), "--out", str(out)])
+    peers.main()
+    d = json.loads(out.read_text())
+    (row,) = d["results"]
+    assert row["peer"] == "ours at base" and row["rounds"] == 6 and row["ratio_ci"] is not None
+    assert row["flops_per_token"]["ours"] == row["flops_per_token"]["theirs"] and d["meta"]["base"] == "base"
+    linked.mkdir()
+    (linked / "recurformer").symlink_to(peers.ROOT / "recurformer")
+    monkeypatch.setattr(sys, "argv", ["peers.py", *TINY_RUN, "--base", str(linked), "--out", str(out)])
+    peers.main()
+    assert "skipped: imported recurformer from" in capsys.readouterr().out
+    assert json.loads(out.read_text())["results"] == []
+
+
+@pytest.mark.skipif(not (peers.ROOT / ".git").exists(), reason="needs a git checkout")
+def test_base_revision_is_exported_and_a_wrong_one_is_one_line(monkeypatch, capsys) -> None:
+    tree, label = peers.source_tree("HEAD")
+    try:
+        assert (tree / "recurformer" / "__init__.py").is_file() and label and tree != peers.ROOT
+    finally:
+        shutil.rmtree(tree)
+    monkeypatch.setattr(sys, "argv", ["peers.py", *TINY_RUN, "--base", "no-such-rev"])
+    with pytest.raises(SystemExit) as e:
+        peers.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "--base" in err[-1] and "no-such-rev" in err[-1]
