@@ -279,9 +279,9 @@ def build_theirs(pair: str, c: dict) -> Built:
 
 
 def worker(spec: str) -> None:
-    """One JSON line when built ({params, flops, torch, version, source: the tree our model came
-    from} or {error}), then per line on
-    stdin one step and its seconds; output goes to the saved stdout, the models' prints to stderr."""
+    """One JSON line when built ({params, flops, torch, version, source: the tree our model came from}
+    or {error}), then per line on stdin one step and its seconds; output goes to the saved stdout,
+    the models' prints to stderr."""
     out: IO[str] = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     s = json.loads(spec)
@@ -593,23 +593,25 @@ def main() -> None:
         flush=True,
     )
     results = []
-    for pair in pairs:
-        dist = None if base else next((d for d, ps in PACKAGES.items() if pair in ps), None)
-        if pair == "memory_attention" and not (base or args.llama2rnn):
-            print("memory_attention: skipped, no --llama2rnn PATH (a checkout of siyuanseever/llama2Rnn)", flush=True)
-            continue
-        if dist in failed:
-            print(f"{pair}: skipped, {dist} did not install", flush=True)
-            continue
-        if not py.exists():
-            print(f"{pair}: skipped, no python in --venv {args.venv}", flush=True)
-            continue
-        row = run_pair(pair, config, py, dist, args.rounds, args.warmup, args.until, args.max_rounds, base)
-        if row:
-            results.append(row)
-            print(f"{pair}: done, ours / theirs {row['ratio']:.2f} ({row['rounds']} rounds)", flush=True)
-    if base and not Path(args.base, "recurformer").is_dir():
-        shutil.rmtree(base[0])  # the exported revision
+    try:
+        for pair in pairs:
+            dist = None if base else next((d for d, ps in PACKAGES.items() if pair in ps), None)
+            if pair == "memory_attention" and not (base or args.llama2rnn):
+                print("memory_attention: skipped, no --llama2rnn PATH (a checkout of siyuanseever/llama2Rnn)", flush=True)  # fmt: skip
+                continue
+            if dist in failed:
+                print(f"{pair}: skipped, {dist} did not install", flush=True)
+                continue
+            if not py.exists():
+                print(f"{pair}: skipped, no python in --venv {args.venv}", flush=True)
+                continue
+            row = run_pair(pair, config, py, dist, args.rounds, args.warmup, args.until, args.max_rounds, base)
+            if row:
+                results.append(row)
+                print(f"{pair}: done, ours / theirs {row['ratio']:.2f} ({row['rounds']} rounds)", flush=True)
+    finally:
+        if base and not Path(args.base, "recurformer").is_dir():
+            shutil.rmtree(base[0])  # the exported revision
 
     head = f"{'ours':<17}{'theirs':<23}{'ours tok/s':>11}{'theirs tok/s':>13}{'ratio':>7}{'95% interval':>14}{'spread':>12}"
     head += f"{'MFLOP/tok o|t':>16}{'per FLOP':>9}  differs"
