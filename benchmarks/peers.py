@@ -61,6 +61,7 @@ steps interleaved A B with the same interval, for a change's before and after in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -72,7 +73,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -471,19 +472,27 @@ def run_pair(
     )
 
 
-def source_tree(base: str) -> tuple[Path, str]:
+@contextlib.contextmanager
+def source_tree(base: str) -> Iterator[tuple[Path, str]]:
     """``--base``: (a source tree, its label). A directory holding ``recurformer/`` is used as it is
     (label: its name); otherwise ``base`` is a git revision of this checkout, exported into a
-    temporary directory (label: the short commit). ValueError, one line, when it is neither."""
+    temporary directory (label: the short commit) that is removed on leaving, however the run ends.
+    ValueError, one line, when it is neither."""
     if Path(base, "recurformer").is_dir():
-        return Path(base).resolve(), Path(base).resolve().name
+        yield Path(base).resolve(), Path(base).resolve().name
+        return
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", f"{base}^{{commit}}"], capture_output=True, text=True)  # fmt: skip
     if rev.returncode:
         raise ValueError(f"{base!r} is neither a directory with recurformer/ nor a git revision of {ROOT}")
     out = Path(tempfile.mkdtemp(prefix="peers-base-"))
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev.stdout.strip()], capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
-    return out, rev.stdout.strip()
+    try:
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", rev.stdout.strip()], capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+        yield out, rev.stdout.strip()
+    finally:
+        shutil.rmtree(out)
 
 
 def main() -> None:
@@ -570,30 +579,30 @@ def main() -> None:
             build_model(p, ours_values(p, config))
     except RecurformerError as e:
         ap.error(f"--ours-set: {e}")
-    base = None
-    if args.base:
-        try:
-            base = source_tree(args.base)
-        except ValueError as e:
-            ap.error(f"--base: {e}")
-        py, failed = Path(sys.executable), set[str]()  # no peers to install
-    else:
-        py, failed = venv_python(Path(args.venv).resolve(), not args.no_install)
-    print(
-        f"{args.precision}, {args.threads} thread(s), OMP_WAIT_POLICY {args.wait_policy}, batch {args.batch} x {args.seq}, dim {args.dim} x {args.depth} layers, "
-        f"{args.heads} heads, segment/block {args.segment}, RMT memory {args.memory}; "
-        + (f"ours with {ours_set}; " if ours_set else "")
-        + (f"the peer: ours at {base[1]}; " if base else "")
-        + f"{args.warmup} warm-up + {args.rounds} timed A B rounds"
-        + (
-            f", more until the ratio's 95% interval is <= {args.until} wide (at most {args.max_rounds})"
-            if args.until
-            else ""
-        ),
-        flush=True,
-    )
-    results = []
-    try:
+    with contextlib.ExitStack() as cleanup:  # an exported --base revision is removed however the run ends
+        base = None
+        if args.base:
+            try:
+                base = cleanup.enter_context(source_tree(args.base))
+            except ValueError as e:
+                ap.error(f"--base: {e}")
+            py, failed = Path(sys.executable), set[str]()  # no peers to install
+        else:
+            py, failed = venv_python(Path(args.venv).resolve(), not args.no_install)
+        print(
+            f"{args.precision}, {args.threads} thread(s), OMP_WAIT_POLICY {args.wait_policy}, batch {args.batch} x {args.seq}, dim {args.dim} x {args.depth} layers, "
+            f"{args.heads} heads, segment/block {args.segment}, RMT memory {args.memory}; "
+            + (f"ours with {ours_set}; " if ours_set else "")
+            + (f"the peer: ours at {base[1]}; " if base else "")
+            + f"{args.warmup} warm-up + {args.rounds} timed A B rounds"
+            + (
+                f", more until the ratio's 95% interval is <= {args.until} wide (at most {args.max_rounds})"
+                if args.until
+                else ""
+            ),
+            flush=True,
+        )
+        results = []
         for pair in pairs:
             dist = None if base else next((d for d, ps in PACKAGES.items() if pair in ps), None)
             if pair == "memory_attention" and not (base or args.llama2rnn):
@@ -609,9 +618,6 @@ def main() -> None:
             if row:
                 results.append(row)
                 print(f"{pair}: done, ours / theirs {row['ratio']:.2f} ({row['rounds']} rounds)", flush=True)
-    finally:
-        if base and not Path(args.base, "recurformer").is_dir():
-            shutil.rmtree(base[0])  # the exported revision
 
     head = f"{'ours':<17}{'theirs':<23}{'ours tok/s':>11}{'theirs tok/s':>13}{'ratio':>7}{'95% interval':>14}{'spread':>12}"
     head += f"{'MFLOP/tok o|t':>16}{'per FLOP':>9}  differs"

@@ -160,11 +160,9 @@ def test_base_tree_takes_the_peers_place(monkeypatch, tmp_path, capsys) -> None:
 
 @pytest.mark.skipif(not (peers.ROOT / ".git").exists(), reason="needs a git checkout")
 def test_base_revision_is_exported_and_a_wrong_one_is_one_line(monkeypatch, capsys) -> None:
-    tree, label = peers.source_tree("HEAD")
-    try:
+    with peers.source_tree("HEAD") as (tree, label):
         assert (tree / "recurformer" / "__init__.py").is_file() and label and tree != peers.ROOT
-    finally:
-        shutil.rmtree(tree)
+    assert not tree.exists()  # the export is removed on leaving
     monkeypatch.setattr(sys, "argv", ["peers.py", *TINY_RUN, "--base", "no-such-rev"])
     with pytest.raises(SystemExit) as e:
         peers.main()
