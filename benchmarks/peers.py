@@ -645,4 +645,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the workers stop when their stdin closes; no JSON was written
+        print("peers.py: interrupted, nothing written", file=sys.stderr)
+        sys.exit(130)
