@@ -4,12 +4,14 @@ ReLU), RoPE with arbitrary positions, ALiBi slopes, attention helpers over PyTor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Literal, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import handle_torch_function, has_torch_function
 
 Fn = TypeVar("Fn", bound=Callable[..., Tensor])
@@ -195,11 +197,20 @@ def float32_under_cpu_autocast(fn: Fn) -> Fn:
     return cast(Fn, run)
 
 
+# SDPA's CUDA kernels other than cuDNN's. On an H200 with torch 2.11, bf16 training at 125M
+# parameters failed in cuDNN's attention backward ("mha_graph.execute(...).is_good()", then an
+# illegal memory access) and ran with cuDNN's kernel disabled (docs/results/gpu.md); PyTorch issue
+# #196678 reports NaN query gradients from it with an explicit mask on H100/H200 since 2.11.
+CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 @float32_under_cpu_autocast
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v via PyTorch SDPA. ``mask`` is boolean (True = visible) or
-    additive, broadcastable to [B, H, Tq, Tk]. In float32 under CPU autocast."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+    additive, broadcastable to [B, H, Tq, Tk]. In float32 under CPU autocast; on CUDA through the
+    flash, memory-efficient or math kernel, never cuDNN's (``CUDA_SDPA``)."""
+    with sdpa_kernel(CUDA_SDPA) if q.is_cuda else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
 
 
 def grouped_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ from helpers import DEVICES, TEST_CONFIGS, randomize_params
 from recurformer import RecurformerError, build_model
 from recurformer.cli import main as cli_main
 from recurformer.device import memory_kind, peak_memory_mb, pick_device, reset_peak_memory, resolve_precision, to_device
+from recurformer.modules import attend
 from recurformer.optim import make_optimizer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
@@ -70,6 +71,28 @@ def test_cpu_and_cuda_agree(name) -> None:
     for (n, p), q in zip(cpu.named_parameters(), gpu.parameters()):
         if p.grad is not None:
             torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-8, atol=1e-9, msg=n)
+
+
+@cuda
+def test_cuda_attention_never_runs_cudnn() -> None:
+    """``attend`` on CUDA keeps to SDPA's flash / memory-efficient / math kernels: no cuDNN kernel
+    runs in a bf16 forward + backward with an explicit mask over 704 = 5 * 128 + 64 keys (the shape
+    of PyTorch issue #196678, NaN query gradients from cuDNN's backward on H100/H200), and the
+    gradients are finite and within bf16 rounding of float32's."""
+    torch.manual_seed(0)
+    B, H, T, d = 2, 4, 704, 64
+    mask = torch.ones(T, T, dtype=torch.bool, device="cuda").tril()
+    ref = [torch.randn(B, H, T, d, device="cuda", requires_grad=True) for _ in range(3)]
+    half = [t.detach().bfloat16().requires_grad_() for t in ref]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        attend(*half, mask).float().square().sum().backward()
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    assert names and not [n for n in names if "cudnn" in n.lower()], names
+    attend(*ref, mask).square().sum().backward()
+    for t, r in zip(half, ref):
+        assert t.grad is not None and r.grad is not None and torch.isfinite(t.grad).all()
+        assert float((t.grad.float() - r.grad).norm()) <= 0.05 * float(r.grad.norm())
 
 
 @pytest.mark.parametrize("device", DEVICES)
