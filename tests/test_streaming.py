@@ -50,7 +50,7 @@ def assert_states_equal(s1: State, s2: State, rtol: float, atol: float) -> None:
             continue
         assert a.shape == b.shape, k
         if a.is_floating_point():
-            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=f"state field {k}")
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, k=k: f"state field {k}: {m}")
         else:
             assert torch.equal(a, b), k
 
