@@ -10,6 +10,13 @@ per-round ratios, with the largest k whose binomial tail P(Bin(n, 1/2) < k) is a
 rounds, up to ``--max-rounds``, until that interval is at most W wide: machine noise of 10-15% per
 step leaves a 7-round interval wider than the few percent a comparison may turn on.
 
+``--processes K`` times each pair in K fresh pairs of worker processes, one pair after another,
+the side that steps first (and starts first) alternating. Rounds within one process pair share
+that pair's bias (where each process's memory landed, which side warmed the caches), which the
+interval over rounds does not hold: two runs of the same tree against itself (``--base HEAD``,
+a Llama of dim 64 x 2 layers, one thread) gave 0.96 (0.81-0.99) and 1.06 (1.03-1.09). With K > 1 the ratio is the median of the K process pairs'
+median ratios and its interval is over those (K >= 6).
+
 Pairs (ours vs theirs):
   transformer_xl   vs x-transformers' ``TransformerWrapper(max_mem_len=...)``, segments of L with
                       the previous segment's hidden states as memory (XL recurrence), memory detached
@@ -401,6 +408,65 @@ def median_interval(xs: list[float], level: float = 0.95) -> tuple[float, float,
     return s[k - 1], s[n - k], 1 - 2 * cdf[k - 1]
 
 
+def time_pair(
+    pair: str,
+    config: dict,
+    peer_python: Path,
+    dist: str | None,
+    rounds: int,
+    warmup: int,
+    until: float,
+    max_rounds: int,
+    base: tuple[Path, str] | None,
+    ours_first: bool,
+) -> tuple[dict[str, list[float]], dict, dict, str, str] | None:
+    """One pair of worker processes, A B interleaved (B A when not ``ours_first``, which also
+    starts the peer's process first): the step times of each side, their infos, the peer's name
+    and how it differs; None, with one line said, when a side cannot run."""
+
+    def start(side: str) -> Worker:
+        if side == "ours":
+            return Worker(Path(sys.executable), pair, "ours", config, None)
+        if base:
+            return Worker(Path(sys.executable), pair, "ours", config, None, root=base[0])
+        return Worker(peer_python, pair, "theirs", config, dist)
+
+    order = ("ours", "theirs") if ours_first else ("theirs", "ours")
+    workers: dict[str, Worker] = {}
+    try:
+        for side in order:
+            workers[side] = start(side)
+        ours, theirs = workers["ours"], workers["theirs"]
+        if base:
+            peer, differs = f"ours at {base[1]}", "the same configuration, built by the base tree"
+        else:
+            peer, differs = PEER_NAMES[pair], DIFFERS[pair]
+        for name, w, root in (("ours", ours, ROOT), (peer, theirs, base[0] if base else None)):
+            if "error" in w.info:
+                print(f"{pair}: {name} skipped: {w.info['error']}", flush=True)
+                return None
+            if root and w.info["source"] != str(root.resolve()):  # not another installed copy
+                print(f"{pair}: {name} skipped: imported recurformer from {w.info['source']}, not {root}", flush=True)
+                return None
+        times: dict[str, list[float]] = {"ours": [], "theirs": []}
+        for _ in range(warmup):
+            for side in order:
+                workers[side].step()
+        while True:  # A B A B: machine noise hits both alike
+            for side in order:
+                times[side].append(workers[side].step())
+            n = len(times["ours"])
+            if n >= rounds and (not until or n >= max_rounds or width(times) <= until):
+                break
+    except RuntimeError as e:
+        print(f"{pair}: skipped, a step failed: {e}", flush=True)
+        return None
+    finally:
+        for w in workers.values():
+            w.close()
+    return times, ours.info, theirs.info, peer, differs
+
+
 def run_pair(
     pair: str,
     config: dict,
@@ -411,62 +477,48 @@ def run_pair(
     until: float,
     max_rounds: int,
     base: tuple[Path, str] | None = None,
+    processes: int = 1,
 ) -> dict | None:
-    """One pair, A B interleaved; with ``base`` (a source tree and its label) our model as that
-    tree builds it takes the peer's place."""
-    ours = Worker(Path(sys.executable), pair, "ours", config, None)
-    if base:
-        theirs = Worker(Path(sys.executable), pair, "ours", config, None, root=base[0])
-        peer, differs = f"ours at {base[1]}", "the same configuration, built by the base tree"
-    else:
-        theirs = Worker(peer_python, pair, "theirs", config, dist)
-        peer, differs = PEER_NAMES[pair], DIFFERS[pair]
-    try:
-        for name, w, root in (("ours", ours, ROOT), (peer, theirs, base[0] if base else None)):
-            if "error" in w.info:
-                print(f"{pair}: {name} skipped: {w.info['error']}", flush=True)
-                return None
-            if root and w.info["source"] != str(root.resolve()):  # not another installed copy
-                print(f"{pair}: {name} skipped: imported recurformer from {w.info['source']}, not {root}", flush=True)
-                return None
-        times: dict[str, list[float]] = {"ours": [], "theirs": []}
-        for _ in range(warmup):
-            ours.step()
-            theirs.step()
-        while True:  # A B A B: machine noise hits both alike
-            times["ours"].append(ours.step())
-            times["theirs"].append(theirs.step())
-            n = len(times["ours"])
-            if n >= rounds and (not until or n >= max_rounds or width(times) <= until):
-                break
-    except RuntimeError as e:
-        print(f"{pair}: skipped, a step failed: {e}", flush=True)
-        return None
-    finally:
-        ours.close()
-        theirs.close()
+    """One pair timed in ``processes`` fresh pairs of worker processes, one after another, the side
+    that steps first alternating; with ``base`` (a source tree and its label) our model as that
+    tree builds it takes the peer's place. With one process pair the ratio and its interval are
+    over the rounds; with several, over the process pairs' medians (a process carries a bias of
+    its own, which its rounds do not average out)."""
+    times: dict[str, list[float]] = {"ours": [], "theirs": []}
+    process_ratios = []
+    for i in range(processes):
+        got = time_pair(pair, config, peer_python, dist, rounds, warmup, until, max_rounds, base, i % 2 == 0)
+        if got is None:
+            return None
+        t, ours_info, theirs_info, peer, differs = got
+        process_ratios.append(statistics.median(per_round(t)))
+        for side in times:
+            times[side] += t[side]
     tokens = config["batch"] * config["seq"]
     ratios = per_round(times)
-    ci = median_interval(ratios)
-    f_o, f_t = ours.info["flops"], theirs.info["flops"]
+    units = process_ratios if processes > 1 else ratios
+    ci = median_interval(units)
+    f_o, f_t = ours_info["flops"], theirs_info["flops"]
     return dict(
         pair=pair,
         peer=peer,
-        peer_version=f"recurformer {base[1]}" if base else theirs.info["version"],
-        peer_torch=theirs.info["torch"],
-        params=dict(ours=ours.info["params"], theirs=theirs.info["params"]),
+        peer_version=f"recurformer {base[1]}" if base else theirs_info["version"],
+        peer_torch=theirs_info["torch"],
+        params=dict(ours=ours_info["params"], theirs=theirs_info["params"]),
         flops_per_token=dict(ours=round(f_o), theirs=round(f_t)),
         tokens_per_s=dict(
             ours=round(tokens / statistics.median(times["ours"])),
             theirs=round(tokens / statistics.median(times["theirs"])),
         ),  # fmt: skip
-        ratio=round(statistics.median(ratios), 3),
+        ratio=round(statistics.median(units), 3),
         ratio_ci=[round(ci[0], 3), round(ci[1], 3)] if ci else None,
         ratio_ci_coverage=round(ci[2], 3) if ci else None,
         rounds=len(ratios),
-        ratio_min=round(min(ratios), 3),
-        ratio_max=round(max(ratios), 3),
-        ratio_per_flop=round(statistics.median(ratios) * f_o / f_t, 3),
+        processes=processes,
+        process_ratios=[round(r, 3) for r in process_ratios],
+        ratio_min=round(min(units), 3),
+        ratio_max=round(max(units), 3),
+        ratio_per_flop=round(statistics.median(units) * f_o / f_t, 3),
         differs=differs,
         seconds={k: [round(t, 4) for t in v] for k, v in times.items()},
     )
@@ -519,6 +571,11 @@ def main() -> None:
         help="after --rounds, add rounds until the ratio's 95%% interval is at most W wide (e.g. 0.1), or --max-rounds",
     )  # fmt: skip
     ap.add_argument("--max-rounds", type=int, default=40, help="the most timed rounds per pair with --until")
+    ap.add_argument(
+        "--processes", type=int, default=1, metavar="K",
+        help="time each pair in K fresh pairs of processes (the side stepping first alternating); "
+        "ratio and interval over their medians (K >= 6 for an interval)",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: both sides under CPU autocast")
     ap.add_argument(
@@ -543,6 +600,8 @@ def main() -> None:
         ap.error(f"--rounds must be >= 3, got {args.rounds}")
     if args.until < 0 or (args.until and args.max_rounds < args.rounds):
         ap.error(f"--until must be >= 0 and --max-rounds >= --rounds, got {args.until} and {args.max_rounds}")
+    if args.processes < 1:
+        ap.error(f"--processes must be >= 1, got {args.processes}")
     if args.seq % args.segment:
         ap.error(f"--seq ({args.seq}) must be a multiple of --segment ({args.segment})")
     if args.llama2rnn and not (Path(args.llama2rnn) / "model.py").is_file():
@@ -595,6 +654,7 @@ def main() -> None:
             + (f"ours with {ours_set}; " if ours_set else "")
             + (f"the peer: ours at {base[1]}; " if base else "")
             + f"{args.warmup} warm-up + {args.rounds} timed A B rounds"
+            + (f" in each of {args.processes} process pairs" if args.processes > 1 else "")
             + (
                 f", more until the ratio's 95% interval is <= {args.until} wide (at most {args.max_rounds})"
                 if args.until
@@ -614,10 +674,16 @@ def main() -> None:
             if not py.exists():
                 print(f"{pair}: skipped, no python in --venv {args.venv}", flush=True)
                 continue
-            row = run_pair(pair, config, py, dist, args.rounds, args.warmup, args.until, args.max_rounds, base)
+            row = run_pair(
+                pair, config, py, dist, args.rounds, args.warmup, args.until, args.max_rounds, base, args.processes
+            )
             if row:
                 results.append(row)
-                print(f"{pair}: done, ours / theirs {row['ratio']:.2f} ({row['rounds']} rounds)", flush=True)
+                print(
+                    f"{pair}: done, ours / theirs {row['ratio']:.2f} ({row['rounds']} rounds"
+                    + (f" in {args.processes} process pairs: {row['process_ratios']})" if args.processes > 1 else ")"),
+                    flush=True,
+                )
 
     head = f"{'ours':<17}{'theirs':<23}{'ours tok/s':>11}{'theirs tok/s':>13}{'ratio':>7}{'95% interval':>14}{'spread':>12}"
     head += f"{'MFLOP/tok o|t':>16}{'per FLOP':>9}  differs"
@@ -635,7 +701,7 @@ def main() -> None:
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), cpu=machine_name(), cores=os.cpu_count(),
         threads=args.threads, precision=args.precision, torch=torch.__version__, config={k: v for k, v in config.items() if k != "llama2rnn"},
         rounds=args.rounds, until=args.until or None, max_rounds=args.max_rounds if args.until else None,
-        warmup=args.warmup, base=base[1] if base else None, command="python " + " ".join(argv),
+        warmup=args.warmup, processes=args.processes, base=base[1] if base else None, command="python " + " ".join(argv),
     )  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(args.out).with_suffix(".tmp")

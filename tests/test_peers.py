@@ -134,6 +134,48 @@ def test_until_adds_rounds_until_the_interval_is_narrow(monkeypatch, until, max_
     assert len(row["seconds"]["ours"]) == n
 
 
+class _BiasedWorker(_FakeWorker):
+    """Each new process pair gets a bias of its own: theirs takes 1.1 x (1 + 0.05 k) s in the k-th
+    pair (k = 0, 1, ...), ours 1 s; the order in which the sides step is logged."""
+
+    started: list[str] = []
+    steps: list[str] = []
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        _BiasedWorker.started.append(self.side)
+        self.k = sum(s == self.side for s in _BiasedWorker.started) - 1
+
+    def step(self) -> float:
+        _BiasedWorker.steps.append(self.side)
+        return 1.0 if self.side == "ours" else 1.1 * (1 + 0.05 * self.k)
+
+
+@pytest.mark.parametrize("processes", [1, 3, 7])
+def test_processes_are_the_units_of_the_ratio(monkeypatch, processes) -> None:
+    """--processes K: K fresh process pairs, the side that starts and steps first alternating, and
+    the ratio and its interval over the pairs' medians (a bias of each process pair that its own
+    rounds cannot show); with one pair, over the rounds as before."""
+    monkeypatch.setattr(peers, "Worker", _BiasedWorker)
+    _BiasedWorker.started, _BiasedWorker.steps = [], []
+    row = peers.run_pair("llama", dict(batch=1, seq=1), Path("x"), None, 6, 1, 0.0, 40, processes=processes)
+    assert row is not None and row["processes"] == processes and row["rounds"] == 6 * processes
+    want = [1.1 * (1 + 0.05 * k) for k in range(processes)]
+    assert row["process_ratios"] == pytest.approx(want, abs=1e-3)
+    assert _BiasedWorker.started == [
+        s for k in range(processes) for s in (("ours", "theirs"), ("theirs", "ours"))[k % 2]
+    ]
+    firsts = _BiasedWorker.steps[::2]  # who stepped first in each round, warm-up included: 7 per pair
+    assert firsts == [("ours", "theirs")[k % 2] for k in range(processes) for _ in range(7)]
+    assert row["ratio"] == pytest.approx(want[processes // 2], abs=1e-3)
+    if processes == 1:  # six equal rounds: an interval of zero width
+        assert row["ratio_ci"] == pytest.approx([1.1, 1.1], abs=1e-3)
+    elif processes == 7:  # seven process medians: min-max
+        assert row["ratio_ci"] == pytest.approx([want[0], want[-1]], abs=1e-3)
+    else:  # three medians: too few for an interval, though each pair ran six rounds
+        assert row["ratio_ci"] is None
+
+
 TINY_RUN = ["--pairs", "llama", "--dim", "16", "--depth", "1", "--heads", "2", "--vocab", "64", "--batch", "1"]
 TINY_RUN += ["--seq", "64", "--segment", "32", "--rounds", "6", "--warmup", "0"]
 
