@@ -226,6 +226,7 @@ def initial_state(
         start=torch.full_like(fresh.start, state.pos),
         pos=state.pos,
         layers=[s.map(noisy) for s in layers],
+        start_floor=state.pos,
     )
     return _where_rows(rows, given, state)
 
@@ -244,7 +245,15 @@ def _where_rows(rows: torch.Tensor, given: State, own: State) -> State:
         layers.append(
             dataclasses.replace(o, **{k: pick(gt[k], ot[k]) for k in ot if k in gt and gt[k].shape == ot[k].shape})
         )
-    return State(fresh=own.fresh & ~rows, start=pick(given.start, own.start), pos=own.pos, layers=layers)
+    a, b = given.start_floor, own.start_floor  # a bound below every start of either, when both know one
+    return dataclasses.replace(
+        own,
+        fresh=own.fresh & ~rows,
+        start=pick(given.start, own.start),
+        layers=layers,
+        any_fresh=None,
+        start_floor=None if a is None or b is None else min(a, b),
+    )
 
 
 __all__ = ["Schedule", "StateInit", "check_state_init", "check_state_init_share", "initial_state", "schedule_from"]

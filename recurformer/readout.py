@@ -19,7 +19,7 @@ never *reads* its memory (the tokens put no attention on it), and one that never
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from torch import Tensor
 
 from . import tap
 from .config import RecurformerError
-from .nn import IGNORE_INDEX, State, StreamingLM
+from .nn import IGNORE_INDEX, StreamingLM
 
 
 @dataclass
@@ -90,7 +90,7 @@ def state_gradient(model: StreamingLM, inputs: Tensor, targets: Tensor, segment:
             leaves.append(t)
         return t
 
-    state: State = State(fresh=s0.fresh, start=s0.start, pos=s0.pos, layers=[s.map(leaf) for s in s0.layers])
+    state = replace(s0, layers=[s.map(leaf) for s in s0.layers])
     losses: list[Tensor | None] = []
     for j in range(1, k + 1):
         out = model(inputs[:, j * segment : (j + 1) * segment], state=state)

@@ -184,6 +184,8 @@ def test_state_init_per_row(corpus, tmp_path) -> None:
         assert any(torch.equal(got[b], p[c]) for c in range(B) if c != b)
     (got[0].sum() + got[2].sum()).backward()  # the passed rows carry no gradient to the other stream
     assert all(q.grad is None or not q.grad.any() for q in m.parameters())
+    for s in (noisy, passed):  # the host's bound below every start survives (Transformer-XL skips by it)
+        assert s.start_floor == prev.start_floor == 0 and s.start_floor <= int(s.start.min())
     zero = initial_state(m, "zero", rows, prev, B, "cpu", g())
     assert zero.fresh.tolist() == [True, False, True]
     with pytest.raises(RecurformerError, match="must be one of"):
