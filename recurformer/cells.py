@@ -10,10 +10,9 @@ import math
 from typing import Literal, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .modules import MLP, RMSNorm, grouped_attend, merge_heads, split_heads
+from .modules import MLP, RMSNorm, grouped_attend, merge_heads, project_heads
 
 
 class CellConfig(Protocol):
@@ -171,9 +170,7 @@ class StateCell(nn.Module):
         the user, queries (only needed for an update) treated by ``qk_self`` / ``qk_cross``."""
         u = self.norm(c) + self.ids.to(c.dtype)
         ws = (self.wk.weight, self.wv.weight) + ((self.wq.weight, self.wq2.weight) if queries else ())
-        heads = [self.kv_heads, self.kv_heads, self.n_heads, self.n_heads]
-        sizes = [w.shape[0] for w in ws]
-        parts = [split_heads(p, h) for p, h in zip(F.linear(u, torch.cat(ws)).split(sizes, dim=-1), heads)]
+        parts = project_heads(u, ws, (self.kv_heads, self.kv_heads, self.n_heads, self.n_heads)[: len(ws)])
         if not queries:
             return parts[0], parts[1], None, None
         return parts[0], parts[1], self.qk_self.query(parts[2]), self.qk_cross.query(parts[3])

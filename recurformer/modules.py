@@ -147,6 +147,15 @@ def split_heads(x: Tensor, n_heads: int) -> Tensor:
     return x.view(B, T, n_heads, D // n_heads).transpose(1, 2)
 
 
+def project_heads(x: Tensor, weights: tuple[Tensor, ...], heads: tuple[int, ...]) -> list[Tensor]:
+    """x [B, T, D_in] through ``weights`` [D_i, D_in] side by side in one matmul, the output cut
+    into parts of ``heads`` heads each (of the same head size) and split: [B, h_j, T, d] per part.
+    One matmul, and one per input in the backward, instead of one per weight."""
+    y = F.linear(x, torch.cat(weights))
+    d = y.shape[-1] // sum(heads)
+    return [split_heads(p, h) for p, h in zip(y.split([h * d for h in heads], dim=-1), heads)]
+
+
 def merge_heads(x: Tensor) -> Tensor:
     """[B, H, T, d] -> [B, T, H*d]"""
     B, H, T, d = x.shape

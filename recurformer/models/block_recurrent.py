@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tap
@@ -58,8 +57,8 @@ from ..modules import (
     grouped_attend,
     merge_heads,
     pieces,
+    project_heads,
     rope_cos_sin,
-    split_heads,
     ungroup_heads,
 )
 from ..nn import Block, Layer, ModelConfig, StreamingLM
@@ -238,11 +237,7 @@ class BlockAttention(Layer):
         cfg, W, H, T, D = self.cfg, self.cfg.block_size, self.n_heads, x.shape[1], self.cfg.dim
         r = st.k.shape[2] - W  # offset inside the current block
         ws = (self.wq.weight, self.wk.weight, self.wv.weight) + ((self.wq2.weight,) if self.cell is not None else ())
-        sizes = [w.shape[0] for w in ws]
-        heads = [H, self.kv_heads, self.kv_heads, H][: len(ws)]
-        parts = [
-            split_heads(p, h) for p, h in zip(F.linear(x, torch.cat(ws)).split(sizes, dim=-1), heads)
-        ]  # one matmul
+        parts = project_heads(x, ws, (H, self.kv_heads, self.kv_heads, H)[: len(ws)])
         q, k = self.qk.query(parts[0], sdpa=False), self.qk.key(parts[1])  # [B, H, T, d], for biased_attend
         kx, vx = torch.cat((st.k, k), dim=2), torch.cat((st.v, parts[2]), dim=2)  # [B, H, W + r + T, d]
         kr, rope = kx, None  # the keys as the token queries see them
