@@ -14,8 +14,9 @@ step leaves a 7-round interval wider than the few percent a comparison may turn 
 the side that steps first (and starts first) alternating. Rounds within one process pair share
 that pair's bias (where each process's memory landed, which side warmed the caches), which the
 interval over rounds does not hold: two runs of the same tree against itself (``--base HEAD``,
-a Llama of dim 64 x 2 layers, one thread) gave 0.96 (0.81-0.99) and 1.06 (1.03-1.09). With K > 1 the ratio is the median of the K process pairs'
-median ratios and its interval is over those (K >= 6).
+a Llama of dim 64 x 2 layers, one thread) gave 0.96 (0.81-0.99) and 1.06 (1.03-1.09). With K > 1
+the ratio is the median of the K process pairs' median ratios and its interval is over those
+(K >= 6).
 
 Pairs (ours vs theirs):
   transformer_xl   vs x-transformers' ``TransformerWrapper(max_mem_len=...)``, segments of L with
@@ -408,65 +409,6 @@ def median_interval(xs: list[float], level: float = 0.95) -> tuple[float, float,
     return s[k - 1], s[n - k], 1 - 2 * cdf[k - 1]
 
 
-def time_pair(
-    pair: str,
-    config: dict,
-    peer_python: Path,
-    dist: str | None,
-    rounds: int,
-    warmup: int,
-    until: float,
-    max_rounds: int,
-    base: tuple[Path, str] | None,
-    ours_first: bool,
-) -> tuple[dict[str, list[float]], dict, dict, str, str] | None:
-    """One pair of worker processes, A B interleaved (B A when not ``ours_first``, which also
-    starts the peer's process first): the step times of each side, their infos, the peer's name
-    and how it differs; None, with one line said, when a side cannot run."""
-
-    def start(side: str) -> Worker:
-        if side == "ours":
-            return Worker(Path(sys.executable), pair, "ours", config, None)
-        if base:
-            return Worker(Path(sys.executable), pair, "ours", config, None, root=base[0])
-        return Worker(peer_python, pair, "theirs", config, dist)
-
-    order = ("ours", "theirs") if ours_first else ("theirs", "ours")
-    workers: dict[str, Worker] = {}
-    try:
-        for side in order:
-            workers[side] = start(side)
-        ours, theirs = workers["ours"], workers["theirs"]
-        if base:
-            peer, differs = f"ours at {base[1]}", "the same configuration, built by the base tree"
-        else:
-            peer, differs = PEER_NAMES[pair], DIFFERS[pair]
-        for name, w, root in (("ours", ours, ROOT), (peer, theirs, base[0] if base else None)):
-            if "error" in w.info:
-                print(f"{pair}: {name} skipped: {w.info['error']}", flush=True)
-                return None
-            if root and w.info["source"] != str(root.resolve()):  # not another installed copy
-                print(f"{pair}: {name} skipped: imported recurformer from {w.info['source']}, not {root}", flush=True)
-                return None
-        times: dict[str, list[float]] = {"ours": [], "theirs": []}
-        for _ in range(warmup):
-            for side in order:
-                workers[side].step()
-        while True:  # A B A B: machine noise hits both alike
-            for side in order:
-                times[side].append(workers[side].step())
-            n = len(times["ours"])
-            if n >= rounds and (not until or n >= max_rounds or width(times) <= until):
-                break
-    except RuntimeError as e:
-        print(f"{pair}: skipped, a step failed: {e}", flush=True)
-        return None
-    finally:
-        for w in workers.values():
-            w.close()
-    return times, ours.info, theirs.info, peer, differs
-
-
 def run_pair(
     pair: str,
     config: dict,
@@ -484,16 +426,61 @@ def run_pair(
     tree builds it takes the peer's place. With one process pair the ratio and its interval are
     over the rounds; with several, over the process pairs' medians (a process carries a bias of
     its own, which its rounds do not average out)."""
+    if base:
+        peer, differs = f"ours at {base[1]}", "the same configuration, built by the base tree"
+    else:
+        peer, differs = PEER_NAMES[pair], DIFFERS[pair]
+
+    def start(side: str) -> Worker:
+        if side == "ours":
+            return Worker(Path(sys.executable), pair, "ours", config, None)
+        if base:
+            return Worker(Path(sys.executable), pair, "ours", config, None, root=base[0])
+        return Worker(peer_python, pair, "theirs", config, dist)
+
+    def one(order: tuple[str, str]) -> tuple[dict[str, list[float]], dict[str, Worker]] | None:
+        """One pair of worker processes, started and stepped in ``order`` (A B A B): the step
+        times of each side and the workers; None, with one line said, when a side cannot run."""
+        workers: dict[str, Worker] = {}
+        try:
+            for side in order:
+                workers[side] = start(side)
+            for name, side, root in (("ours", "ours", ROOT), (peer, "theirs", base[0] if base else None)):
+                info = workers[side].info
+                if "error" in info:
+                    print(f"{pair}: {name} skipped: {info['error']}", flush=True)
+                    return None
+                if root and info["source"] != str(root.resolve()):  # not another installed copy
+                    print(f"{pair}: {name} skipped: imported recurformer from {info['source']}, not {root}", flush=True)
+                    return None
+            times: dict[str, list[float]] = {"ours": [], "theirs": []}
+            for _ in range(warmup):
+                for side in order:
+                    workers[side].step()
+            while True:  # A B A B: machine noise hits both alike
+                for side in order:
+                    times[side].append(workers[side].step())
+                n = len(times["ours"])
+                if n >= rounds and (not until or n >= max_rounds or width(times) <= until):
+                    return times, workers
+        except RuntimeError as e:
+            print(f"{pair}: skipped, a step failed: {e}", flush=True)
+            return None
+        finally:
+            for w in workers.values():
+                w.close()
+
     times: dict[str, list[float]] = {"ours": [], "theirs": []}
     process_ratios = []
     for i in range(processes):
-        got = time_pair(pair, config, peer_python, dist, rounds, warmup, until, max_rounds, base, i % 2 == 0)
+        got = one(("ours", "theirs") if i % 2 == 0 else ("theirs", "ours"))
         if got is None:
             return None
-        t, ours_info, theirs_info, peer, differs = got
+        t, workers = got
         process_ratios.append(statistics.median(per_round(t)))
         for side in times:
             times[side] += t[side]
+    ours_info, theirs_info = workers["ours"].info, workers["theirs"].info
     tokens = config["batch"] * config["seq"]
     ratios = per_round(times)
     units = process_ratios if processes > 1 else ratios
