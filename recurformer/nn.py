@@ -185,7 +185,9 @@ class Block(Layer):
 
         h = x + mixer(n(x), state),   y = h + MLP(n(h))
 
-    The block is the layer: its state, reset, period and reach are the mixer's."""
+    A mixer may answer for the last rows of x only (a shorter output, as RMT's last layer): the
+    block is then those rows' (h = x[:, -m:] + mixer(...), m its output's length). The block is
+    the layer: its state, reset, period and reach are the mixer's."""
 
     def __init__(self, cfg: ModelConfig, mixer: Layer, mlp: Literal["swiglu", "relu"] = "swiglu") -> None:
         super().__init__()
@@ -231,7 +233,7 @@ class Block(Layer):
 
     def forward(self, x: Tensor, state: LayerState, call: Call) -> tuple[Tensor, LayerState]:
         a, state = self.attn(self.attn_norm(x), state, call)
-        h = x + a
+        h = (x if a.shape[1] == x.shape[1] else x[:, x.shape[1] - a.shape[1] :]) + a
         return h + self.ffn(self.ffn_norm(h)), state
 
 

@@ -142,15 +142,21 @@ class RMTAttention(Layer):
         return cos, sin, j <= c + i
 
     def forward(self, x: Tensor, state: RMTState, call: Call) -> tuple[Tensor, RMTState]:
-        H, c, n = self.cfg.n_heads, state.k.shape[2], x.shape[1]
+        """The attention output of the rows of x [B, n, D] from ``a`` on: a = M in the last layer
+        when the piece starts a segment (its first M rows, the read slots, are read after the last
+        layer by nothing, and in it only as keys/values; ``Block`` adds the output to the last
+        rows), a = 0 otherwise."""
+        M, S, H, c, n = self.cfg.memory_size, self.cfg.segment_len, self.cfg.n_heads, state.k.shape[2], x.shape[1]
+        a = M if c == 0 and self.index == self.cfg.n_layers - 1 else 0
         cos, sin, mask = call.shared(("rmt", c, n, x.dtype), lambda: self.tables(c, n, x))
-        q = apply_rope(split_heads(self.wq(x), H), cos, sin)
         k = torch.cat((state.k, apply_rope(split_heads(self.wk(x), H), cos, sin)), dim=2)
         v = torch.cat((state.v, split_heads(self.wv(x), H)), dim=2)
-        o = attend(q, k, v, mask, causal=c == 0)
+        if a:
+            cos, sin, mask = call.shared(("rmt", c + a, n - a, x.dtype), lambda: self.tables(c + a, n - a, x))
+        q = apply_rope(split_heads(self.wq(x[:, a:]), H), cos, sin)
+        o = attend(q, k, v, mask, causal=c + a == 0)
         if tap.active():  # the read-out: the tokens' attention mass on the M read slots
-            M, S = self.cfg.memory_size, self.cfg.segment_len
-            p = torch.arange(c, c + n, device=x.device)
+            p = torch.arange(c + a, c + n, device=x.device)
             tokens = (p >= M) & (p < M + S)
             vis = torch.arange(c + n, device=x.device)[None, :] <= p[:, None]
             tap.record(self, tap.attention_share(q[:, :, tokens], k, vis[tokens], M))
@@ -198,8 +204,7 @@ class RMT(StreamingLM):
             call = Call(pos + a, start, state.start_floor)
             for i, (layer, s) in enumerate(zip(self.layers, layers)):
                 x, layers[i] = layer(x, s, call)
-            lo = M if r == 0 else 0
-            outs.append(x[:, lo : lo + n])
+            outs.append(x[:, :n])  # the last layer answers for the tokens [and the write slots] only
             if done:  # the write slots' outputs are the next memory; the caches start over
                 memory = self.norm(x[:, -M:])
                 layers = self.init_state(h.shape[0], h.device).layers
