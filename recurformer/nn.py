@@ -241,6 +241,15 @@ class Block(Layer):
 # the model
 
 
+def check_compile() -> None:
+    """Compiling needs torch >= 2.5: torch 2.4's inductor fails on the RoPE tables (``TypeError:
+    Invalid NaN comparison``, in code generation); the eager model runs on 2.4."""
+    if torch.__version__ < "2.5":
+        raise RecurformerError(
+            f"compiling needs torch >= 2.5 (torch 2.4's inductor fails on the RoPE tables); this is {torch.__version__}"
+        )
+
+
 class StreamingLM(nn.Module, GenerationMixin, HubMixin):
     """Token embedding -> the stack of layers -> final RMSNorm -> tied LM head.
 
@@ -413,7 +422,8 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
     def compile_layers(self) -> None:
         """``torch.compile`` each layer in place (regional compilation): identical layers share one
         compiled graph, so compiling costs about one layer however deep the model is. The
-        embedding, the loss and the Python-side input checks stay eager."""
+        embedding, the loss and the Python-side input checks stay eager (``check_compile``)."""
+        check_compile()
         for layer in self.layers:
             layer.compile()
 

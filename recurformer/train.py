@@ -42,7 +42,7 @@ from .curriculum import Schedule, check_state_init_share, initial_state, schedul
 from .device import autocast_context, configure, pick_device, resolve_precision, to_device
 from .flops import reference_peak, train_flops_per_token
 from .models import build_model, make_config
-from .nn import State, StreamingLM
+from .nn import State, StreamingLM, check_compile
 from .optim import lr_at, make_optimizer, optimizer_from_flat, optimizer_to_flat
 
 DEFAULT_DATASET = "tinystories-sample"
@@ -164,6 +164,8 @@ class TrainConfig:
                 )
         if self.state_noise < 0:
             raise RecurformerError(f"config key 'train.state_noise' must be >= 0, got {self.state_noise}")
+        if self.compile:
+            check_compile()
         check_state_init_share(self.state_init_share, self.state_init, "train.state_init")
         if self.state_init == "passing" and self.batch_size < 2:
             raise RecurformerError(

@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 from helpers import TEST_CONFIGS
 
 import recurformer
@@ -217,3 +218,19 @@ def test_openmp_waits_passively_unless_the_user_says_otherwise() -> None:
         check=True,
     ).stdout
     assert out.strip() == "ACTIVE"
+
+
+def test_compile_on_torch_2_4_is_one_line_and_nothing_is_written(tmp_path, monkeypatch, capsys) -> None:
+    """torch 2.4's inductor fails on the RoPE tables (``nn.check_compile``): --compile there is one
+    line before anything is written, and so is ``compile_layers`` from Python."""
+    from torch.torch_version import TorchVersion
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.4.1+cpu"))
+    message = "compiling needs torch >= 2.5 (torch 2.4's inductor fails on the RoPE tables); this is 2.4.1+cpu"
+    assert cli_main(["train", "--config", "tinystories-cpu", "--compile"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"recurformer: error: {message}\n"
+    assert files(tmp_path) == set()
+    with pytest.raises(RecurformerError, match=re.escape(message)):
+        build_model("llama", TEST_CONFIGS["llama"][0]).compile_layers()
