@@ -175,12 +175,12 @@ def peak(name: str, L: int) -> float:
 @pytest.mark.slow
 def test_recurrent_memory_is_bounded_at_long_lengths() -> None:
     """Peak RSS while evaluating one window (a fresh process, the peak counter restarted after a
-    warm-up): Memory Attention and the RMT at L=16384 stay within 1.2x of L=1024; the same measurement on
-    Llama (its KV cache grows with L) exceeds 1.2x, so the measurement can tell them apart."""
+    warm-up), from L=1024 to L=16384: Llama's grows by at least half of its KV cache's growth (the
+    control: the measurement sees the cache), Memory Attention's and the RMT's by less than a tenth
+    of it. Differences, not ratios, so torch's own footprint (larger in a CUDA build) drops out."""
     peaks = {(m, L): peak(m, L) for m in ("memory_attention", "rmt", "llama") for L in (1024, 16384)}
-    ma = peaks["memory_attention", 16384] / peaks["memory_attention", 1024]
-    rmt = peaks["rmt", 16384] / peaks["rmt", 1024]
-    llama = peaks["llama", 16384] / peaks["llama", 1024]
-    assert ma <= 1.2, peaks
-    assert rmt <= 1.2, peaks
-    assert llama > 1.2, peaks
+    grow = {m: peaks[m, 16384] - peaks[m, 1024] for m in ("memory_attention", "rmt", "llama")}  # MB
+    cache = 2 * 2 * (16384 - 1024) * 128 * 4 / 2**20  # K and V, 2 layers, dim 128, float32: 30 MB
+    assert grow["llama"] > cache / 2, peaks
+    assert grow["memory_attention"] < cache / 10, peaks
+    assert grow["rmt"] < cache / 10, peaks
