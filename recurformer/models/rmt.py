@@ -32,10 +32,11 @@ that starts a segment is preceded by the read slots, one that completes it is fo
 write slots, and the piece runs through all layers against the caches; a whole segment is
 therefore the paper's single pass. One new token costs, per layer, its projections and MLP plus
 attention over M + r + 1 keys (r: its offset in the segment), O(D^2 + (M + r) D); the segment's
-first token also runs the M read slots (through every layer but the last, where only their keys and
-values are read: their outputs there would be read by nothing), its last the M write slots
-(attending over 2M + S keys) through every layer. Gradients flow across segments through the memory until the trainer detaches
-the state (the TBPTT boundary). A row can be reset (to ``init_memory``) only at a segment boundary.
+first token also runs the M read slots (through every layer but the last, where only their keys
+and values are read: their outputs there would be read by nothing), its last the M write slots
+(attending over 2M + S keys) through every layer. Gradients flow across segments through the
+memory until the trainer detaches the state (the TBPTT boundary). A row can be reset (to
+``init_memory``) only at a segment boundary.
 
 The memory slots pass through every layer, so every layer of the stack is an 'rmt' layer: a
 hybrid stack with 'full' or 'window' layers is refused (such a layer has no way to read the slots).
