@@ -128,6 +128,34 @@ def test_passkey_is_out_of_reach_of_windows_up_to_L_plus_1(L: int) -> None:
     assert reachable(L + 2)
 
 
+@pytest.mark.parametrize("span", [0.5, 1.0])
+def test_passkey_key_at_random_positions_within_its_span(span: float) -> None:
+    """``key_span``: each row's key starts after p ~ U[0, floor(span * L)] filler tokens, every
+    position of that range occurs, the filler around it never holds a key token, the answer is the
+    key, and no window of W <= L - floor(span * L) + 1 tokens ending at a scored position reaches it
+    (tight: one more token reaches the latest key)."""
+    L, m, key_vocab = 40, 4, 16
+    d = make_split("passkey", 512, seed=0, params=dict(length=L, key_len=m, key_vocab=key_vocab, key_span=span))
+    x, y = d.inputs, d.targets
+    assert x.shape[1] == 2 * m + L
+    is_key = x[:, : m + L] < key_vocab
+    assert bool((is_key.sum(1) == m).all())  # the key, and no key token in the filler
+    start = is_key.int().argmax(1)
+    assert bool((is_key.int().diff(dim=1).clamp(min=0).sum(1) <= 1).all())  # one contiguous run
+    rows = torch.arange(len(x))[:, None]
+    assert torch.equal(x[rows, start[:, None] + torch.arange(m)], y[:, -m:])
+    hi = int(span * L)
+    assert set(start.tolist()) == set(range(hi + 1))
+    nearest = (x.shape[1] - m) - (start + m - 1)  # distance from the first scored position to the key's end
+    W = L - hi + 1
+    assert int(nearest.min()) == W  # a window of W tokens ending there misses every key; W + 1 reaches one
+
+
+def test_passkey_key_span_out_of_range_is_one_line() -> None:
+    with pytest.raises(RecurformerError, match="key_span"):
+        make_split("passkey", 4, seed=0, params=dict(length=8, key_span=1.5))
+
+
 def test_model_values_set_context_and_guard_vocab() -> None:
     v = model_values("memory_attention", {"dim": 32}, vocab=16, context=8)
     assert v["chunk_size"] == 8 and v["dim"] == 32 and v["vocab_size"] == 16 and v["n_layers"] == 1

@@ -291,24 +291,39 @@ def delayed_copy(
 
 
 def passkey(
-    rng: np.random.Generator, n: int, vocab_size: int = 32, length: int = 256, key_len: int = 4, key_vocab: int = 16
+    rng: np.random.Generator,
+    n: int,
+    vocab_size: int = 32,
+    length: int = 256,
+    key_len: int = 4,
+    key_vocab: int = 16,
+    key_span: float = 0.0,
 ) -> Arrays:
-    """Passkey retrieval: a key of ``key_len`` tokens from [0, key_vocab), ``length`` random filler
-    tokens from [key_vocab, V-1), the query marker V-1, then the key again (teacher-forced).
-    inputs = (key, filler, query, key)[:-1], length 2*key_len + length; scored: the key_len
-    positions from the query marker on, which predict the key tokens in order. The nearest copy of
-    key token j is ``length + key_len + 1`` positions before the position that must predict it, so
-    a model that sees only a window of at most ``length + 1`` tokens cannot beat chance."""
+    """Passkey retrieval: a key of ``key_len`` tokens from [0, key_vocab) inside ``length`` random
+    filler tokens from [key_vocab, V-1), the query marker V-1, then the key again (teacher-forced).
+    inputs = (filler[:p], key, filler[p:], query, key)[:-1], length 2*key_len + length; scored: the
+    key_len positions from the query marker on, which predict the key tokens in order.
+
+    ``p``, the filler tokens before the key, is drawn per row uniformly from
+    [0, floor(key_span * length)]: 0 puts the key first in every row; 0.5 anywhere in the first half
+    of the filler, so the model must write the key when it sees it, not at the row's start (as
+    "BABILong", Kuratov et al. 2024, §2, hides its facts at random positions). The nearest copy of
+    key token j is at least ``length - floor(key_span * length) + key_len + 1`` positions before the
+    position that must predict it, so a model that sees only a window of at most
+    ``length - floor(key_span * length) + 1`` tokens cannot beat chance."""
     _need(key_len >= 1 and length >= 0, f"passkey needs key_len >= 1 and length >= 0, got {key_len}, {length}")
     _need(
         2 <= key_vocab <= vocab_size - 2,
         f"passkey needs 2 <= key_vocab <= vocab_size - 2, got {key_vocab}, {vocab_size}",
     )
+    _need(0.0 <= key_span <= 1.0, f"passkey needs 0 <= key_span <= 1 (a fraction of the filler), got {key_span}")
     m = key_len
     key = rng.integers(0, key_vocab, size=(n, m))
-    seq = np.concatenate(
-        [key, rng.integers(key_vocab, vocab_size - 1, size=(n, length)), np.full((n, 1), vocab_size - 1), key], axis=1
-    )
+    body = np.concatenate([key, rng.integers(key_vocab, vocab_size - 1, size=(n, length))], axis=1)
+    p = rng.integers(0, int(key_span * length) + 1, size=(n, 1))  # filler tokens before the key, per row
+    col = np.arange(m + length)[None, :]  # row r reads body's columns m..m+p-1, then 0..m-1, then m+p..
+    body = np.take_along_axis(body, np.where(col < p, col + m, np.where(col < p + m, col - p, col)), axis=1)
+    seq = np.concatenate([body, np.full((n, 1), vocab_size - 1), key], axis=1)
     scored = np.zeros_like(seq, dtype=bool)
     scored[:, -m:] = True
     return _shift(seq, scored)
