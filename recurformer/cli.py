@@ -65,36 +65,15 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def state_size_line(model) -> str:  # type: ignore[no-untyped-def]
-    """The state's size per batch row, measured from the state itself (every model alike) past
-    every layer's reach: c is the longest span a layer reads directly (its window, segment and
-    memory, block, ...; at least 64, the reset period and the model's context field), rounded up to
-    the reset period P; sizes after c + P - 1 and c + 2P - 1 tokens (the same chunk phase,
-    partial-chunk buffers at their fullest) differ only when a state grows with the text. Measured on a copy
-    with a 2-token vocabulary: the state does not depend on it, and the output head is most of
-    the work."""
-    import dataclasses
+    """The state's size per batch row, measured (``statesize.measure``)."""
+    from .statesize import measure
 
-    import torch
-
-    from .models import build_model, model_name
-
-    P, big = model.reset_boundary, 1 << 40
-    spans = [big + j - r + 1 for layer in model.layers for j in range(P) if (r := layer.reach(big + j)) is not None]
-    field = model.config.context_field
-    c = max([64, P, int(getattr(model.config, field) or 1) if field else 1, *spans])
-    c = -(-c // P) * P
-    probe = build_model(model_name(model.config), {**dataclasses.asdict(model.config), "vocab_size": 2}).eval()
-    sizes = []
-    with torch.inference_mode():
-        state = probe.init_state(1, "cpu")
-        for n in (c + P - 1, P):
-            state = probe(torch.zeros(1, n, dtype=torch.long), state=state).state
-            sizes.append(sum(t.numel() for t in state.to_flat().values() if t.is_floating_point()))
-    if sizes[1] > sizes[0]:
-        return f"state size per row (measured): grows with the text, {sizes[1]:,} numbers after {c + 2 * P - 1:,} tokens ({(sizes[1] - sizes[0]) / P:,.0f} per token)"
+    size = measure(model)
+    if not size.bounded:
+        return f"state size per row (measured): grows with the text, {size.numbers:,} numbers after {size.after:,} tokens ({size.per_token:,.0f} per token)"
     return (
-        f"state size per row (measured): {sizes[1]:,} numbers ({4 * sizes[1] / 2**20:.2f} MiB at fp32), the same at any length "
-        f"(measured after {c + P - 1:,} and {c + 2 * P - 1:,} tokens, past every layer's reach)"
+        f"state size per row (measured): {size.numbers:,} numbers ({4 * size.numbers / 2**20:.2f} MiB at fp32), the same at any length "
+        f"(measured after {size.after - size.period:,} and {size.after:,} tokens, past every layer's reach)"
     )
 
 

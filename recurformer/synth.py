@@ -61,6 +61,7 @@ from .models import build_model, lookup
 from .modules import RMSNorm
 from .nn import IGNORE_INDEX, State, StreamingLM
 from .optim import lr_at, make_optimizer
+from .statesize import measure
 
 MODEL_DEFAULTS: dict[str, Any] = {"dim": 128, "n_layers": 1, "n_heads": 16, "ffn_hidden": 512}
 ONE_LAYER_FIELDS: dict[str, Any] = {"recurrent_layers": (-1,)}  # block_recurrent's default (-3,) needs 3 layers
@@ -86,6 +87,7 @@ class SynthConfig:
     eval_batch_size: int = 64
     eval_lengths: list[int] = field(default_factory=list)  # lengths to test (passkey filler, copy string, copy delay)
     n_length_test: int = 256  # test rows per length of ``eval_lengths``
+    eval_memory_gb: float = 4.0  # the most memory one length's test may hold (rows, predictions, the model's state)
     seed: int = 0
     # recipes for memory (recurformer.curriculum): with any of the first three, training rows are drawn
     # fresh for every batch (disjoint from every test row) instead of from a fixed set of n_train rows
@@ -111,6 +113,8 @@ class SynthConfig:
             raise RecurformerError(f"synth key 'lrs' must be positive learning rates, got {self.lrs}")
         if not 0 <= self.warmup < 1:
             raise RecurformerError(f"synth key 'warmup' is a fraction of the steps in [0, 1), got {self.warmup}")
+        if self.eval_memory_gb <= 0:
+            raise RecurformerError(f"synth key 'eval_memory_gb' must be > 0, got {self.eval_memory_gb}")
         if any(L < 0 for L in self.eval_lengths):
             raise RecurformerError(f"synth key 'eval_lengths' must be >= 0, got {self.eval_lengths}")
         if self.train_lengths and (
@@ -523,6 +527,30 @@ def check_recipe(t: Task, params: dict[str, Any], cfg: SynthConfig) -> None:
             )
 
 
+def check_eval_budget(
+    t: Task, params: dict[str, Any], cfg: SynthConfig, model: StreamingLM, lengths: list[int]
+) -> None:
+    """One line, before any work, when testing at one of ``lengths`` would hold more than
+    ``cfg.eval_memory_gb``: the test rows and their predictions (int64), and the model's state for
+    ``cfg.eval_batch_size`` rows at the row's end (fp32; measured, ``statesize.measure``: constant
+    for a bounded state, a KV cache grows with the row)."""
+    if not lengths:
+        return
+    size = measure(model)
+    for L in sorted(lengths, reverse=True):
+        T = make_split(t.name, 1, 0, t.at_length(params, L)).inputs.shape[1]
+        rows = 3 * 8 * cfg.n_length_test * T
+        state = 4 * cfg.eval_batch_size * size.at(T)
+        if (need := (rows + state) / 2**30) > cfg.eval_memory_gb:
+            raise RecurformerError(
+                f"testing {t.name} at length {L} ({T:,} tokens a row) needs about {need:.1f} GB "
+                f"({rows / 2**30:.1f} for {cfg.n_length_test} rows, {state / 2**30:.1f} for the state of "
+                f"{cfg.eval_batch_size} rows{'' if size.bounded else ', which grows with the row'}), more than "
+                f"synth.eval_memory_gb = {cfg.eval_memory_gb:g}: lower synth.eval_lengths, n_length_test or "
+                "eval_batch_size, or raise eval_memory_gb"
+            )
+
+
 def run_synth(
     task: str,
     model_name: str,
@@ -553,6 +581,7 @@ def run_synth(
     built = build_model(model_name, values)  # validate before generating data
     start = saved_weights(cfg.init_from, model_name, dataclasses.asdict(built.config)) if cfg.init_from else None
     check_recipe(t, params, cfg)
+    check_eval_budget(t, params, cfg, built, cfg.eval_lengths)
     t0 = time.perf_counter()
     train: TaskData | FreshRows
     if cfg.fresh():  # held-out rows first; training rows are drawn per batch, none equal to one of them
@@ -647,6 +676,7 @@ def score_lengths(
         raise RecurformerError(f"task {task} is read by a decoder that a saved model does not hold")
     if not t.length_key:
         raise RecurformerError(f"task {task} has no length to sweep")
+    check_eval_budget(t, params, cfg, model, lengths)
     learner = Learner(model, t)
     return {
         L: evaluate(learner, length_split(t, params, L, n_rows, cfg.seed), cfg.chunk, cfg.eval_batch_size)

@@ -15,7 +15,7 @@ from recurformer.config import RecurformerError
 from recurformer.data.synthetic import TASKS, make_split, vocab_size
 from recurformer.models import build_model, model_names
 from recurformer.nn import IGNORE_INDEX
-from recurformer.synth import Learner, SynthConfig, model_values, run_synth, synth_config
+from recurformer.synth import Learner, SynthConfig, check_eval_budget, model_values, run_synth, synth_config
 
 SMALL = {  # small settings so the tests stay fast; defaults are the MAD baselines
     "in_context_recall": dict(seq_len=32),
@@ -487,3 +487,24 @@ def test_scores_by_order_on_a_predictor_whose_answer_is_known() -> None:
     )
     s = evaluate(stub, d, chunk=8, batch_size=16)  # type: ignore[arg-type]
     assert s.by_order == [0.0, 0.0, 0.0, 1.0] and s.token_accuracy == 0.25
+
+
+def test_eval_budget_refuses_a_length_whose_state_does_not_fit_before_any_work() -> None:
+    """A full-attention model's KV cache grows with the row: testing it at 131,072 tokens exceeds a
+    small budget, and the error names the length, the sizes and the keys to change, before training
+    starts; a bounded model of the same size fits the same budget (its state does not grow), and so
+    does the full-attention model at a short length."""
+    cfg = SynthConfig(steps=1, batch_size=4, n_val=4, n_test=4, lrs=[1e-3], n_length_test=64, eval_batch_size=64)
+    cfg.eval_memory_gb = 0.5
+    small = {"dim": 16, "n_heads": 2, "ffn_hidden": 32}
+    t = TASKS["passkey"]
+    params = t.params({"length": 12})
+    llama = build_model("llama", model_values("llama", dict(small), 32, 8))
+    with pytest.raises(RecurformerError, match=r"length 131072 .*grows with the row.*eval_memory_gb = 0.5"):
+        check_eval_budget(t, params, cfg, llama, [64, 131072])
+    check_eval_budget(t, params, cfg, llama, [64, 1024])
+    rmt = build_model("memory_attention", model_values("memory_attention", dict(small), 32, 8))
+    check_eval_budget(t, params, cfg, rmt, [64, 131072])
+    cfg.eval_lengths = [131072]
+    with pytest.raises(RecurformerError, match="eval_memory_gb"):
+        run_synth("passkey", "llama", small, {"length": 12}, cfg)
