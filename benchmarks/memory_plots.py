@@ -5,8 +5,7 @@ from ``recurformer synth --json`` results (e.g. those ``experiments/memory/run_g
 - ``<out>_distance.png``: test accuracy vs the distance between the pairs and the queries
   (MQAR's ``eval_lengths``), one line per model and recipe, mean over seeds with min-max bars;
 - ``<out>_state.png``: accuracy vs the state's size in bytes per row at one distance, measured
-  as ``recurformer info`` does, from the state itself after reading a row of that length (down
-  to a chunk boundary);
+  as ``recurformer info`` does, from the state itself (``statesize.measure``) at that row length;
 - ``<out>.md`` / ``<out>.json``: the table behind both (every number with its seeds).
 
     python benchmarks/memory_plots.py runs/memory/*.json --distance 128 --out out/memory/mqar
@@ -25,22 +24,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-
 from recurformer.config import RecurformerError  # noqa: E402
 from recurformer.data.synthetic import get_task, make_split  # noqa: E402
 from recurformer.models import build_model  # noqa: E402
+from recurformer.statesize import measure  # noqa: E402
 
 
 def state_bytes(name: str, config: dict[str, Any], length: int) -> int:
-    """Bytes per row of the state after reading ``length`` tokens, rounded down to a chunk
-    boundary as ``info`` measures it (floating-point tensors of the state; fp32 weights give fp32
-    states): constant for a bounded state, the KV cache of the row for full attention."""
-    model = build_model(name, {k: v for k, v in config.items() if k != "name"})
-    P = model.reset_boundary
-    with torch.no_grad():
-        state = model(torch.zeros(1, max(P, length // P * P), dtype=torch.long)).state
-    return sum(t.numel() * t.element_size() for t in state.to_flat().values() if t.is_floating_point())
+    """Bytes per row of the state after reading ``length`` tokens (``statesize.measure``; fp32):
+    constant for a bounded state, the KV cache of the row for full attention."""
+    return int(4 * measure(build_model(name, {k: v for k, v in config.items() if k != "name"})).at(length))
 
 
 def look(i: int) -> dict[str, str]:
