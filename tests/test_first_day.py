@@ -117,8 +117,8 @@ def test_switching_the_model_leaves_the_previous_models_keys(tmp_path) -> None:
     assert load_run_config("tinystories-cpu", ["model.name=llama"]).train.state == "reset"
     # a config of the user's own: its model's keys stay with that model, the shared ones stay
     own = tmp_path / "mine.yaml"
-    own.write_text("model: {name: memory_attention, dim: 64, chunk_size: 16, memory_qkv: separate}\n")
-    assert load_run_config(str(own), ["model.name=block_recurrent"]).model == {"name": "block_recurrent", "dim": 64}
+    own.write_text("model: {name: memory_attention, dim: 64, n_heads: 4, chunk_size: 16, memory_qkv: separate}\n")
+    assert load_run_config(str(own), ["model.name=block_recurrent"]).model == {"name": "block_recurrent", "dim": 64, "n_heads": 4}
     # the command line wins over the config's entry for the model
     cfg = load_run_config("tinystories-cpu", ["model.name=transformer_xl", "model.segment_len=64"])
     assert cfg.model["segment_len"] == 64
@@ -176,6 +176,25 @@ def test_train_reads_a_jsonl_text_field_as_prepare_does(tmp_path, monkeypatch, c
     assert f"prepared {trained}:" in capsys.readouterr().out
     cfg = load_run_config("tinystories-cpu", [f"data.text_files=[{path}]", "data.text_field=content"])
     assert cfg.data.text_field == "content" and cfg.data.dataset is None
+
+
+def test_readme_own_data_commands_run(tmp_path, monkeypatch) -> None:
+    """The commands of the README's "Train on your own data", on files of those names, made tiny
+    (byte tokenizer, narrow model, one step)."""
+    monkeypatch.chdir(tmp_path)
+    docs = stories(60)
+    Path("my_corpus.txt").write_text("<|endoftext|>".join(docs))
+    Path("notes.jsonl").write_text("".join(json.dumps({"id": i, "content": d}) + "\n" for i, d in enumerate(docs)))
+    blocks = re.findall(r"```bash\n(.*?)```", section("Train on your own data"), flags=re.DOTALL)
+    commands = [shlex.split(line)[1:] for block in blocks for line in block.splitlines() if line.strip()]
+    assert [c[0] for c in commands] == ["train", "train", "prepare", "train"]
+    tiny = {
+        "prepare": ["--tokenizer", "byte"],
+        "train": sets(["model.dim=32", "data.tokenizer=byte", "train.steps=1", "train.batch_size=1", "train.loggers=[]"]),
+    }
+    for argv in commands:
+        assert cli_main(argv + tiny[argv[0]]) == 0, argv
+    assert sorted(p.name for p in Path("runs").iterdir()) == ["mine", "notes", "notes-rmt"]
 
 
 def test_data_dir_alone_trains_on_the_prepared_data(corpus, tmp_path) -> None:
@@ -239,7 +258,7 @@ def test_readme_example_outputs_are_ignored_by_git() -> None:
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
     blocks = "\n".join(re.findall(r"```.*?```", README, flags=re.DOTALL))
-    outputs = re.findall(r"(?:--out|--json|-w|out_dir=)\s*([a-z][\w.\-]*(?:/[\w.\-]+)*)", blocks)
+    outputs = re.findall(r"(?:(?<![\w-])(?:--out|--json|-w)\s+|out_dir=)([a-z][\w.\-]*(?:/[\w.\-]+)*)", blocks)
     outputs += re.findall(r"export\([^,]+, \"([^\"]+)\"\)", blocks)
     assert {"my-model", "niah.json", "exported/tinystories-cpu", "wheels"} <= set(outputs)
     for path in outputs:
