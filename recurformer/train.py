@@ -221,20 +221,21 @@ def for_model(base: dict[str, Any], over: dict[str, Any]) -> tuple[dict[str, Any
     switches ``model.name``, the base's model keys that the new model lacks are left out (they
     were settings of the base's model)."""
     base, over = dict(base), dict(over)
-    per = merge(base.pop("per_model", None) or {}, over.pop("per_model", None) or {})
-    if not isinstance(per, dict) or not all(isinstance(v, dict) for v in per.values()):
+    entries = [part.pop("per_model", None) or {} for part in (base, over)]
+    if not all(isinstance(e, dict) and all(isinstance(v, dict) for v in e.values()) for e in entries):
         raise RecurformerError("config key 'per_model' must map model names to config sections")
+    per = merge(*entries)
     for n in per:
         if n not in model_names():
             hint = suggest(n, model_names()).replace("keys", "models")
             raise RecurformerError(f"per_model names an unknown model '{n}'{hint}")
-    model = base.get("model")
-    over_name = over.get("model", {}).get("name") if isinstance(over.get("model"), dict) else None
-    if isinstance(model, dict) and over_name in model_names() and model.get("name") not in (None, over_name):
-        keys = config_keys(over_name)
+    model: dict[str, Any] = base["model"] if isinstance(base.get("model"), dict) else {}
+    over_model: dict[str, Any] = over["model"] if isinstance(over.get("model"), dict) else {}
+    name: Any = over_model.get("name", model.get("name"))
+    if model.get("name") not in (None, name) and name in model_names():  # over switches the model
+        keys = config_keys(name)
         base["model"] = {k: v for k, v in model.items() if k == "name" or k in keys}
-    name = over_name or (model.get("name") if isinstance(model, dict) else None)
-    return merge(base, per.get(name, {})), over
+    return merge(base, per.get(name, {}) if isinstance(name, str) else {}), over
 
 
 def load_run_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:

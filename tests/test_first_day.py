@@ -118,7 +118,11 @@ def test_switching_the_model_leaves_the_previous_models_keys(tmp_path) -> None:
     # a config of the user's own: its model's keys stay with that model, the shared ones stay
     own = tmp_path / "mine.yaml"
     own.write_text("model: {name: memory_attention, dim: 64, n_heads: 4, chunk_size: 16, memory_qkv: separate}\n")
-    assert load_run_config(str(own), ["model.name=block_recurrent"]).model == {"name": "block_recurrent", "dim": 64, "n_heads": 4}
+    assert load_run_config(str(own), ["model.name=block_recurrent"]).model == {
+        "name": "block_recurrent",
+        "dim": 64,
+        "n_heads": 4,
+    }
     # the command line wins over the config's entry for the model
     cfg = load_run_config("tinystories-cpu", ["model.name=transformer_xl", "model.segment_len=64"])
     assert cfg.model["segment_len"] == 64
@@ -129,11 +133,15 @@ def test_a_key_of_another_model_names_its_owner(tmp_path) -> None:
         load_run_config(None, ["model.name=transformer_xl", "model.chunk_size=32"])
     with pytest.raises(RecurformerError, match=r"of rmt, transformer_xl, not of llama; leave it out"):
         load_run_config(None, ["model.name=llama", "model.segment_len=32"])
-    with pytest.raises(RecurformerError, match=r"unknown config key 'model.chunk_sise' \(did you mean 'chunk_size'\?\)"):
+    with pytest.raises(
+        RecurformerError, match=r"unknown config key 'model.chunk_sise' \(did you mean 'chunk_size'\?\)"
+    ):
         load_run_config(None, ["model.name=memory_attention", "model.chunk_sise=32"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {name: llama}\nper_model: {transfomer_xl: {model: {segment_len: 32}}}\n")
-    with pytest.raises(RecurformerError, match=r"per_model names an unknown model 'transfomer_xl' \(did you mean 'transformer_xl'\?\)"):
+    with pytest.raises(
+        RecurformerError, match=r"per_model names an unknown model 'transfomer_xl' \(did you mean 'transformer_xl'\?\)"
+    ):
         load_run_config(str(bad))
 
 
@@ -190,7 +198,9 @@ def test_readme_own_data_commands_run(tmp_path, monkeypatch) -> None:
     assert [c[0] for c in commands] == ["train", "train", "prepare", "train"]
     tiny = {
         "prepare": ["--tokenizer", "byte"],
-        "train": sets(["model.dim=32", "data.tokenizer=byte", "train.steps=1", "train.batch_size=1", "train.loggers=[]"]),
+        "train": sets(
+            ["model.dim=32", "data.tokenizer=byte", "train.steps=1", "train.batch_size=1", "train.loggers=[]"]
+        ),
     }
     for argv in commands:
         assert cli_main(argv + tiny[argv[0]]) == 0, argv
@@ -204,7 +214,10 @@ def test_data_dir_alone_trains_on_the_prepared_data(corpus, tmp_path) -> None:
     cfg = load_run_config("tinystories-cpu", [*tiny_run(tmp_path), f"data.dir={mine}"])
     assert cfg.data.dataset is None and cfg.data.text_files == []
     trainer = Trainer(cfg, show_progress=False)
-    assert trainer.data_dir == mine and trainer.meta["source_key"] == json.loads((mine / "meta.json").read_text())["source_key"]
+    assert (
+        trainer.data_dir == mine
+        and trainer.meta["source_key"] == json.loads((mine / "meta.json").read_text())["source_key"]
+    )
     trainer.close_loggers()
 
 
@@ -213,7 +226,9 @@ def test_data_errors_point_at_the_fix_and_never_at_deleting(corpus, tmp_path) ->
     prepare(mine, text_files=[str(corpus)], tokenizer="byte")
     # a config naming a dataset and a data.dir that holds other data
     own = tmp_path / "both.yaml"
-    own.write_text(f"model: {{name: llama, dim: 32, n_layers: 1, n_heads: 2}}\ndata: {{dataset: warpeace, tokenizer: byte, dir: {mine}}}\n")
+    own.write_text(
+        f"model: {{name: llama, dim: 32, n_layers: 1, n_heads: 2}}\ndata: {{dataset: warpeace, tokenizer: byte, dir: {mine}}}\n"
+    )
     with pytest.raises(RecurformerError) as e:
         Trainer(load_run_config(str(own), [f"train.out_dir={tmp_path / 'r1'}"]), show_progress=False)
     msg = str(e.value)
@@ -222,7 +237,10 @@ def test_data_errors_point_at_the_fix_and_never_at_deleting(corpus, tmp_path) ->
     assert "leave out data.dataset and data.text_files" in msg and "point data.dir at another directory" in msg
     # a data.dir with nothing prepared in it, and no source to prepare
     empty = tmp_path / "nothing-here"
-    with pytest.raises(RecurformerError, match=rf"^data.dir {re.escape(str(empty))} holds no prepared data .*recurformer prepare --text FILE --out {re.escape(str(empty))}"):
+    with pytest.raises(
+        RecurformerError,
+        match=rf"^data.dir {re.escape(str(empty))} holds no prepared data .*recurformer prepare --text FILE --out {re.escape(str(empty))}",
+    ):
         Trainer(load_run_config("tinystories-cpu", [*tiny_run(tmp_path), f"data.dir={empty}"]), show_progress=False)
     assert not empty.exists()
 
@@ -231,7 +249,9 @@ def test_data_errors_point_at_the_fix_and_never_at_deleting(corpus, tmp_path) ->
 
 
 def test_a_mistyped_config_name_gets_a_suggestion() -> None:
-    with pytest.raises(RecurformerError, match=r"^config file not found: tinystories-cpuu \(did you mean 'tinystories-cpu'\?"):
+    with pytest.raises(
+        RecurformerError, match=r"^config file not found: tinystories-cpuu \(did you mean 'tinystories-cpu'\?"
+    ):
         load_yaml("tinystories-cpuu")
 
 
