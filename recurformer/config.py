@@ -124,7 +124,12 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
         if "=" not in item:
             raise RecurformerError(f"--set expects key=value, got '{item}'")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise RecurformerError(
+                f"--set {item}: the value is not valid YAML ({getattr(e, 'problem', None) or e})"
+            ) from None
         node = out
         parts = key.strip().split(".")
         for p in parts[:-1]:

@@ -61,8 +61,8 @@ def model_names() -> list[str]:
 
 def lookup(name: str) -> tuple[type[Any], type[Any]]:
     """(config class, model class) of a registered model."""
-    if name not in REGISTRY:
-        raise RecurformerError(f"unknown model '{name}'{suggest(name, model_names()).replace('keys', 'models')}")
+    if not isinstance(name, str) or name not in REGISTRY:
+        raise RecurformerError(f"unknown model '{name}'{suggest(str(name), model_names()).replace('keys', 'models')}")
     return REGISTRY[name].config, REGISTRY[name].model
 
 

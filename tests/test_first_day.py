@@ -266,6 +266,17 @@ def test_a_broken_yaml_file_says_file_and_line(tmp_path) -> None:
         load_yaml(bad)
 
 
+def test_a_broken_set_value_is_one_line(capsys) -> None:
+    assert cli_main(["train", "--config", "tinystories-cpu", "--set", "data.text_files=[a.txt"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith("recurformer: error: --set data.text_files=[a.txt: the value is not valid YAML (")
+        and "\n" not in err
+    )
+    with pytest.raises(RecurformerError, match=r"^unknown model '\['a'\]' \(valid models: "):
+        load_run_config("tinystories-cpu", ["model.name=[a]"])
+
+
 def test_top_level_help_lists_every_command(capsys) -> None:
     with pytest.raises(SystemExit):
         cli_main(["--help"])
