@@ -219,7 +219,9 @@ def test_data_dir_alone_trains_on_the_prepared_data(corpus, tmp_path) -> None:
         and trainer.meta["source_key"] == json.loads((mine / "meta.json").read_text())["source_key"]
     )
     data_line = next(line for line in trainer.header if line.startswith("data: "))
-    assert data_line.startswith(f"data: text files {corpus}, last") and f"(byte, vocabulary 258) from {mine}" in data_line
+    assert (
+        data_line.startswith(f"data: text files {corpus}, last") and f"(byte, vocabulary 258) from {mine}" in data_line
+    )
     trainer.close_loggers()
 
 
