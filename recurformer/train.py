@@ -536,8 +536,15 @@ class Trainer:
             )
         self.model.check_tokens = False  # every token id of the data is < its vocabulary: no per-step check
         if t.seq_len % self.model.reset_boundary:
+            boundary, key = self.model.reset_boundary, self.model.config.context_field
+            fix = (
+                f"set model.{key} to a divisor of {t.seq_len} or "
+                if getattr(self.model.config, key or "", None) == boundary
+                else ""
+            )
             raise RecurformerError(
-                f"train.seq_len ({t.seq_len}) must be a multiple of the model's chunk/segment/block length ({self.model.reset_boundary})"
+                f"train.seq_len ({t.seq_len}) must be a multiple of the model's chunk/segment/block length ({boundary}): "
+                f"{fix}train.seq_len to a multiple of {boundary}"
             )
         if t.state == "carry" and not self.model.bounded_state:
             raise RecurformerError(

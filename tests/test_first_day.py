@@ -128,6 +128,17 @@ def test_switching_the_model_leaves_the_previous_models_keys(tmp_path) -> None:
     assert cfg.model["segment_len"] == 64
 
 
+def test_a_block_longer_than_the_segment_names_the_key(corpus, tmp_path) -> None:
+    """The step before the per_model entry: Block-Recurrent's default block (512) and 256-token segments."""
+    over = [f"data.text_files=[{corpus}]", "data.tokenizer=byte", f"data.dir={tmp_path / 'p'}", "model.dim=32"]
+    cfg = load_run_config("tinystories-cpu", ["model.name=block_recurrent", "model.block_size=512", *over])
+    with pytest.raises(
+        RecurformerError,
+        match=r"\(512\): set model.block_size to a divisor of 256 or train.seq_len to a multiple of 512$",
+    ):
+        Trainer(cfg, show_progress=False)
+
+
 def test_a_key_of_another_model_names_its_owner(tmp_path) -> None:
     with pytest.raises(RecurformerError, match=r"^config key 'model.chunk_size' is a setting of memory_attention, not"):
         load_run_config(None, ["model.name=transformer_xl", "model.chunk_size=32"])
