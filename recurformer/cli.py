@@ -30,16 +30,15 @@ def _add_set(p: argparse.ArgumentParser) -> None:
 def cmd_info(args: argparse.Namespace) -> None:
     from .config import load_yaml, merge
     from .models import build_model
+    from .train import merge_config
 
-    values: dict = {}
-    name = args.model
-    if args.config:
-        cfg = load_yaml(args.config)
-        values = dict(cfg.get("model", {}))
-        name = name or values.pop("name", None)
     over = parse_overrides(args.set)  # "dim=288" and "model.dim=288" both accepted
-    values = merge(merge(values, over.pop("model", {})), over)
-    name = values.pop("name", name)
+    values = merge(over.pop("model", {}), over)
+    if args.model:
+        values.setdefault("name", args.model)
+    if args.config:  # the model a run of this config trains (its per_model entry included)
+        values = dict(merge_config(load_yaml(args.config), {"model": values}).get("model", {}))
+    name = values.pop("name", None)
     if not name:
         raise RecurformerError("give --model NAME (or a --config with model.name)")
     model = build_model(name, values)
@@ -87,11 +86,13 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     if args.tokenizer == "bpe":
         check_options("cli", vocab_size=args.vocab_size)
     dc = DataConfig(
-        dataset=args.dataset, text_files=args.text or [], tokenizer=args.tokenizer, vocab_size=args.vocab_size
+        dataset=args.dataset,
+        text_files=args.text or [],
+        text_field=args.text_field,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
     )
-    out = args.out or dc.resolved_dir()
-    if not args.out and args.text_field != "text":  # the same files read through another field: another directory
-        out = out.with_name(f"{out.name}-{args.text_field}")
+    out = args.out or dc.resolved_dir()  # where `train` with the same data section looks
     meta = prepare(
         out,
         dataset=args.dataset,
@@ -112,6 +113,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         args.set
         + (["train.compile=true"] if args.compile else [])
         + ([f"train.device={args.device}"] if args.device else [])
+        + ([f"data.text_field={args.text_field}"] if args.text_field else [])
     )
     last = train(args.config, resume=args.resume, overwrite=args.overwrite, **parse_overrides(sets)).metrics
     if last:  # the run's mean speed first; the last log interval's rate named as such
@@ -398,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .models import model_names
     from .probe import TASKS as PROBE_TASKS
 
-    ap = argparse.ArgumentParser(prog="recurformer", description=__doc__.splitlines()[0].replace("``", ""))
+    summary = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")  # the docstring's first paragraph
+    ap = argparse.ArgumentParser(prog="recurformer", description=summary)
     ap.add_argument("--version", action="version", version=f"recurformer {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", formatter_class=_Help, help="print a model's configuration and parameter counts")
@@ -450,6 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--device", help="auto (CUDA when present; the default), cpu, cuda or cuda:N (same as --set train.device=...)"
+    )
+    p.add_argument(
+        "--text-field",
+        help="the field / column holding the text in JSONL, Parquet and datasets inputs of data.text_files, as for "
+        "prepare (same as --set data.text_field=...; default: text)",
     )
     _add_set(p)
 

@@ -124,7 +124,12 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
         if "=" not in item:
             raise RecurformerError(f"--set expects key=value, got '{item}'")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise RecurformerError(
+                f"--set {item}: the value is not valid YAML ({getattr(e, 'problem', None) or e})"
+            ) from None
         node = out
         parts = key.strip().split(".")
         for p in parts[:-1]:
@@ -162,13 +167,19 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     p: Any = Path(path)  # or a package resource (importlib.resources)
     name = str(path).removesuffix(".yaml")
     if not p.is_file():
-        if name not in bundled_configs():
-            raise RecurformerError(f"config file not found: {p} (bundled configs: {', '.join(bundled_configs())})")
+        names = bundled_configs()
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=3, cutoff=0.8)
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+            raise RecurformerError(f"config file not found: {p} ({hint}bundled configs: {', '.join(names)})")
         p = resources.files("recurformer") / "configs" / f"{name}.yaml"
     try:
         data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise RecurformerError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except yaml.YAMLError as e:  # file:line:column of the problem, as compilers write it
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecurformerError(f"{where}: not valid YAML: {problem}") from None
     if not isinstance(data, dict):
         raise RecurformerError(f"config file {p} must hold a mapping at the top level")
     return data

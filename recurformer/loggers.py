@@ -118,13 +118,14 @@ def run_header(trainer: Any, notes: list[str]) -> list[str]:
     n = trainer.model.num_params()
     per_step = t.grad_accum * t.batch_size * t.seq_len * trainer.world
     data = trainer.cfg.data
-    source = data.dataset or ", ".join(data.text_files)
+    source = data.dataset or ", ".join(data.text_files) or trainer.meta.get("source", "prepared data")  # data.dir alone
     lines = [
         f"model: {trainer.cfg.model['name']}, {n:,} parameters ({n / 1e6:.2f}M)",
         f"device: {device} x {trainer.world} rank(s), precision {precision}, {torch.get_num_threads()} threads per rank",
         f"tokens per step: {per_step:,} ({t.grad_accum} x {t.batch_size} streams x {t.seq_len} tokens x {trainer.world} ranks), "
         f"{t.steps:,} steps = {per_step * t.steps:,} tokens; state {t.state}, data {t.data_order}",
-        f"data: {source} ({data.tokenizer}, vocabulary {trainer.meta['vocab_size']:,}) from {trainer.data_dir}, "
+        f"data: {source} ({trainer.meta.get('tokenizer', data.tokenizer)}, vocabulary {trainer.meta['vocab_size']:,}) "
+        f"from {trainer.data_dir}, "
         f"{trainer.meta['train_tokens']:,} train tokens",
         f"checkpoints: {trainer.out_dir}/step_XXXXXX every {t.save_every} steps (keeping the last {t.keep_last})",
         f"speed: {trainer.flops_per_token / 1e6:,.1f} MFLOP per training token (counted, flops.py); mfu = mean tokens/s x "

@@ -8,6 +8,7 @@ model: the classes are typed loosely here and checked where they are defined."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -60,8 +61,8 @@ def model_names() -> list[str]:
 
 def lookup(name: str) -> tuple[type[Any], type[Any]]:
     """(config class, model class) of a registered model."""
-    if name not in REGISTRY:
-        raise RecurformerError(f"unknown model '{name}'{suggest(name, model_names()).replace('keys', 'models')}")
+    if not isinstance(name, str) or name not in REGISTRY:
+        raise RecurformerError(f"unknown model '{name}'{suggest(str(name), model_names()).replace('keys', 'models')}")
     return REGISTRY[name].config, REGISTRY[name].model
 
 
@@ -83,8 +84,21 @@ def build_layer(kind: str, cfg: Any, index: int) -> Any:
     return entry.make(cfg, index)
 
 
+def config_keys(name: str) -> set[str]:
+    """The ``model.*`` keys of a registered model (the init fields of its config)."""
+    return {f.name for f in dataclasses.fields(lookup(name)[0]) if f.init}
+
+
 def make_config(name: str, values: dict[str, Any] | None = None) -> Any:
-    return from_dict(lookup(name)[0], dict(values or {}), where="model")
+    """The config of model ``name`` from ``values``; a key of other models only names them."""
+    values = dict(values or {})
+    for key in values:
+        owners = [n for n in model_names() if key in config_keys(n)]
+        if owners and key not in config_keys(name):
+            raise RecurformerError(
+                f"config key 'model.{key}' is a setting of {', '.join(owners)}, not of {name}; leave it out for {name}"
+            )
+    return from_dict(lookup(name)[0], values, where="model")
 
 
 def model_name(cfg: Any) -> str:

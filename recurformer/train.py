@@ -37,13 +37,14 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import loggers
-from .config import RecurformerError, check_options, from_dict, load_yaml, merge, parse_overrides
+from .config import RecurformerError, check_options, from_dict, load_yaml, merge, parse_overrides, suggest
 from .curriculum import Schedule, check_state_init_share, initial_state, schedule_from
 from .device import autocast_context, configure, pick_device, resolve_precision, to_device
 from .flops import reference_peak, train_flops_per_token
-from .models import build_model, make_config
+from .models import build_model, make_config, model_names
 from .nn import State, StreamingLM, check_compile
 from .optim import lr_at, make_optimizer, optimizer_from_flat, optimizer_to_flat
+from .registry import config_keys
 
 DEFAULT_DATASET = "tinystories-sample"
 
@@ -51,10 +52,13 @@ DEFAULT_DATASET = "tinystories-sample"
 @dataclass
 class DataConfig:
     """At most one of ``dataset`` (a bundled dataset name) and ``text_files`` is in force; with
-    neither, ``dataset`` is the bundled TinyStories sample, unless ``dir`` names prepared data."""
+    neither, ``dataset`` is the bundled TinyStories sample, unless ``dir`` names prepared data.
+    ``text_field`` is the field / column of JSONL, Parquet and ``datasets`` inputs that holds the
+    text (``prepare --text-field``)."""
 
     dataset: str | None = None
     text_files: list[str] = field(default_factory=list)
+    text_field: str = "text"
     tokenizer: Literal["bpe", "byte"] = "bpe"
     vocab_size: int = 4096
     dir: str | None = None  # prepared data directory (default: prepared/<dataset>-<tokenizer><vocab>)
@@ -70,14 +74,16 @@ class DataConfig:
             check_options("data", vocab_size=self.vocab_size)
 
     def source_key(self) -> str | None:
-        """A hash of what the prepared data is made of (dataset name or text file contents,
-        tokenizer kind, vocabulary size), as ``prepare`` records it in meta.json; None when only
-        ``dir`` is given."""
+        """A hash of what the prepared data is made of (dataset name or text file contents and
+        field, tokenizer kind, vocabulary size), as ``prepare`` records it in meta.json; None when
+        only ``dir`` is given."""
         from .data.prepare import source_key
 
         if not self.dataset and not self.text_files:
             return None
-        return source_key(self.dataset, self.text_files or None, self.tokenizer, self.vocab_size)
+        return source_key(
+            self.dataset, self.text_files or None, self.tokenizer, self.vocab_size, text_field=self.text_field
+        )
 
     def resolved_dir(self) -> Path:
         """``data.dir``, or ``prepared/<dataset>-<tokenizer><vocab>`` for a bundled dataset and
@@ -192,16 +198,44 @@ class RunConfig:
 
 def merge_config(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """``merge`` for run configs, where naming a data source in ``over`` replaces the other
-    source of ``base``: ``data.text_files`` drops the base's ``data.dataset`` and vice versa."""
+    source of ``base``: ``data.text_files`` drops the base's ``data.dataset`` and vice versa, and
+    ``data.dir`` alone drops both (train on the prepared data there). The model in force picks its
+    keys (``for_model``)."""
     data_over = over.get("data")
     if isinstance(data_over, dict) and isinstance(base.get("data"), dict):
         data = dict(base["data"])
-        if data_over.get("text_files") and "dataset" not in data_over:
+        only_dir = data_over.get("dir") and not {"dataset", "text_files"} & set(data_over)
+        if (data_over.get("text_files") or only_dir) and "dataset" not in data_over:
             data.pop("dataset", None)
-        if data_over.get("dataset") and "text_files" not in data_over:
+        if (data_over.get("dataset") or only_dir) and "text_files" not in data_over:
             data.pop("text_files", None)
         base = {**base, "data": data}
+    base, over = for_model(base, over)
     return merge(base, over)
+
+
+def for_model(base: dict[str, Any], over: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(base, over) for the model that ``model.name`` names after merging them. A config's
+    ``per_model`` section holds, per registered model name, the sections to merge under ``over``
+    when that model is trained (``per_model: {llama: {train: {state: reset}}}``); when ``over``
+    switches ``model.name``, the base's model keys that the new model lacks are left out (they
+    were settings of the base's model)."""
+    base, over = dict(base), dict(over)
+    entries = [part.pop("per_model", None) or {} for part in (base, over)]
+    if not all(isinstance(e, dict) and all(isinstance(v, dict) for v in e.values()) for e in entries):
+        raise RecurformerError("config key 'per_model' must map model names to config sections")
+    per = merge(*entries)
+    for n in per:
+        if n not in model_names():
+            hint = suggest(n, model_names()).replace("keys", "models")
+            raise RecurformerError(f"per_model names an unknown model '{n}'{hint}")
+    model: dict[str, Any] = base["model"] if isinstance(base.get("model"), dict) else {}
+    over_model: dict[str, Any] = over["model"] if isinstance(over.get("model"), dict) else {}
+    name: Any = over_model.get("name", model.get("name"))
+    if model.get("name") not in (None, name) and name in model_names():  # over switches the model
+        keys = config_keys(name)
+        base["model"] = {k: v for k, v in model.items() if k == "name" or k in keys}
+    return merge(base, per.get(name, {}) if isinstance(name, str) else {}), over
 
 
 def load_run_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
@@ -461,11 +495,23 @@ class Trainer:
                     if resumed is not None
                     else "the configured data source and tokenizer"
                 )
+                fix = (
+                    "point data.dir at the data this run started with"
+                    if resumed is not None
+                    else "to train on what it holds, leave out data.dataset and data.text_files (data.dir alone); "
+                    "to prepare the configured source, point data.dir at another directory"
+                )
                 raise RecurformerError(
                     f"prepared data {data_dir} was made from other data than {what} (source key {found_key[:12]}, "
-                    f"expected {expected_key[:12]}); point data.dir elsewhere or delete it"
+                    f"expected {expected_key[:12]}); {fix}"
                 )
         else:
+            if not cfg.data.dataset and not cfg.data.text_files:
+                raise RecurformerError(
+                    f"data.dir {data_dir} holds no prepared data (no meta.json): prepare it first "
+                    f"(recurformer prepare --text FILE --out {data_dir}), or name the source to prepare there "
+                    "(data.text_files or data.dataset)"
+                )
             if self.rank == 0:
                 prepare(
                     data_dir,
@@ -473,6 +519,7 @@ class Trainer:
                     text_files=cfg.data.text_files or None,
                     tokenizer=cfg.data.tokenizer,
                     vocab_size=cfg.data.vocab_size,
+                    text_field=cfg.data.text_field,
                 )
             if self.world > 1:
                 dist.barrier()
@@ -489,8 +536,15 @@ class Trainer:
             )
         self.model.check_tokens = False  # every token id of the data is < its vocabulary: no per-step check
         if t.seq_len % self.model.reset_boundary:
+            boundary, key = self.model.reset_boundary, self.model.config.context_field
+            fix = (
+                f"set model.{key} to a divisor of {t.seq_len} or "
+                if getattr(self.model.config, key or "", None) == boundary
+                else ""
+            )
             raise RecurformerError(
-                f"train.seq_len ({t.seq_len}) must be a multiple of the model's chunk/segment/block length ({self.model.reset_boundary})"
+                f"train.seq_len ({t.seq_len}) must be a multiple of the model's chunk/segment/block length ({boundary}): "
+                f"{fix}train.seq_len to a multiple of {boundary}"
             )
         if t.state == "carry" and not self.model.bounded_state:
             raise RecurformerError(
