@@ -151,7 +151,7 @@ def eval_sizes(
     from .models import model_name
 
     doing = (
-        f"evaluating {label} ({model_name(model.config)}, {model.num_params() / 1e6:.1f}M parameters): batch_size "
+        f"evaluating {label} ({model_name(model.config)}, {model.num_params():,} parameters): batch_size "
         f"{batch_size} windows side by side, chunk {chunk} tokens per call, lengths up to {max(lengths)}"
     )
     name = lambda o: option_name(o, style)  # noqa: E731
@@ -286,7 +286,7 @@ def generate_text(
         prompt = prompt.lower()
     ids = ([] if load_state else [tok.bos_id]) + tok.encode(prompt)
     doing = (
-        f"generating with {name} ({model.num_params() / 1e6:.1f}M parameters) on {dev} from a prompt of {len(ids)} "
+        f"generating with {name} ({model.num_params():,} parameters) on {dev} from a prompt of {len(ids)} "
         f"tokens, at most {max_new_tokens} new ones"
     )
     lower = f"lower the prompt's length or {option_name('max_new_tokens', style)}"
