@@ -129,11 +129,6 @@ def model_card(
     ]
     if dataset:
         lines.append(f"{dataset}, {data.get('tokenizer', '?')} tokenizer (vocabulary {model.config.vocab_size}).")
-        if lower_case:
-            lines.append(
-                "The tokenizer was learned from lower-case text: `tokenizer.json` lower-cases its input (a "
-                "`Lowercase` normalizer), so write prompts in any case."
-            )
         if train:
             per_step = train.get("batch_size", 0) * train.get("seq_len", 0) * train.get("grad_accum", 1)
             lines.append(
@@ -142,6 +137,11 @@ def model_card(
             )
     else:
         lines.append("Not recorded (the model was saved outside a training run).")
+    if lower_case:
+        lines.append(
+            "The tokenizer was learned from lower-case text: `tokenizer.json` lower-cases its input (a "
+            "`Lowercase` normalizer), so write prompts in any case."
+        )
     lines += ["", "## Results", ""]
     if results:
         lines += [
