@@ -2,13 +2,16 @@
 
     import recurformer
 
-    run = recurformer.train("tinystories-cpu", train={"steps": 50})   # or **{"train.steps": 50}
+    run = recurformer.train("tinystories-cpu", train={"steps": 50, "out_dir": "runs/short"})  # or **{"train.steps": 50}
     model, tok = recurformer.load(run.checkpoint)                      # or a pretrained dir / Hub id
     results = recurformer.evaluate(model, tok, dataset="tinystories-sample", lengths=[256, 1024])
     probed = recurformer.probe(model, tok, task="repeat", docs=50)
     recurformer.export(run.dir, "my-model")                            # Hub layout + model card
 
-Every function raises ``RecurformerError`` (a one-line message) on bad input, as the CLI does."""
+Every function raises ``RecurformerError`` (a one-line message) on bad input, as the CLI does,
+naming the options as Python keywords (the CLI's calls pass ``style="cli"`` for its flags);
+running out of memory in training, evaluation or generation is such a message too, naming the
+sizes that failed and what to lower."""
 
 from __future__ import annotations
 
