@@ -275,7 +275,7 @@ def generate_text(
 
     check_options(style, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     if save_state:
-        check_writable(Path(save_state), "--save-state file")  # before generating, not after
+        check_writable(Path(save_state), f"{option_name('save_state', style)} file")  # before generating, not after
     dev = pick_device(device)
     where = "--device cpu" if style == "cli" else "device='cpu'"
     with out_of_memory(

@@ -800,7 +800,7 @@ def ckpt_steps(run: Path) -> list[int]:
 
 def test_train_errors_name_the_python_keywords(run, tmp_path, capsys) -> None:
     """From Python, a run directory that is taken is explained with ``train``'s keywords, not with
-    the command line's flags (which the command line still gets)."""
+    the command line's flags (which the command line still gets); so is generate's state file."""
     with pytest.raises(RecurformerError) as e:
         recurformer.train(run.config | {"train": {**run.config["train"], "out_dir": str(run.dir)}}, progress=False)
     message = str(e.value)
@@ -809,3 +809,6 @@ def test_train_errors_name_the_python_keywords(run, tmp_path, capsys) -> None:
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(run.config))
     assert cli_main(["train", "--config", str(tmp_path / "run.yaml")]) == 2
     assert "--resume" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RecurformerError, match=r"^cannot write save_state file "):
+        recurformer.api.generate_text(run.dir, "the", max_new_tokens=2, save_state=tmp_path / "file" / "s")
