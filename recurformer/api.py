@@ -268,6 +268,7 @@ def generate_text(
     line naming the model, the prompt's length and what to lower."""
     import time
 
+    from .checkpoint import quoted, spelled
     from .device import memory_kind, out_of_memory, peak_memory_mb, pick_device, reset_peak_memory, synchronize
     from .files import check_writable
     from .generate import load_session, new_session, save_session, stream
@@ -277,7 +278,7 @@ def generate_text(
     if save_state:
         check_writable(Path(save_state), f"{option_name('save_state', style)} file")  # before generating, not after
     dev = pick_device(device)
-    where = "--device cpu" if style == "cli" else "device='cpu'"
+    where = spelled(style, "device", quoted("cpu", style))
     with out_of_memory(
         f"loading {checkpoint} onto {dev}", f"the model does not fit there: use another device ({where})"
     ):

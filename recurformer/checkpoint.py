@@ -346,8 +346,10 @@ def discard_unsaved(out: Path, existing: set[str] | None) -> None:
         return
     for name in (entries(out) or set()) - (existing or set()):
         target = out / name
-        if name in (*RUN_FILES, "wandb"):
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        if name in (*RUN_FILES, "wandb") and target.is_dir():
+            shutil.rmtree(target)
+        elif name in RUN_FILES:
+            target.unlink()
     if existing is None and not any(out.iterdir()):
         out.rmdir()
 
