@@ -2,13 +2,16 @@
 
     import recurformer
 
-    run = recurformer.train("tinystories-cpu", train={"steps": 50})   # or **{"train.steps": 50}
+    run = recurformer.train("tinystories-cpu", train={"steps": 50, "out_dir": "runs/short"})  # or **{"train.steps": 50}
     model, tok = recurformer.load(run.checkpoint)                      # or a pretrained dir / Hub id
     results = recurformer.evaluate(model, tok, dataset="tinystories-sample", lengths=[256, 1024])
     probed = recurformer.probe(model, tok, task="repeat", docs=50)
     recurformer.export(run.dir, "my-model")                            # Hub layout + model card
 
-Every function raises ``RecurformerError`` (a one-line message) on bad input, as the CLI does."""
+Every function raises ``RecurformerError`` (a one-line message) on bad input, as the CLI does,
+naming the options as Python keywords (the CLI's calls pass ``style="cli"`` for its flags);
+running out of memory in training, evaluation or generation is such a message too, naming the
+sizes that failed and what to lower."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .config import RecurformerError, check_options, merge
+from .config import RecurformerError, check_options, merge, option_name
 from .data import Tokenizer
 from .evaluate import LengthResult, evaluate_lengths
 from .nn import StreamingLM
@@ -61,18 +64,20 @@ def train(
     resume: str | Path | None = None,
     progress: bool = True,
     overwrite: bool = False,
+    style: str = "python",
     **overrides: Any,
 ) -> Run:
     """Train as ``recurformer train`` does. ``config``: a YAML path, a bundled config name
     (``"tinystories-cpu"``) or a dict with model/data/train sections; ``overrides`` as sections
     (``model={"dim": 64}``) or dotted keys (``**{"train.steps": 10}``); ``resume``: a run or
     checkpoint directory to continue exactly (written into that run's directory unless
-    ``train.out_dir`` is given); ``overwrite``: replace a run already in ``train.out_dir``."""
+    ``train.out_dir`` is given); ``overwrite``: replace a run already in ``train.out_dir``.
+    ``style`` names the options in errors (``"cli"``: ``--resume``)."""
     from . import checkpoint as ckpt
     from .train import train_main
 
     resumed = str(resume) if resume is not None else None
-    trainer, metrics = train_main(config, _overrides(overrides), resumed, overwrite, show_progress=progress)
+    trainer, metrics = train_main(config, _overrides(overrides), resumed, overwrite, progress, style)
     try:
         last = ckpt.resolve(trainer.out_dir)
     except RecurformerError:
@@ -123,19 +128,37 @@ def evaluate(
     or a dataset's val split or text files. The windows are deterministic: all of them (the scored
     blocks tile the text), or ``windows`` evenly spaced ones; ``evaluate.paired_differences``
     compares two models' results on the same tokens."""
+    from .device import out_of_memory
+
     data = np.asarray(tokens, dtype=np.int64) if tokens is not None else _tokens(tokenizer, dataset, text)
-    return evaluate_lengths(
-        model,
-        data,
-        list(lengths),
-        last,
-        windows,
-        chunk,
-        warm_state,
-        batch_size,
-        context,
-        tokenizer.bos_id if tokenizer is not None else None,
+    with out_of_memory(*eval_sizes("the model", model, batch_size, chunk, lengths, "python")):
+        return evaluate_lengths(
+            model,
+            data,
+            list(lengths),
+            last,
+            windows,
+            chunk,
+            warm_state,
+            batch_size,
+            context,
+            tokenizer.bos_id if tokenizer is not None else None,
+        )
+
+
+def eval_sizes(
+    label: str, model: StreamingLM, batch_size: int, chunk: int, lengths: Sequence[int], style: str
+) -> tuple[str, str]:
+    """What an evaluation holds in memory (the model, windows side by side, tokens per call, the
+    longest window) and what to lower, for ``device.out_of_memory``."""
+    from .models import model_name
+
+    doing = (
+        f"evaluating {label} ({model_name(model.config)}, {model.num_params():,} parameters): batch_size "
+        f"{batch_size} windows side by side, chunk {chunk} tokens per call, lengths up to {max(lengths)}"
     )
+    name = lambda o: option_name(o, style)  # noqa: E731
+    return doing, f"lower {name('batch_size')} or {name('chunk')} (a state that grows with the text: {name('lengths')})"
 
 
 def check_probe(
@@ -241,50 +264,64 @@ def generate_text(
     """``recurformer generate``: continue ``prompt`` with a checkpoint's model, streaming the text
     (the prompt first) to ``on_text`` as whole characters arrive; ``load_state`` continues a
     saved generation (the prompt is appended), ``save_state`` saves it to continue later.
-    ``style`` names the options in errors (``"cli"``: ``--top-p``)."""
+    ``style`` names the options in errors (``"cli"``: ``--top-p``); running out of memory is one
+    line naming the model, the prompt's length and what to lower."""
     import time
 
-    from .device import memory_kind, peak_memory_mb, pick_device, reset_peak_memory, synchronize
+    from .checkpoint import quoted, spelled
+    from .device import memory_kind, out_of_memory, peak_memory_mb, pick_device, reset_peak_memory, synchronize
     from .files import check_writable
     from .generate import load_session, new_session, save_session, stream
     from .hub import load_model
 
     check_options(style, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
-    emit = on_text or (lambda t: None)
     if save_state:
-        check_writable(Path(save_state), "--save-state file")  # before generating, not after
+        check_writable(Path(save_state), f"{option_name('save_state', style)} file")  # before generating, not after
     dev = pick_device(device)
-    model, name, tok, _ = load_model(checkpoint, dev)
+    where = spelled(style, "device", quoted("cpu", style))
+    with out_of_memory(
+        f"loading {checkpoint} onto {dev}", f"the model does not fit there: use another device ({where})"
+    ):
+        model, name, tok, _ = load_model(checkpoint, dev)
     if tok is None:
         raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
     if tok.lowercase and prompt != prompt.lower():
         note("[this model's tokenizer was learned from lower-case text: the prompt is lower-cased]")
         prompt = prompt.lower()
-    session = load_session(load_state, model, name) if load_state else new_session(model, 1, seed)
     ids = ([] if load_state else [tok.bos_id]) + tok.encode(prompt)
-    tokens = torch.tensor([ids], dtype=torch.long) if ids else None
-    stops = [tok.eos_id, tok.bos_id] if stop_at_eos else []
-    emit(prompt)
-    out: list[int] = []
-    shown = ""
-    reset_peak_memory(dev)
-    t0 = time.perf_counter()
-    for step in stream(model, tokens, max_new_tokens, temperature, top_k, top_p, session=session, stop_tokens=stops):
-        t = int(step[0])
-        if t < 0:
-            break
-        out.append(t)
+    doing = (
+        f"generating with {name} ({model.num_params():,} parameters) on {dev} from a prompt of {len(ids)} "
+        f"tokens, at most {max_new_tokens} new ones"
+    )
+    lower = f"lower the prompt's length or {option_name('max_new_tokens', style)}"
+    emit = on_text or (lambda t: None)
+    with out_of_memory(doing, lower):
+        session = load_session(load_state, model, name) if load_state else new_session(model, 1, seed)
+        tokens = torch.tensor([ids], dtype=torch.long) if ids else None
+        stops = [tok.eos_id, tok.bos_id] if stop_at_eos else []
+        emit(prompt)
+        out: list[int] = []
+        shown = ""
+        reset_peak_memory(dev)
+        t0 = time.perf_counter()
+        for step in stream(
+            model, tokens, max_new_tokens, temperature, top_k, top_p, session=session, stop_tokens=stops
+        ):
+            t = int(step[0])
+            if t < 0:
+                break
+            out.append(t)
+            text = tok.decode(out)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                emit(text[len(shown) :])
+                shown = text
+        synchronize(dev)
+        dt = time.perf_counter() - t0
         text = tok.decode(out)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            emit(text[len(shown) :])
-            shown = text
-    synchronize(dev)
-    dt = time.perf_counter() - t0
-    text = tok.decode(out)
-    emit(text[len(shown) :])
-    if save_state:
-        save_session(session, save_state, name)
-        note(f"[saved the generation state to {save_state}]")
+        emit(text[len(shown) :])
+        if save_state:
+            save_session(session, save_state, name)
+            note(f"[saved the generation state to {save_state}]")
     return Generated(text, len(out), dt, peak_memory_mb(dev), memory_kind(dev))
 
 
@@ -347,7 +384,7 @@ def evaluate_checkpoints(
 
     from tqdm import tqdm
 
-    from .device import memory_kind, pick_device
+    from .device import memory_kind, out_of_memory, pick_device
     from .evaluate import check_lengths, eval_tokens, markdown_table, plot, save_json, window_ends
     from .files import check_writable
     from .hub import load_model
@@ -379,9 +416,12 @@ def evaluate_checkpoints(
             f"{n * sum(warm_state + L for L in lengths):,} tokens to read"
             + (" (--windows K for a quicker look)" if windows is None else "")
         )
-        with tqdm(
-            total=n * len(lengths), desc=label, unit="window", leave=False, disable=not sys.stderr.isatty()
-        ) as bar:
+        with (
+            tqdm(
+                total=n * len(lengths), desc=label, unit="window", leave=False, disable=not sys.stderr.isatty()
+            ) as bar,
+            out_of_memory(*eval_sizes(label, model, batch_size, chunk, lengths, style)),
+        ):
             rs = evaluate_lengths(
                 model,
                 tokens,
@@ -638,12 +678,20 @@ def readout_checkpoint(
     return r
 
 
-def export(checkpoint: str | Path, out: str | Path, push_to_hub: str | None = None) -> Path:
+def export(
+    checkpoint: str | Path,
+    out: str | Path,
+    push_to_hub: str | None = None,
+    *,
+    overwrite: bool = False,
+    style: str = "python",
+) -> Path:
     """A run or checkpoint -> a pretrained directory (weights, config, tokenizer, model card),
-    uploaded to the Hub repo ``push_to_hub`` when given."""
+    uploaded to the Hub repo ``push_to_hub`` when given. ``out`` never holds a run; anything there
+    but an earlier export of the same run is replaced only with ``overwrite`` (``hub.claim_export_dir``)."""
     from . import hub
 
-    path = hub.export(checkpoint, out)
+    path = hub.export(checkpoint, out, overwrite, style)
     if push_to_hub:
         hub.upload(path, push_to_hub)
     return path

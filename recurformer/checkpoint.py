@@ -162,13 +162,21 @@ def save_checkpoint(
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory (its checkpoint of the highest step)."""
+    """A checkpoint or pretrained directory (``model.safetensors``), or a run directory (its
+    checkpoint of the highest step). A run directory resolves only to its own checkpoints: one
+    that also holds a model of its own (files exported into it) is ambiguous, a one-line error."""
     p = Path(path)
     if not p.exists():
         raise RecurformerError(f"checkpoint not found: {p}")
-    if (p / "model.safetensors").is_file():
-        return p
     steps = checkpoints(p)  # every step_* directory is complete (renamed into place), so the newest wins
+    if (p / "model.safetensors").is_file():
+        if steps:
+            raise RecurformerError(
+                f"{p} holds both a run's checkpoints ({steps[-1].name}, ...) and a model beside them (model.safetensors, "
+                f"config.json: an export into the run directory?); name one ({steps[-1]} is the run's newest), or move "
+                f"the top-level model files to a directory of their own"
+            )
+        return p
     if not steps:
         raise RecurformerError(f"no checkpoint in {p} (expected model.safetensors or step_* directories)")
     return steps[-1]
@@ -268,32 +276,82 @@ def copy_metrics(source: Path, target: Path, until: int) -> None:
     atomic_write_text(target, "".join(r + "\n" for r in rows), "metrics file")
 
 
-def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool) -> None:
-    """Refuse (one line) to write into a run directory that is not writable, or that holds
-    another run, or checkpoints beyond the resumed step (``resumed`` is what ``load_checkpoint``
-    returned with the train state); with ``overwrite``, delete those."""
+def spelled(style: str, key: str, value: str = "") -> str:
+    """An option of ``train`` / ``export`` as its caller writes it (``style``, as in
+    ``config.option_name``): ``--resume DIR``, ``--overwrite``, ``--set train.out_dir=DIR`` on the
+    command line (``"cli"``); ``resume=DIR``, ``overwrite=True``, ``train={"out_dir": DIR}`` in Python."""
+    section, _, name = key.rpartition(".")
+    if style == "cli":
+        return f"--set {key}={value}" if section else f"--{key.replace('_', '-')}" + (f" {value}" if value else "")
+    return f'{section}={{"{name}": {value}}}' if section else f"{key}={value or True}"
+
+
+def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool, style: str = "cli") -> None:
+    """Refuse (one line, its options spelled for ``style``) to write into a run directory that is
+    not writable, or that holds a model of its own (an exported or pretrained directory: never
+    replaced), another run, or checkpoints beyond the resumed step (``resumed`` is what
+    ``load_checkpoint`` returned with the train state); with ``overwrite``, delete those."""
     check_writable(out, "run directory", is_dir=True)
+    elsewhere = spelled(style, "train.out_dir", "DIR")
+    if (out / "model.safetensors").is_file():
+        raise RecurformerError(
+            f"{out} holds a model (model.safetensors: an exported or pretrained directory), not a run; "
+            f"train into another directory ({elsewhere})"
+        )
     if resumed is not None and out.resolve() == resumed["dir"].parent.resolve():  # the same run
         step = resumed["train_json"]["step"]
         later = [c.name for c in checkpoints(out) if (step_of(c) or 0) > step]
         if later and not overwrite:
             raise RecurformerError(
                 f"{out} has checkpoints after step {step} ({', '.join(later)}); continuing from step {step} would mix two "
-                f"histories: resume the newest with --resume {out}, write elsewhere with --set train.out_dir=DIR, "
-                f"or pass --overwrite to delete them"
+                f"histories: resume the newest with {spelled(style, 'resume', quoted(out, style))}, write elsewhere "
+                f"with {elsewhere}, or pass {spelled(style, 'overwrite')} to delete them"
             )
         if later:
             clear_run(out, keep_until=step)
         return
     found = run_contents(out)
+    if found and not overwrite and not checkpoints(out):  # e.g. a run killed before its first save
+        raise RecurformerError(
+            f"{out} holds the logs of a run that wrote no checkpoint ({', '.join(found)}), so nothing to resume; "
+            f"train into another directory ({elsewhere}), or pass {spelled(style, 'overwrite')} to replace them"
+        )
     if found and not overwrite:
-        how = "continue it with --resume " + str(out) + ", " if resumed is None else ""
+        how = f"continue it with {spelled(style, 'resume', quoted(out, style))}, " if resumed is None else ""
         raise RecurformerError(
             f"{out} already holds a run ({', '.join(found[-3:])}); {how}train into another directory "
-            f"(--set train.out_dir=DIR), or pass --overwrite to replace it"
+            f"({elsewhere}), or pass {spelled(style, 'overwrite')} to replace it"
         )
     if found:
         clear_run(out)
+
+
+def quoted(path: Path | str, style: str) -> str:
+    """``path`` as a value of ``spelled``: as is on the command line, a string literal in Python."""
+    return str(path) if style == "cli" else repr(str(path))
+
+
+def entries(out: Path) -> set[str] | None:
+    """The names in the directory ``out``, or None when there is no such directory."""
+    return {p.name for p in out.iterdir()} if out.is_dir() else None
+
+
+def discard_unsaved(out: Path, existing: set[str] | None) -> None:
+    """After a run that failed before its first checkpoint (out of memory, a non-finite loss, a
+    signal): delete the run files it created in ``out`` (its logs: ``RUN_FILES``, ``wandb``) and
+    ``out`` itself when the run created it and nothing else is left, so that a retry finds no run
+    in the way. ``existing``: ``entries(out)`` before the run; nothing that was there is touched,
+    nor any file a run does not write."""
+    if not out.is_dir() or checkpoints(out):
+        return
+    for name in (entries(out) or set()) - (existing or set()):
+        target = out / name
+        if name in (*RUN_FILES, "wandb") and target.is_dir():
+            shutil.rmtree(target)
+        elif name in RUN_FILES:
+            target.unlink()
+    if existing is None and not any(out.iterdir()):
+        out.rmdir()
 
 
 def open_run_dir(out: Path, resumed_run: Path | None, step: int) -> None:

@@ -115,7 +115,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         + ([f"train.device={args.device}"] if args.device else [])
         + ([f"data.text_field={args.text_field}"] if args.text_field else [])
     )
-    last = train(args.config, resume=args.resume, overwrite=args.overwrite, **parse_overrides(sets)).metrics
+    last = train(
+        args.config, resume=args.resume, overwrite=args.overwrite, style="cli", **parse_overrides(sets)
+    ).metrics
     if last:  # the run's mean speed first; the last log interval's rate named as such
         names = {"tok_per_s": "last_interval_tok_per_s"}
         last = {k: last[k] for k in ("step", "loss", "val_loss", "mean_tok_per_s", "mfu") if k in last} | last
@@ -321,9 +323,9 @@ def cmd_export(args: argparse.Namespace) -> None:
             )
         from .hf import export as export_transformers
 
-        out = export_transformers(args.checkpoint, args.out)
+        out = export_transformers(args.checkpoint, args.out, args.overwrite, style="cli")
     else:
-        out = export(args.checkpoint, args.out, args.push_to_hub)
+        out = export(args.checkpoint, args.out, args.push_to_hub, overwrite=args.overwrite, style="cli")
     print(
         f"wrote {out} ("
         + ", ".join(sorted(f.name for f in out.iterdir()))
@@ -676,6 +678,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["recurformer", "transformers"],
         default="recurformer",
         help="transformers: also readable by AutoModelForCausalLM / AutoTokenizer (needs recurformer[hf])",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into --out although it holds other files or another run's export (never a run: refused)",
     )
     return ap
 

@@ -11,7 +11,9 @@ first, as CUDA kernels run asynchronously.
 from __future__ import annotations
 
 import contextlib
+import re
 import resource
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -139,3 +141,33 @@ def peak_memory_mb(device: torch.device) -> float:
 def memory_kind(device: torch.device) -> str:
     """What ``peak_memory_mb`` measures on ``device``, for tables and logs."""
     return "CUDA allocated" if device.type == "cuda" else "RSS"
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is a failed allocation: torch's ``OutOfMemoryError`` (CUDA and other
+    accelerators) or the ``RuntimeError`` of the CPU allocator ("can't allocate memory")."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text)
+
+
+UNITS = {"bytes": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@contextlib.contextmanager
+def out_of_memory(doing: str, advice: str) -> Iterator[None]:
+    """Running out of memory inside the block becomes one line: what was being done at which sizes
+    (``doing``), the allocation that failed (as torch reports it), and what to do (``advice``). The error
+    is raised outside the handler, so that it holds no traceback, and no tensor, of the failed work."""
+    message = None
+    try:
+        yield
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        m = re.search(r"allocate ([\d.]+) ?(bytes|[KMGT]iB)", str(e), re.IGNORECASE)
+        failed = f" (an allocation of {float(m[1]) * UNITS[m[2].lower()] / 2**30:.2f} GiB failed)" if m else ""
+        message = f"out of memory {doing}{failed}; {advice}"
+    if message is not None:
+        raise RecurformerError(message)

@@ -333,18 +333,23 @@ def with_bos(path: Path, tokenizer: Tokenizer) -> None:
     hf.save(str(path))
 
 
-def export(checkpoint: str | Path, out: str | Path) -> Path:
+def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, style: str = "python") -> Path:
     """A run, checkpoint or pretrained directory -> a directory that ``AutoModelForCausalLM`` /
     ``AutoTokenizer`` and ``recurformer.load`` all read: ``config.json``, ``model.safetensors``,
     ``generation_config.json`` (stops at EOS), ``tokenizer.json`` + ``tokenizer_config.json``
-    (BOS/EOS; a byte tokenizer has no ``transformers`` form and gets no ``tokenizer_config.json``)
-    and the model card. Every file is written whole or not at all."""
-    from .hub import from_pretrained, model_card, run_config_of
+    (BOS/EOS; a byte tokenizer has no ``transformers`` form and gets no ``tokenizer_config.json``;
+    a tokenizer learned from lower-case text lower-cases its input, as ``recurformer generate``
+    does) and the model card. Every file is written whole or not at all; ``out`` is claimed as
+    ``hub.export`` claims it (no run; else an earlier export of the same run, or ``overwrite``)."""
+    from .hub import claim_export_dir, from_pretrained, model_card, run_config_of, shareable
 
     model, tok, config = from_pretrained(checkpoint)
     dest = Path(out)
-    if dest.exists() and not dest.is_dir():
-        raise RecurformerError(f"{dest} exists and is not a directory")
+    cfg = shareable(run_config_of(model, config))
+    claim_export_dir(dest, cfg, overwrite, style)
+    lower = tok is not None and tok.lowercase
+    if tok is not None and lower:
+        tok = tok.lowercasing()
     hf = RecurformerForCausalLM.from_model(model, tok)
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest, prefix=".tmp_") as tmp:
@@ -355,7 +360,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
             if tok.kind == "bpe":
                 with_bos(t / "tokenizer.json", tok)
                 (t / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok), indent=2) + "\n")
-        model_card(model, run_config_of(model, config)).save(t / "README.md")
+        model_card(model, cfg, lower_case=lower).save(t / "README.md")
         for f in t.iterdir():
             os.replace(f, dest / f.name)
     return dest

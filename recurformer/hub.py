@@ -25,7 +25,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 from safetensors.torch import save_file
 
-from .checkpoint import load_checkpoint, load_model_weights, resolve
+from .checkpoint import load_checkpoint, load_model_weights, resolve, run_contents, spelled
 from .compat import FORMAT
 from .config import RecurformerError
 from .data import Tokenizer
@@ -34,6 +34,7 @@ from .registry import build_model, description, model_name
 
 CARD = "README.md"
 FILES = ["model.safetensors", "config.json", "tokenizer.json", CARD]
+EXPORT_FILES = [*FILES, "generation_config.json", "tokenizer_config.json"]  # --format transformers adds two
 
 
 def load_model(
@@ -128,11 +129,6 @@ def model_card(
     ]
     if dataset:
         lines.append(f"{dataset}, {data.get('tokenizer', '?')} tokenizer (vocabulary {model.config.vocab_size}).")
-        if lower_case:
-            lines.append(
-                "The tokenizer was learned from lower-case text: `tokenizer.json` lower-cases its input (a "
-                "`Lowercase` normalizer), so write prompts in any case."
-            )
         if train:
             per_step = train.get("batch_size", 0) * train.get("seq_len", 0) * train.get("grad_accum", 1)
             lines.append(
@@ -141,6 +137,11 @@ def model_card(
             )
     else:
         lines.append("Not recorded (the model was saved outside a training run).")
+    if lower_case:
+        lines.append(
+            "The tokenizer was learned from lower-case text: `tokenizer.json` lower-cases its input (a "
+            "`Lowercase` normalizer), so write prompts in any case."
+        )
     lines += ["", "## Results", ""]
     if results:
         lines += [
@@ -164,8 +165,7 @@ def save_pretrained(
     written holds a path of this machine (``shareable``); a tokenizer learned from lower-case
     text is saved with a lower-case normalizer (``Tokenizer.lowercasing``)."""
     out = Path(directory)
-    if out.exists() and not out.is_dir():
-        raise RecurformerError(f"{out} exists and is not a directory")
+    refuse_run_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = shareable(run_config_of(model, config))
     lower = tokenizer is not None and tokenizer.lowercase
@@ -180,9 +180,57 @@ def save_pretrained(
             tokenizer.save(t)
         model_card(model, cfg, results, lower).save(t / CARD)
         written = move_files(t, out)
-    for name in set(FILES) - set(written):  # e.g. the tokenizer of an earlier save: it would not fit
+    for name in set(EXPORT_FILES) - set(written):  # e.g. the tokenizer of an earlier save: it would not fit
         (out / name).unlink(missing_ok=True)
     return out
+
+
+def refuse_run_dir(out: Path) -> None:
+    """One line when ``out`` is not a directory, or holds a run or a training checkpoint: a model
+    written there would sit beside the run's checkpoints (``checkpoint.resolve`` then refuses the
+    directory as ambiguous), so no option allows it."""
+    if out.exists() and not out.is_dir():
+        raise RecurformerError(f"{out} exists and is not a directory")
+    found = run_contents(out) + [n for n in ("train_state.json", "train_state.safetensors") if (out / n).is_file()]
+    if found:
+        raise RecurformerError(
+            f"{out} holds a run or a training checkpoint ({', '.join(found[-3:])}); a model written there would sit "
+            f"beside its checkpoints: write it into a directory of its own"
+        )
+
+
+def claim_export_dir(out: Path, config: dict[str, Any], overwrite: bool, style: str = "python") -> None:
+    """Refuse (one line, options spelled for ``style``) to export into ``out`` when it holds a run
+    (``refuse_run_dir``, whatever ``overwrite`` says), or, unless ``overwrite``, anything but an
+    earlier export of the same run: files an export writes only, with a ``config.json`` of the same
+    model (and data and training, where it records them) as ``config``, the one to be written.
+    ``overwrite`` replaces the export's files and leaves any other file in place."""
+    refuse_run_dir(out)
+    if not out.is_dir() or overwrite:
+        return
+    others = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES and not p.name.startswith(".tmp_"))
+    what = f"files an export does not write ({', '.join(others[:3])})" if others else None
+    if what is None and (out / "config.json").is_file() and not _same_run(out / "config.json", config):
+        what = "the export of another model or run (its config.json differs)"
+    if what:
+        raise RecurformerError(
+            f"{out} holds {what}; export into another directory, or pass {spelled(style, 'overwrite')} to write the "
+            f"export's files there"
+        )
+
+
+def _same_run(path: Path, config: dict[str, Any]) -> bool:
+    """Whether the ``config.json`` at ``path`` records the model of ``config`` (and its data and
+    training sections, where the file has them: a transformers export records the model only)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    new = json.loads(json.dumps(config))
+    sections = [k for k in ("data", "train") if k in old]
+    return (
+        isinstance(old, dict) and old.get("model") == new.get("model") and all(old[k] == new.get(k) for k in sections)
+    )
 
 
 def from_pretrained(
@@ -237,11 +285,13 @@ def upload(
     return str(info.commit_url)
 
 
-def export(checkpoint: str | Path, out: str | Path) -> Path:
+def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, style: str = "python") -> Path:
     """A run or checkpoint directory -> a pretrained directory with its model card (the results
-    row is the run's last logged metrics up to the checkpoint's step)."""
+    row is the run's last logged metrics up to the checkpoint's step). ``out`` must not hold a run,
+    nor, unless ``overwrite``, anything but an earlier export of the same run (``claim_export_dir``)."""
     ck = resolve(checkpoint)
     model, _, tok, config = load_model(ck)
+    claim_export_dir(Path(out), shareable(run_config_of(model, config)), overwrite, style)
     if not (ck / "train_state.json").is_file():  # not a training checkpoint: no run to take results from
         return save_pretrained(model, out, tok, config)
     step = json.loads((ck / "train_state.json").read_text()).get("step")

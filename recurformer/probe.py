@@ -128,14 +128,17 @@ def split_copy_document(doc: np.ndarray, marker: np.ndarray, tail: int) -> tuple
     Returns (head, s1, gap, marker, s2, tail) or None when the tokens do not have that form."""
     m = len(marker)
     body = doc[1 : len(doc) - tail]
-    hits = [i for i in range(len(body) - m, -1, -1) if np.array_equal(body[i : i + m], marker)]
-    if not hits:
+    if len(body) < m:
         return None
-    s2 = body[hits[0] + m :]
+    hits = np.flatnonzero((np.lib.stride_tricks.sliding_window_view(body, m) == marker).all(axis=1))
+    if not len(hits):
+        return None
+    last = int(hits[-1])
+    s2 = body[last + m :]
     n = len(s2)
-    if n == 0 or hits[0] < n or not np.array_equal(body[:n], s2):
+    if n == 0 or last < n or not np.array_equal(body[:n], s2):
         return None
-    return doc[:1], body[:n], body[n : hits[0]], marker, s2, doc[len(doc) - tail :]
+    return doc[:1], body[:n], body[n:last], marker, s2, doc[len(doc) - tail :]
 
 
 def repeat_samples(

@@ -39,7 +39,7 @@ from . import checkpoint as ckpt
 from . import loggers
 from .config import RecurformerError, check_options, from_dict, load_yaml, merge, parse_overrides, suggest
 from .curriculum import Schedule, check_state_init_share, initial_state, schedule_from
-from .device import autocast_context, configure, pick_device, resolve_precision, to_device
+from .device import autocast_context, configure, out_of_memory, pick_device, resolve_precision, to_device
 from .flops import reference_peak, train_flops_per_token
 from .models import build_model, make_config, model_names
 from .nn import State, StreamingLM, check_compile
@@ -386,15 +386,18 @@ class CarriedState:
 class TrainingInterrupted(Exception):
     """SIGINT or SIGTERM stopped training (after writing a checkpoint, when there was a step to save)."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None, run_dir: Path) -> None:
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, run_dir: Path, style: str = "cli") -> None:
         self.signum = signum
         name = signal.Signals(signum).name
         if checkpoint is None:
             super().__init__(f"stopped by {name} before training step {step + 1}; nothing new to save")
         else:
-            super().__init__(
-                f"stopped by {name} after step {step}; saved {checkpoint}; continue with: recurformer train --resume {run_dir}"
+            how = (
+                f"recurformer train --resume {run_dir}"
+                if style == "cli"
+                else f"recurformer.train({ckpt.spelled(style, 'resume', ckpt.quoted(run_dir, style))})"
             )
+            super().__init__(f"stopped by {name} after step {step}; saved {checkpoint}; continue with: {how}")
 
 
 class StopNow(KeyboardInterrupt):
@@ -441,7 +444,8 @@ class Trainer:
 
     ``train.out_dir`` is never silently reused: it must not hold another run, unless ``resume``
     continues that very run (from its newest checkpoint, or from an older one when ``overwrite``
-    allows deleting the later ones) or ``overwrite`` allows replacing it."""
+    allows deleting the later ones) or ``overwrite`` allows replacing it. Messages name options as
+    ``style`` does (``"cli"``: ``--resume``; ``"python"``: ``resume=``)."""
 
     def __init__(
         self,
@@ -450,10 +454,12 @@ class Trainer:
         show_progress: bool = True,
         overwrite: bool = False,
         stop: StopSignals | None = None,
+        style: str = "cli",
     ) -> None:
         from .data import load_prepared, prepare
 
         self.cfg = cfg
+        self.style = style
         t = cfg.train
         self.rank = int(os.environ.get("RANK", 0))
         self.world = int(os.environ.get("WORLD_SIZE", 1))
@@ -477,7 +483,7 @@ class Trainer:
                 )
         self.resumed_from: Path | None = resumed["dir"] if resumed is not None else None
         if self.rank == 0:  # before the data is prepared: fail fast
-            ckpt.claim_run_dir(self.out_dir, resumed, overwrite)
+            ckpt.claim_run_dir(self.out_dir, resumed, overwrite, style)
 
         # data: prepared on first use (rank 0), then memory-mapped
         data_dir = cfg.data.resolved_dir()
@@ -576,6 +582,7 @@ class Trainer:
         self.stop = stop or StopSignals()  # installed by run(); by train_main from the start
         self.sinks: list[Any] = []
         self.header: list[str] = []
+        self.existing = ckpt.entries(self.out_dir)  # what the run directory held before this run
         if self.rank == 0:
             ckpt.open_run_dir(self.out_dir, resumed["dir"].parent if resumed is not None else None, self.step)
             self.sinks, notes = loggers.make_sinks(t.loggers, self.out_dir, self._config_dict())
@@ -804,12 +811,12 @@ class Trainer:
             if self.resumed_from is not None and self.step >= t.steps:
                 self._say(
                     f"{self.resumed_from} is already at step {self.step} of train.steps={t.steps}: the run is finished "
-                    f"(raise it with --set train.steps=N to train further)"
+                    f"(raise it with {ckpt.spelled(self.style, 'train.steps', 'N')} to train further)"
                 )
                 return {}
             stop = self._stop_requested()
             if stop:  # a signal while the run was being set up
-                raise TrainingInterrupted(stop, self.step, None, self.out_dir)
+                raise TrainingInterrupted(stop, self.step, None, self.out_dir, self.style)
             if self.show_progress:
                 print("\n".join(self.header), flush=True)
             else:  # without the header, still say why a run will be slow
@@ -874,7 +881,9 @@ class Trainer:
                 if path is not None:
                     self._say(f"saved {path}")
             if stop:
-                raise TrainingInterrupted(stop, self.step, self.out_dir / f"step_{self.step:06d}", self.out_dir)
+                raise TrainingInterrupted(
+                    stop, self.step, self.out_dir / f"step_{self.step:06d}", self.out_dir, self.style
+                )
             t0 += time.perf_counter() - paused
         return last
 
@@ -903,17 +912,42 @@ def train_main(
     resume: str | None = None,
     overwrite: bool = False,
     show_progress: bool = True,
+    style: str = "cli",
 ) -> tuple[Trainer, dict[str, Any]]:
     """Train (or ``resume``) a run to ``train.steps``; returns the trainer and its last metrics.
     SIGINT/SIGTERM are handled from the start: a signal while the run is set up stops it before
-    its first step."""
+    its first step. A run that fails before its first checkpoint takes its own files with it
+    (``checkpoint.discard_unsaved``), so a retry finds no run in the way; running out of memory is
+    one line naming the sizes (``out_of_memory``). Errors name options as ``style`` does."""
     cfg = resolve_run_config(config, over, resume)
     stop = StopSignals()
-    with stop.installed():
-        trainer = Trainer(cfg, resume=resume, show_progress=show_progress, overwrite=overwrite, stop=stop)
+    with stop.installed(), out_of_memory(*training_sizes(cfg, style)):
+        trainer = Trainer(cfg, resume=resume, show_progress=show_progress, overwrite=overwrite, stop=stop, style=style)
+        finished = False
         try:
-            return trainer, trainer.run()
+            last = trainer.run()
+            finished = True
+            return trainer, last
         finally:
             trainer.close_loggers()
+            if not finished and trainer.rank == 0:
+                ckpt.discard_unsaved(trainer.out_dir, trainer.existing)
             if trainer.world > 1 and dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def training_sizes(cfg: RunConfig, style: str) -> tuple[str, str]:
+    """What a training step holds in memory (model, streams x segment length) and what to lower,
+    for ``out_of_memory``."""
+    t, m = cfg.train, cfg.model
+    size = ", ".join(f"{k} {m[k]}" for k in ("dim", "n_layers") if k in m)
+    per_step = f"train.batch_size {t.batch_size} x train.seq_len {t.seq_len}" + (
+        f" x train.truncation {t.truncation}" if t.truncation > 1 else ""
+    )
+    doing = f"training {m['name']}{f' ({size})' if size else ''} at {per_step} tokens per backward pass"
+    lower = (
+        f"lower train.batch_size ({ckpt.spelled(style, 'train.batch_size', str(max(1, t.batch_size // 2)))}; "
+        f"{ckpt.spelled(style, 'train.grad_accum', str(2 * t.grad_accum))} keeps the tokens per step) or "
+        f"train.seq_len, or the model's size"
+    )
+    return doing, lower

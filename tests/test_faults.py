@@ -463,3 +463,187 @@ def test_prepare_removes_its_temporary_directory_and_stale_ones(corpus, tmp_path
         json.loads((tmp_path / "p" / "meta.json").read_text())["source_key"]
         == DataConfig(text_files=[str(corpus)], tokenizer="byte").source_key()
     )
+
+
+# -- a run directory holds one model: its own checkpoints ------------------------------------------
+
+
+def test_export_refuses_a_run_and_a_run_resolves_to_its_own_checkpoints(corpus, tmp_path, capsys) -> None:
+    """``export --out`` into another run is refused (the flag does not change that) and leaves it
+    as it was; a run directory that holds a model beside its checkpoints (an export into it, as
+    earlier versions wrote) is a one-line error for every reader, never the other model."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert train(*tiny(corpus, a, tmp_path / "data")) == 0
+    assert train(*tiny(corpus, b, tmp_path / "data", seed=1)) == 0
+    before = sorted(p.name for p in b.iterdir())
+    for extra in ([], ["--overwrite"]):
+        assert cli(["export", "--checkpoint", str(a), "--out", str(b), *extra]) == 2
+        assert last_error(capsys).startswith(f"recurformer: error: {b} holds a run or a training checkpoint (")
+    assert sorted(p.name for p in b.iterdir()) == before
+    assert cli(["export", "--checkpoint", str(a), "--out", str(b / "step_000006")]) == 2  # a checkpoint: refused too
+    # a run with a model beside its checkpoints: refused by every reader, by train and resume too
+    assert cli(["export", "--checkpoint", str(a), "--out", str(tmp_path / "x")]) == 0
+    for name in ("model.safetensors", "config.json"):
+        shutil.copy(tmp_path / "x" / name, b / name)
+    with pytest.raises(RecurformerError, match=r"holds both a run's checkpoints \(step_000006, ...\) and a model"):
+        recurformer_load(b)
+    capsys.readouterr()
+    assert cli(["generate", "--checkpoint", str(b), "--prompt", "the", "--max-new-tokens", "2"]) == 2
+    assert f"name one ({b / 'step_000006'} is the run's newest)" in last_error(capsys)
+    assert train("--resume", str(b)) == 2 and "holds both" in last_error(capsys)
+    assert train(*tiny(corpus, b, tmp_path / "data"), "--overwrite") == 2
+    assert last_error(capsys) == (
+        f"recurformer: error: {b} holds a model (model.safetensors: an exported or pretrained directory), not a run; "
+        "train into another directory (--set train.out_dir=DIR)"
+    )
+    assert steps_in(b) == [3, 6]  # nothing of the run was deleted
+    own = load_file(b / "step_000006" / "model.safetensors")
+    assert all(torch.equal(own[k], v) for k, v in weights(b / "step_000006").items())
+
+
+def recurformer_load(path: Path):  # type: ignore[no-untyped-def]
+    import recurformer
+
+    return recurformer.load(path)
+
+
+def test_export_replaces_only_an_earlier_export_of_the_same_run(corpus, tmp_path, capsys) -> None:
+    """Exporting again into an earlier export of the same run needs no flag; an export of another
+    run, or a directory with other files, needs ``--overwrite`` (``overwrite=True``), which leaves
+    the other files in place."""
+    import recurformer
+
+    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
+    assert train(*tiny(corpus, a, tmp_path / "data")) == 0
+    assert train(*tiny(corpus, b, tmp_path / "data", seed=1)) == 0
+    assert cli(["export", "--checkpoint", str(a), "--out", str(out)]) == 0
+    assert cli(["export", "--checkpoint", str(a / "step_000003"), "--out", str(out)]) == 0  # the same run
+    assert cli(["export", "--checkpoint", str(b), "--out", str(out)]) == 2
+    assert last_error(capsys) == (
+        f"recurformer: error: {out} holds the export of another model or run (its config.json differs); export into "
+        "another directory, or pass --overwrite to write the export's files there"
+    )
+    with pytest.raises(RecurformerError, match=r"pass overwrite=True to write"):
+        recurformer.export(b, out)
+    assert torch.equal(recurformer.load(out)[0].tok_emb.weight, weights(a / "step_000003")["tok_emb.weight"])
+    notes = tmp_path / "mine"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    assert cli(["export", "--checkpoint", str(b), "--out", str(notes)]) == 2
+    assert "holds files an export does not write (notes.txt)" in last_error(capsys)
+    assert cli(["export", "--checkpoint", str(b), "--out", str(notes), "--overwrite"]) == 0
+    assert (notes / "notes.txt").read_text() == "mine"
+    assert torch.equal(recurformer.load(notes)[0].tok_emb.weight, weights(b)["tok_emb.weight"])
+
+
+# -- out of memory: one line, and nothing left in the way of a retry --------------------------------
+
+CUDA_OOM = torch.OutOfMemoryError(
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which 1.2 GiB is "
+    "free.\nOf the allocated memory 70 GiB is allocated by PyTorch. See documentation for Memory Management"
+)
+CPU_OOM = RuntimeError(
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+    "2147483648 bytes. Error code 12 (Cannot allocate memory)"
+)
+
+
+def fail_at(calls: int, error: BaseException):  # type: ignore[no-untyped-def]
+    """A ``Trainer.train_step`` that raises ``error`` at its ``calls``-th call, else trains."""
+    real, seen = Trainer.train_step, []
+
+    def step(self, read=True):  # type: ignore[no-untyped-def]
+        seen.append(1)
+        if len(seen) == calls:
+            raise error
+        return real(self, read)
+
+    return step
+
+
+@pytest.mark.parametrize("error", [CUDA_OOM, CPU_OOM], ids=["cuda", "cpu"])
+def test_out_of_memory_in_training_is_one_line_and_a_retry_just_works(
+    corpus, tmp_path, capsys, monkeypatch, error
+) -> None:
+    run, data = tmp_path / "run", tmp_path / "data"
+    monkeypatch.setattr(Trainer, "train_step", fail_at(1, error))
+    assert train(*tiny(corpus, run, data)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "recurformer: error: out of memory training memory_attention (dim 32, n_layers 1) at train.batch_size 2 x "
+        "train.seq_len 16 tokens per backward pass (an allocation of 2.00 GiB failed); lower train.batch_size "
+        "(--set train.batch_size=1; --set train.grad_accum=2 keeps the tokens per step) or train.seq_len, or the "
+        "model's size"
+    )
+    assert not run.exists()  # the failed run took its own files with it: a retry is not refused
+    monkeypatch.undo()
+    assert train(*tiny(corpus, run, data)) == 0 and steps_in(run) == [3, 6]
+
+
+def test_a_failed_run_removes_only_its_own_files_and_keeps_checkpoints(corpus, tmp_path, capsys, monkeypatch) -> None:
+    import recurformer
+
+    run, data = tmp_path / "run", tmp_path / "data"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    monkeypatch.setattr(Trainer, "train_step", fail_at(2, CPU_OOM))
+    with pytest.raises(RecurformerError, match=r"lower train.batch_size \(train=\{\"batch_size\": 1\}; train="):
+        recurformer.train(load_yaml_tiny(corpus, run, data), progress=False)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]  # its logs gone, the user's file kept
+    monkeypatch.setattr(Trainer, "train_step", fail_at(5, CPU_OOM))  # after the checkpoint of step 3
+    assert train(*tiny(corpus, run, data)) == 2
+    assert "out of memory training" in last_error(capsys)
+    assert steps_in(run) == [3] and (run / "metrics.jsonl").is_file()  # a run with a checkpoint stays, to resume
+    monkeypatch.undo()
+    assert train("--resume", str(run)) == 0 and steps_in(run) == [3, 6]
+
+
+def load_yaml_tiny(corpus: Path, out: Path, data: Path) -> dict:
+    """``tiny``'s run as a config dict, for the Python API."""
+    from recurformer.config import parse_overrides
+
+    args = tiny(corpus, out, data)
+    return parse_overrides([v for k, v in zip(args[2::2], args[3::2])])
+
+
+def test_logs_of_a_killed_run_without_a_checkpoint_are_named_as_such(corpus, tmp_path, capsys) -> None:
+    """A run killed (-9, the kernel's OOM killer) before its first checkpoint leaves logs and no
+    checkpoint: a retry is told there is nothing to resume, not to resume."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    assert train(*tiny(corpus, run, tmp_path / "data")) == 2
+    err = last_error(capsys)
+    assert "holds the logs of a run that wrote no checkpoint (metrics.jsonl), so nothing to resume" in err
+    assert "--resume" not in err and "--overwrite" in err
+
+
+def test_out_of_memory_in_eval_and_generate_is_one_line(trained, tmp_path, capsys, monkeypatch) -> None:
+    import recurformer
+    import recurformer.api as api
+    import recurformer.generate as gen
+
+    def oom(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise CUDA_OOM
+
+    monkeypatch.setattr(api, "evaluate_lengths", oom)
+    ev = ["eval", "--checkpoint", str(trained), "--lengths", "32,64", "--last", "16", "--windows", "1"]
+    assert cli([*ev, "--chunk", "16", "--json", str(tmp_path / "e.json")]) == 2
+    err = capsys.readouterr().err
+    n = recurformer.load(trained)[0].num_params()
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"recurformer: error: out of memory evaluating run (memory_attention, {n:,} parameters): batch_size 8 windows "
+        "side by side, chunk 16 tokens per call, lengths up to 64 (an allocation of 2.00 GiB failed); lower "
+        "--batch-size or --chunk (a state that grows with the text: --lengths)"
+    )
+    model, tok = recurformer.load(trained)
+    with pytest.raises(RecurformerError, match=r"failed\); lower batch_size or chunk \(a state .*: lengths\)$"):
+        recurformer.evaluate(model, tok, dataset="tinystories-sample", lengths=[32])
+    monkeypatch.setattr(gen, "stream", oom)
+    assert cli(["generate", "--checkpoint", str(trained), "--prompt", "the cat", "--max-new-tokens", "5"]) == 2
+    assert last_error(capsys).startswith("recurformer: error: out of memory generating with memory_attention (")
+    with pytest.raises(RecurformerError, match=r"from a prompt of 8 tokens, at most 5 new ones .*max_new_tokens$"):
+        recurformer.api.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
+    monkeypatch.setattr(gen, "stream", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    with pytest.raises(RuntimeError, match="^shape mismatch$"):  # not every RuntimeError is out of memory
+        recurformer.api.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")

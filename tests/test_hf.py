@@ -182,3 +182,36 @@ def test_offline_fixture_refuses_sockets(offline) -> None:
 
     with pytest.raises(AssertionError, match="network connection"):
         socket.create_connection(("127.0.0.1", 9), timeout=1)
+
+
+@pytest.mark.parametrize("fmt", ["recurformer", "transformers"])
+def test_export_of_a_run_lower_cases_as_generate_does(offline, fmt) -> None:
+    """A run's checkpoint keeps the tokenizer it was trained with (no normalizer); exported in
+    either format, its tokenizer lower-cases a prompt for a lower-case model, as ``recurformer
+    generate`` does, and the card says so."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from recurformer import checkpoint as ckpt
+    from recurformer.cli import main as cli_main
+    from recurformer.data import Tokenizer
+
+    rng = torch.Generator().manual_seed(0)
+    words = "once upon a time the cat sat on a mat and ran to the big red house".split()
+    text = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (30,), generator=rng)) for _ in range(40)]
+    tok = Tokenizer.train_bpe(text, 300)
+    assert tok.lowercase
+    model = build_model("llama", dict(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4)).eval()
+    run = offline / "run"
+    config = {"model": {"name": "llama", **dict(vocab_size=tok.vocab_size, dim=32, n_layers=2, n_heads=4)}}
+    ckpt.save_checkpoint(run, 1, model.state_dict(), config, (lambda p: p.read_text())(tok.save(offline / "t")))
+    assert json.loads((run / "step_000001" / "tokenizer.json").read_text())["normalizer"] is None
+    out = offline / "out"
+    assert cli_main(["export", "--checkpoint", str(run), "--out", str(out), "--format", fmt]) == 0
+    prompt = "Once upon a time"
+    want = tok.encode(prompt.lower())
+    assert want != tok.encode(prompt)
+    assert HFTokenizer.from_file(str(out / "tokenizer.json")).encode(prompt, add_special_tokens=False).ids == want
+    assert recurformer.load(out)[1].encode(prompt) == want
+    if fmt == "transformers":
+        assert transformers.AutoTokenizer.from_pretrained(out)(prompt)["input_ids"] == [tok.bos_id, *want]
+    assert "lower-cases its input" in (out / "README.md").read_text()

@@ -458,3 +458,33 @@ def test_plot_marks_receptive_fields_and_labels_distance_zero() -> None:
     ]
     assert any(list(line.get_xdata()) == [31, 31] and line.get_linestyle() == ":" for line in ax.lines)
     plt.close("all")
+
+
+def test_split_copy_document_finds_the_last_marker_as_a_scan_does() -> None:
+    """The vectorized marker search against a plain scan from the end, on random documents with
+    0-3 planted markers (overlapping ones included) and copies that match or not."""
+
+    def by_scan(doc: np.ndarray, marker: np.ndarray, tail: int):  # type: ignore[no-untyped-def]
+        m, body = len(marker), doc[1 : len(doc) - tail]
+        hits = [i for i in range(len(body) - m, -1, -1) if np.array_equal(body[i : i + m], marker)]
+        if not hits or (n := len(body) - hits[0] - m) == 0 or hits[0] < n or not np.array_equal(body[:n], body[-n:]):
+            return None
+        return doc[:1], body[:n], body[n : hits[0]], marker, body[-n:], doc[len(doc) - tail :]
+
+    rng = np.random.default_rng(0)
+    found = 0
+    for _ in range(400):
+        marker = rng.integers(5, 8, size=int(rng.integers(1, 4)))
+        s1 = rng.integers(5, 9, size=int(rng.integers(0, 6)))
+        pieces = [[0], s1]
+        for _ in range(int(rng.integers(0, 4))):
+            pieces += [rng.integers(5, 9, size=int(rng.integers(0, 3))), marker]
+        pieces += [s1 if rng.random() < 0.7 else rng.integers(5, 9, size=len(s1)), [1] * int(rng.integers(0, 2))]
+        doc = np.concatenate(pieces).astype(np.int64)
+        tail = int(doc[-1] == 1)
+        want, got = by_scan(doc, marker, tail), split_copy_document(doc, marker, tail)
+        assert (want is None) == (got is None)
+        if want is not None:
+            found += 1
+            assert all(np.array_equal(w, g) for w, g in zip(want, got))
+    assert found > 50
