@@ -117,7 +117,8 @@ def test_initial_decay_and_write_strength() -> None:
     layer = model.layers[0].attn
     with torch.no_grad():
         b, g = layer.gates(torch.randn(3, 11, 32, **F64) * 5)
-        # (to 1e-7: dt_bias and c_b were set in float32, before the cast to float64)
+        b0, _ = layer.gates(torch.zeros(1, 1, 32, **F64))
+    # (to 1e-7: dt_bias and c_b were set in float32, before the cast to float64)
     torch.testing.assert_close(g.exp(), torch.full_like(g, 0.9995), rtol=0, atol=1e-7)
     torch.testing.assert_close(b0, torch.full_like(b0, 0.25), rtol=0, atol=1e-7)
     assert float(b.std()) > 0.01  # W_b is random: b depends on the input
