@@ -161,3 +161,21 @@ def test_a_stack_without_its_config_gives_one_line() -> None:
     with pytest.raises(RecurformerError, match="a 'delta' layer needs the config of a GatedDeltaNetConfig") as e:
         build_model("llama", dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, layers=["full", "delta"]))
     assert "\n" not in str(e.value)
+
+
+def test_a_training_step_reads_nothing_from_the_device() -> None:
+    """The forward and backward over two calls (state carried) make no host read of a device
+    tensor (``.item()``, ``bool(t)``, ...), as a CUDA graph needs (``HostReads`` of test_host_sync)."""
+    from test_host_sync import HostReads
+
+    model = build_model("gated_deltanet", dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8))
+    tokens = torch.randint(0, 61, (2, 20))
+    mode = HostReads()
+    mode.mark_host(tokens)
+    with mode:
+        state, loss = None, 0
+        for a, b in ((0, 13), (13, 20)):
+            out = model(tokens[:, a:b], state=state, targets=tokens[:, a:b])
+            state, loss = out.state, loss + out.loss
+        loss.backward()
+    assert mode.reads == []
