@@ -46,7 +46,7 @@ from ..state import Call, LayerState, reset_rows
 
 @dataclass
 class GatedDeltaNetConfig(ModelConfig):
-    context_field = "window"  # the window of 'window' layers in a hybrid stack; the delta layers reach back without bound
+    context_field = "window"  # of the hybrid stacks' window layers (a delta layer reaches back without bound)
     chunk_size: int = 64  # tokens per chunk of the chunked (WY) form; compute only, the result is the same
     conv_size: int = 4  # kernel of the causal depthwise convolution on q, k, v (1: a per-channel scale)
     decay_init: float = 0.999  # a_t at initialisation, on every input (W_a starts at zero)
@@ -60,7 +60,9 @@ class GatedDeltaNetConfig(ModelConfig):
                 raise RecurformerError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
         for key in ("decay_init", "write_init"):
             if not 0.0 < getattr(self, key) < 1.0:
-                raise RecurformerError(f"config key '{key}' must lie strictly between 0 and 1, got {getattr(self, key)}")
+                raise RecurformerError(
+                    f"config key '{key}' must lie strictly between 0 and 1, got {getattr(self, key)}"
+                )
 
 
 @dataclass
