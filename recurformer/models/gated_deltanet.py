@@ -103,30 +103,39 @@ def delta_rule_chunked(
 
         (I + L) U = diag(b) V - diag(b e^G) K S_0^T,    L_tj = b_t e^{G_t - G_j} k_t.k_j  (j < t)
 
-    one unit lower-triangular solve for the n rows of U (the UT transform), and
+    one unit lower-triangular solve for the n rows of U (the UT transform: U = U_0 - W S_0^T), and
 
         O   = diag(e^G) Q S_0^T + ((Q K^T) * M) U,    M_tj = e^{G_t - G_j}  (j <= t, else 0)
         S_n = e^{G_n} S_0 + U^T diag(e^{G_n - G}) K
 
-    Every exponent is <= 0 (decays only), so nothing overflows."""
-    T, dk = q.shape[2], q.shape[3]
+    Everything but S_0 is computed for all chunks at once; only the last three lines run chunk
+    after chunk. The last chunk is padded with tokens of b = 0, a = 1 and k = q = v = 0, which
+    leave the state exactly as it is (their outputs are dropped). Every exponent is <= 0 (decays
+    only), so nothing overflows."""
+    T, dk, dv = q.shape[2], q.shape[3], v.shape[3]
+    C = min(chunk, T)
+    N = -(-T // C)
+    if N * C > T:
+        q, k, v = (F.pad(t, (0, 0, 0, N * C - T)) for t in (q, k, v))
+        b, g = (F.pad(t, (0, N * C - T)) for t in (b, g))
+    q, k, v, b, g = (t.unflatten(2, (N, C)) for t in (q, k, v, b, g))  # [B, H, N, C, ...]
+    G = g.cumsum(-1)
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    M = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, -math.inf).exp()  # [B, H, N, C, C]
+    L = (b[..., None] * (k @ k.transpose(-1, -2)) * M).tril(-1)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    rhs = torch.cat(((b * G.exp())[..., None] * k, b[..., None] * v), dim=-1)
+    W, U0 = torch.linalg.solve_triangular(eye + L, rhs, upper=False, unitriangular=True).split((dk, dv), dim=-1)
+    A = (q @ k.transpose(-1, -2)) * M
+    Qg = G.exp()[..., None] * q
+    Kg = (G[..., -1:] - G).exp()[..., None] * k
+    aC = G[..., -1, None, None].exp()  # [B, H, N, 1, 1]
     outs = []
-    for a in range(0, T, chunk):
-        qc, kc, vc, bc, gc = (t[:, :, a : a + chunk] for t in (q, k, v, b, g))
-        n = qc.shape[2]
-        G = gc.cumsum(-1)
-        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        M = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, -math.inf).exp()  # [B, H, n, n]
-        L = (bc[..., None] * (kc @ kc.transpose(-1, -2)) * M).tril(-1)
-        eye = torch.eye(n, dtype=q.dtype, device=q.device)
-        rhs = torch.cat(((bc * G.exp())[..., None] * kc, bc[..., None] * vc), dim=-1)
-        W, U = torch.linalg.solve_triangular(eye + L, rhs, upper=False, unitriangular=True).split(
-            (dk, vc.shape[-1]), dim=-1
-        )
-        U = U - W @ S.transpose(-1, -2)
-        outs.append((G.exp()[..., None] * qc) @ S.transpose(-1, -2) + ((qc @ kc.transpose(-1, -2)) * M) @ U)
-        S = G[..., -1, None, None].exp() * S + U.transpose(-1, -2) @ ((G[..., -1:] - G).exp()[..., None] * kc)
-    return torch.cat(outs, dim=2), S
+    for n in range(N):
+        U = U0[:, :, n] - W[:, :, n] @ S.transpose(-1, -2)
+        outs.append(Qg[:, :, n] @ S.transpose(-1, -2) + A[:, :, n] @ U)
+        S = aC[:, :, n] * S + U.transpose(-1, -2) @ Kg[:, :, n]
+    return torch.stack(outs, dim=2).flatten(2, 3)[:, :, :T], S
 
 
 class GatedDeltaNetLayer(Layer):
