@@ -1,13 +1,13 @@
 """Gated DeltaNet: Yang, Kautz & Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
 Rule" (ICLR 2025). A linear-attention layer whose state S (one [d_v, d_k] matrix per head) is
-updated per token by the gated delta rule (§3.1, eq. 10):
+updated per token by the gated delta rule (§3, its formulation):
 
     S_t = a_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T,    o_t = S_t q_t
 
 with q_t, k_t L2-normalised, a data-dependent decay a_t = exp(-softplus(W_a x_t + dt_bias) exp(A_log))
 in (0, 1) (Mamba2's gate) and a data-dependent write strength b_t = sigmoid(W_b x_t + c_b) in (0, 1).
 With a_t = 1 and b_t = 0 the state is left exactly unchanged: the layer can hold a fact over
-any length of irrelevant input (§2-3). As the paper's block (§3.3, Figure 1): q, k, v pass a short
+any length of irrelevant input (§2-3). As the paper's block (§3, its block diagram): q, k, v pass a short
 causal depthwise convolution (kernel ``conv_size``) and SiLU before the normalisation, and the
 output is normalised per head (RMSNorm), gated by SiLU(W_g x) and projected by W_o:
 
@@ -16,15 +16,15 @@ output is normalised per head (RMSNorm), gated by SiLU(W_g x) and projected by W
 The layer sits in the library's pre-norm block with a SwiGLU MLP, as the paper's models do.
 
 Two exact forms of the recurrence: ``delta_rule_naive`` (token by token, the reference; it also
-decodes single tokens) and ``delta_rule_chunked`` (the chunkwise WY/UT form of §3.2 over chunks of
+decodes single tokens) and ``delta_rule_chunked`` (the paper's chunkwise WY/UT form, §3, over chunks of
 ``chunk_size`` tokens, for training), equal to rounding in outputs, final state and gradients
 (tests/test_gated_deltanet.py). The chunk is a unit of compute only: a row can be reset at any
 token, and any split of a text into calls gives the same result.
 
 Initialisation: W_a starts at zero, A_log at 0 and dt_bias at softplus^{-1}(-log ``decay_init``),
 so a_t = ``decay_init`` (0.999 by default) on every input at first: a fact then halves in about
-700 tokens before anything is learned, where Mamba2's initialisation (a_t down to exp(-1.6)) keeps
-almost nothing past a few tokens in its fastest heads. The bias c_b starts at logit(``write_init``).
+700 tokens before anything is learned, where Mamba2's initialisation (dt in [0.001, 0.1], A in
+[1, 16], so a_t as low as exp(-1.6)) keeps almost nothing past a few tokens in its fastest heads. The bias c_b starts at logit(``write_init``).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def delta_rule_naive(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor, S: T
 def delta_rule_chunked(
     q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor, S: Tensor, chunk: int
 ) -> tuple[Tensor, Tensor]:
-    """``delta_rule_naive`` in chunks of ``chunk`` tokens (the paper's §3.2, WY/UT form with gates).
+    """``delta_rule_naive`` in chunks of ``chunk`` tokens (the paper's §3 chunkwise WY/UT form with gates).
 
     Within a chunk of n tokens, with G_i = g_1 + ... + g_i (the log of the decay since the chunk
     began) and S_0 the state before it, write u_t = b_t (v_t - a_t S_{t-1} k_t), so that
@@ -198,7 +198,7 @@ class GatedDeltaNetLayer(Layer):
 
     def forward(self, x: Tensor, state: DeltaState, call: Call) -> tuple[Tensor, DeltaState]:
         """x [B, T, D] (normed) -> (y [B, T, D], the new state)."""
-        B, T, D = x.shape
+        T, D = x.shape[1], x.shape[2]
         H, d = self.cfg.n_heads, self.cfg.head_dim
         p = torch.cat((self.wq(x), self.wk(x), self.wv(x)), dim=-1)
         xc = torch.cat((state.conv.to(p.dtype), p), dim=1)  # [B, K-1+T, 3D]
