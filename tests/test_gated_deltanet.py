@@ -16,6 +16,7 @@ from recurformer.models.gated_deltanet import (
     GatedDeltaNetLayer,
     delta_rule_chunked,
     delta_rule_naive,
+    unit_lower_inverse,
 )
 from recurformer.registry import make_config
 from recurformer.state import Call
@@ -68,6 +69,13 @@ def test_chunked_equals_naive_with_every_gradient(T: int, chunk: int) -> None:
     names = ["o", "S_T", "dq", "dk", "dv", "db", "dg", "dS0"]
     for n, a, b in zip(names, got, want):
         torch.testing.assert_close(a, b, **TIGHT, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("C", [1, 2, 3, 4, 5, 8, 17, 64])
+def test_unit_lower_inverse(C: int) -> None:
+    L = (torch.randn(3, C, C, **F64) * 0.3).tril(-1)
+    want = torch.linalg.inv(torch.eye(C, **F64) + L)
+    torch.testing.assert_close(unit_lower_inverse(L), want, **TIGHT)
 
 
 def test_a_closed_write_and_no_decay_hold_the_state_exactly() -> None:
