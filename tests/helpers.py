@@ -172,6 +172,19 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, segment_len=1, memory_size=1),
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=2, segment_len=13, memory_size=2, layers=["rmt", "rmt"]),
     ],
+    "gated_deltanet": [  # chunks that divide none of the fixtures' lengths (77, 40, 23, 24)
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8),
+        dict(vocab_size=61, dim=24, n_layers=1, n_heads=2, chunk_size=5, conv_size=1, decay_init=0.5),
+        dict(
+            vocab_size=61,
+            dim=32,
+            n_layers=4,
+            n_heads=4,
+            chunk_size=7,
+            window=3,
+            layers=["window", "delta", "window", "delta"],
+        ),
+    ],
 }
 
 

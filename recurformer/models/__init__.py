@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..registry import LAYER_KINDS, REGISTRY, build_layer, build_model, lookup, make_config, model_name, model_names
 from .block_recurrent import BlockRecurrent, BlockRecurrentConfig
+from .gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from .llama import Llama, LlamaConfig
 from .memory_attention import MemoryAttention, MemoryAttentionConfig
 from .recurrent_transformer import RecurrentTransformer, RecurrentTransformerConfig
@@ -24,6 +25,8 @@ __all__ = [
     "model_names",
     "BlockRecurrent",
     "BlockRecurrentConfig",
+    "GatedDeltaNet",
+    "GatedDeltaNetConfig",
     "Llama",
     "LlamaConfig",
     "MemoryAttention",

@@ -1,0 +1,245 @@
+"""Gated DeltaNet: Yang, Kautz & Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
+Rule" (ICLR 2025). A linear-attention layer whose state S (one [d_v, d_k] matrix per head) is
+updated per token by the gated delta rule (§3, its formulation):
+
+    S_t = a_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T,    o_t = S_t q_t
+
+with q_t, k_t L2-normalised, a data-dependent decay a_t = exp(-softplus(W_a x_t + dt_bias) exp(A_log))
+in (0, 1) (Mamba2's gate) and a data-dependent write strength b_t = sigmoid(W_b x_t + c_b) in (0, 1).
+With a_t = 1 and b_t = 0 the state is left exactly unchanged: the layer can hold a fact over
+any length of irrelevant input (§2-3). As the paper's block (§3, its block diagram): q, k, v pass a short
+causal depthwise convolution (kernel ``conv_size``) and SiLU before the normalisation, and the
+output is normalised per head (RMSNorm), gated by SiLU(W_g x) and projected by W_o:
+
+    y_t = W_o (RMSNorm(o_t) * SiLU(W_g x_t))
+
+The layer sits in the library's pre-norm block with a SwiGLU MLP, as the paper's models do.
+
+Two exact forms of the recurrence: ``delta_rule_naive`` (token by token, the reference; it also
+decodes single tokens) and ``delta_rule_chunked`` (the paper's chunkwise WY/UT form, §3, over chunks of
+``chunk_size`` tokens, for training), equal to rounding in outputs, final state and gradients
+(tests/test_gated_deltanet.py). The chunk is a unit of compute only: a row can be reset at any
+token, and any split of a text into calls gives the same result.
+
+Initialisation: W_a starts at zero, A_log at 0 and dt_bias at softplus^{-1}(-log ``decay_init``),
+so a_t = ``decay_init`` (0.999 by default) on every input at first: a fact then halves in about
+700 tokens before anything is learned, where Mamba2's initialisation (dt in [0.001, 0.1], A in
+[1, 16], so a_t as low as exp(-1.6)) keeps almost nothing past a few tokens in its fastest heads. The bias c_b starts at logit(``write_init``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import RecurformerError
+from ..modules import RMSNorm, acc_dtype
+from ..nn import Block, Layer, ModelConfig, StreamingLM
+from ..registry import register, register_layer
+from ..state import Call, LayerState, reset_rows
+
+
+@dataclass
+class GatedDeltaNetConfig(ModelConfig):
+    context_field = "window"  # of the hybrid stacks' window layers (a delta layer reaches back without bound)
+    chunk_size: int = 64  # tokens per chunk of the chunked (WY) form; compute only, the result is the same
+    conv_size: int = 4  # kernel of the causal depthwise convolution on q, k, v (1: a per-channel scale)
+    decay_init: float = 0.999  # a_t at initialisation, on every input (W_a starts at zero)
+    write_init: float = 0.5  # b_t at initialisation where W_b x = 0 (bias logit(write_init))
+    impl: Literal["chunked", "naive"] = "chunked"  # the recurrence over a call of several tokens
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("chunk_size", "conv_size"):
+            if getattr(self, key) < 1:
+                raise RecurformerError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
+        for key in ("decay_init", "write_init"):
+            if not 0.0 < getattr(self, key) < 1.0:
+                raise RecurformerError(
+                    f"config key '{key}' must lie strictly between 0 and 1, got {getattr(self, key)}"
+                )
+
+
+@dataclass
+class DeltaState(LayerState):
+    """``S`` [B, H, d, d]: each head's state (values x keys); ``conv`` [B, K-1, 3D]: the last K-1
+    projected q/k/v inputs of the causal convolution (zeros before a document's first token)."""
+
+    S: Tensor
+    conv: Tensor
+
+
+def delta_rule_naive(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
+    """The gated delta rule token by token (the reference). q, k [B, H, T, d_k] (normalised),
+    v [B, H, T, d_v], write strengths b and log-decays g = log a [B, H, T], initial state S
+    [B, H, d_v, d_k] -> outputs o [B, H, T, d_v] and the final state. Per token, with S' = a_t S:
+
+        S_t = S' + b_t (v_t - S' k_t) k_t^T,    o_t = S_t q_t
+
+    which is a_t S (I - b_t k_t k_t^T) + b_t v_t k_t^T."""
+    outs = []
+    for t in range(q.shape[2]):
+        S = S * g[:, :, t, None, None].exp()
+        kt = k[:, :, t]
+        u = b[:, :, t, None] * (v[:, :, t] - (S @ kt[..., None])[..., 0])
+        S = S + u[..., None] * kt[..., None, :]
+        outs.append((S @ q[:, :, t, :, None])[..., 0])
+    return torch.stack(outs, dim=2), S
+
+
+def unit_lower_inverse(L: Tensor) -> Tensor:
+    """(I + L)^{-1} for strictly lower-triangular L [..., C, C]: with N = -L nilpotent (N^C = 0),
+    (I + L)^{-1} = I + N + ... + N^{C-1} = (I + N)(I + N^2)(I + N^4)..., ceil(log2 C) factors, two
+    batched matmuls each (a batched triangular solve is many times slower on the CPU)."""
+    N = -L
+    inv = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device) + N
+    for _ in range((L.shape[-1] - 1).bit_length() - 1):
+        N = N @ N
+        inv = inv + inv @ N
+    return inv
+
+
+def delta_rule_chunked(
+    q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor, S: Tensor, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """``delta_rule_naive`` in chunks of ``chunk`` tokens (the paper's §3 chunkwise WY/UT form with gates).
+
+    Within a chunk of n tokens, with G_i = g_1 + ... + g_i (the log of the decay since the chunk
+    began) and S_0 the state before it, write u_t = b_t (v_t - a_t S_{t-1} k_t), so that
+    S_t = a_t S_{t-1} + u_t k_t^T and S_t = e^{G_t} S_0 + sum_{j<=t} e^{G_t - G_j} u_j k_j^T. Then
+
+        (I + L) U = diag(b) V - diag(b e^G) K S_0^T,    L_tj = b_t e^{G_t - G_j} k_t.k_j  (j < t)
+
+    one unit lower-triangular system for the n rows of U (the UT transform: U = U_0 - W S_0^T), and
+
+        O   = diag(e^G) Q S_0^T + ((Q K^T) * M) U,    M_tj = e^{G_t - G_j}  (j <= t, else 0)
+        S_n = e^{G_n} S_0 + U^T diag(e^{G_n - G}) K
+
+    Everything but S_0 is computed for all chunks at once; only the last three lines run chunk
+    after chunk. The last chunk is padded with tokens of b = 0, a = 1 and k = q = v = 0, which
+    leave the state exactly as it is (their outputs are dropped). Every exponent is <= 0 (decays
+    only), so nothing overflows."""
+    T, dk, dv = q.shape[2], q.shape[3], v.shape[3]
+    C = min(chunk, T)
+    N = -(-T // C)
+    if N * C > T:
+        q, k, v = (F.pad(t, (0, 0, 0, N * C - T)) for t in (q, k, v))
+        b, g = (F.pad(t, (0, N * C - T)) for t in (b, g))
+    q, k, v, b, g = (t.unflatten(2, (N, C)) for t in (q, k, v, b, g))  # [B, H, N, C, ...]
+    G = g.cumsum(-1)
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    M = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, -math.inf).exp()  # [B, H, N, C, C]
+    L = (b[..., None] * (k @ k.transpose(-1, -2)) * M).tril(-1)
+    rhs = torch.cat(((b * G.exp())[..., None] * k, b[..., None] * v), dim=-1)
+    W, U0 = (unit_lower_inverse(L) @ rhs).split((dk, dv), dim=-1)
+    A = (q @ k.transpose(-1, -2)) * M
+    Qg = G.exp()[..., None] * q
+    Kg = (G[..., -1:] - G).exp()[..., None] * k
+    aC = G[..., -1, None, None].exp()  # [B, H, N, 1, 1]
+    outs = []
+    for n in range(N):
+        U = U0[:, :, n] - W[:, :, n] @ S.transpose(-1, -2)
+        outs.append(Qg[:, :, n] @ S.transpose(-1, -2) + A[:, :, n] @ U)
+        S = aC[:, :, n] * S + U.transpose(-1, -2) @ Kg[:, :, n]
+    return torch.stack(outs, dim=2).flatten(2, 3)[:, :, :T], S
+
+
+class GatedDeltaNetLayer(Layer):
+    """The Gated DeltaNet token mixer (see the module docstring); its state is ``DeltaState``."""
+
+    kind = "delta"
+    state_cls = DeltaState
+
+    def __init__(self, cfg: GatedDeltaNetConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        D, H = cfg.dim, cfg.n_heads
+        self.wq = nn.Linear(D, D, bias=False)
+        self.wk = nn.Linear(D, D, bias=False)
+        self.wv = nn.Linear(D, D, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(3 * D, cfg.conv_size))  # depthwise, over [q; k; v]
+        self.wa = nn.Linear(D, H, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.wb = nn.Linear(D, H)
+        self.wg = nn.Linear(D, D, bias=False)
+        self.out_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.wo = nn.Linear(D, D, bias=False)
+        self.init_extra(cfg.init_std)
+
+    def init_extra(self, std: float) -> None:
+        """a_t = decay_init and b_t ~ write_init on every input; the convolution as PyTorch's
+        Conv1d default (uniform, bound 1/sqrt(K))."""
+        with torch.no_grad():
+            nn.init.zeros_(self.wa.weight)
+            nn.init.zeros_(self.A_log)
+            rate = -math.log(self.cfg.decay_init)  # softplus(dt_bias) * exp(0)
+            self.dt_bias.fill_(rate + math.log(-math.expm1(-rate)))  # softplus^{-1}(rate)
+            self.wb.bias.fill_(math.log(self.cfg.write_init / (1 - self.cfg.write_init)))
+            bound = 1 / math.sqrt(self.cfg.conv_size)
+            nn.init.uniform_(self.conv_weight, -bound, bound)
+
+    def describe(self) -> str:
+        return f"delta(K={self.cfg.conv_size})"
+
+    def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> DeltaState:
+        H, d, D = self.cfg.n_heads, self.cfg.head_dim, self.cfg.dim
+        return DeltaState(
+            S=torch.zeros(batch_size, H, d, d, device=device, dtype=dtype),
+            conv=torch.zeros(batch_size, self.cfg.conv_size - 1, 3 * D, device=device, dtype=dtype),
+        )
+
+    def reset(self, state: DeltaState, fresh: Tensor) -> DeltaState:
+        return DeltaState(
+            S=reset_rows(fresh, state.S, state.S.new_zeros(())),
+            conv=reset_rows(fresh, state.conv, state.conv.new_zeros(())),
+        )
+
+    def gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Write strengths b = sigmoid(W_b x + c_b) and log-decays g = log a = -softplus(W_a x +
+        dt_bias) exp(A_log), each [B, H, T]."""
+        b = torch.sigmoid(self.wb(x))
+        g = -F.softplus(self.wa(x) + self.dt_bias) * self.A_log.exp()
+        return b.transpose(1, 2), g.transpose(1, 2)
+
+    def forward(self, x: Tensor, state: DeltaState, call: Call) -> tuple[Tensor, DeltaState]:
+        """x [B, T, D] (normed) -> (y [B, T, D], the new state)."""
+        T, D = x.shape[1], x.shape[2]
+        H, d = self.cfg.n_heads, self.cfg.head_dim
+        p = torch.cat((self.wq(x), self.wk(x), self.wv(x)), dim=-1)
+        xc = torch.cat((state.conv.to(p.dtype), p), dim=1)  # [B, K-1+T, 3D]
+        c = F.silu(F.conv1d(xc.transpose(1, 2), self.conv_weight.unsqueeze(1), groups=3 * D)).transpose(1, 2)
+        q, k, v = (t.unflatten(-1, (H, d)).transpose(1, 2) for t in c.split(D, dim=-1))  # [B, H, T, d]
+        b, g = self.gates(x)
+        f = acc_dtype(q.dtype)  # the recurrence in float32 at least, autocast off
+        with torch.autocast(x.device.type, enabled=False):
+            args = (F.normalize(q.to(f), dim=-1), F.normalize(k.to(f), dim=-1), v.to(f), b.to(f), g.to(f))
+            if self.cfg.impl == "naive" or T == 1:
+                o, S = delta_rule_naive(*args, state.S.to(f))
+            else:
+                o, S = delta_rule_chunked(*args, state.S.to(f), self.cfg.chunk_size)
+        o = self.out_norm(o.transpose(1, 2).to(x.dtype)) * F.silu(self.wg(x)).unflatten(-1, (H, d))
+        y = self.wo(o.flatten(2))
+        return y, DeltaState(S=S.to(state.S.dtype), conv=xc[:, T:].to(state.conv.dtype))
+
+
+@register_layer("delta", GatedDeltaNetConfig)
+def delta_layer(cfg: GatedDeltaNetConfig, index: int) -> Layer:
+    return Block(cfg, GatedDeltaNetLayer(cfg))
+
+
+class GatedDeltaNet(StreamingLM):
+    kind = "delta"
+
+
+register(
+    "gated_deltanet",
+    GatedDeltaNetConfig,
+    GatedDeltaNet,
+    "Gated DeltaNet: linear attention whose per-head matrix state follows the gated delta rule",
+)

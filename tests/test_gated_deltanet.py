@@ -1,0 +1,189 @@
+"""Gated DeltaNet: the chunked (WY/UT) recurrence equals the per-token one in outputs, final
+state and every gradient; the per-token one is the paper's update written literally; the
+initialisation gives a_t = decay_init; a = 1, b = 0 holds the state exactly; the state survives a
+safetensors file; bad settings give one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import randomize_params
+from safetensors.torch import load_file, save_file
+
+from recurformer import RecurformerError, build_model
+from recurformer.models.gated_deltanet import (
+    DeltaState,
+    GatedDeltaNetLayer,
+    delta_rule_chunked,
+    delta_rule_naive,
+    unit_lower_inverse,
+)
+from recurformer.registry import make_config
+from recurformer.state import Call
+
+F64 = dict(dtype=torch.float64)
+TIGHT = dict(rtol=1e-10, atol=1e-10)
+
+
+def inputs(B: int, H: int, T: int, dk: int, dv: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Random q, k (unit rows), v, b in (0, 1), g = log a from strong to no decay, S0, all float64
+    and requiring grad."""
+    r = lambda *s: torch.randn(*s, generator=gen, **F64)  # noqa: E731
+    q = torch.nn.functional.normalize(r(B, H, T, dk), dim=-1)
+    k = torch.nn.functional.normalize(r(B, H, T, dk), dim=-1)
+    b = torch.rand(B, H, T, generator=gen, **F64)
+    g = -torch.rand(B, H, T, generator=gen, **F64) * torch.tensor([3.0, 0.3, 1e-3])[:H, None]
+    return [t.requires_grad_() for t in (q, k, r(B, H, T, dv), b, g, r(B, H, dv, dk))]
+
+
+def literal(q, k, v, b, g, S):
+    """S_t = a_t S_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T, o_t = S_t q_t, as written."""
+    eye = torch.eye(k.shape[-1], **F64)
+    outs = []
+    for t in range(q.shape[2]):
+        kt, a, bt = k[:, :, t], g[:, :, t].exp()[..., None, None], b[:, :, t, None, None]
+        S = a * S @ (eye - bt * kt[..., :, None] * kt[..., None, :]) + bt * v[:, :, t, :, None] * kt[..., None, :]
+        outs.append((S @ q[:, :, t, :, None])[..., 0])
+    return torch.stack(outs, 2), S
+
+
+def grads(fn, xs: list[torch.Tensor], w: torch.Tensor, wS: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    o, S = fn(*xs)
+    return (o, S, *torch.autograd.grad((o * w).sum() + (S * wS).sum(), xs))
+
+
+def test_naive_is_the_update_as_written() -> None:
+    gen = torch.Generator().manual_seed(1)
+    xs = inputs(2, 3, 9, 4, 5, gen)
+    for got, want in zip(delta_rule_naive(*xs), literal(*xs)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("T, chunk", [(37, 8), (5, 8), (64, 16), (70, 64), (1, 4), (13, 1)])
+def test_chunked_equals_naive_with_every_gradient(T: int, chunk: int) -> None:
+    gen = torch.Generator().manual_seed(T * 100 + chunk)
+    xs = inputs(2, 3, T, 6, 5, gen)
+    w, wS = torch.randn(2, 3, T, 5, generator=gen, **F64), torch.randn(2, 3, 5, 6, generator=gen, **F64)
+    want = grads(delta_rule_naive, xs, w, wS)
+    got = grads(lambda *a: delta_rule_chunked(*a, chunk), xs, w, wS)
+    names = ["o", "S_T", "dq", "dk", "dv", "db", "dg", "dS0"]
+    for n, a, b in zip(names, got, want):
+        torch.testing.assert_close(a, b, **TIGHT, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("C", [1, 2, 3, 4, 5, 8, 17, 64])
+def test_unit_lower_inverse(C: int) -> None:
+    L = (torch.randn(3, C, C, **F64) * 0.3).tril(-1)
+    want = torch.linalg.inv(torch.eye(C, **F64) + L)
+    torch.testing.assert_close(unit_lower_inverse(L), want, **TIGHT)
+
+
+def test_a_closed_write_and_no_decay_hold_the_state_exactly() -> None:
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, b, g, S0 = (t.detach() for t in inputs(1, 2, 50, 4, 4, gen))
+    for fn in (delta_rule_naive, lambda *a: delta_rule_chunked(*a, 8)):
+        o, S = fn(q, k, v, torch.zeros_like(b), torch.zeros_like(g), S0)
+        assert torch.equal(S, S0)
+        torch.testing.assert_close(o, (S0[:, :, None] @ q[..., None])[..., 0].expand_as(o), rtol=0, atol=1e-15)
+
+
+def layer_pair(**values) -> tuple[GatedDeltaNetLayer, GatedDeltaNetLayer]:
+    cfg = make_config("gated_deltanet", dict(dim=24, n_heads=2, chunk_size=8, **values))
+    torch.manual_seed(3)
+    chunked = GatedDeltaNetLayer(cfg).double()
+    randomize_params(chunked, 0.3)
+    naive = GatedDeltaNetLayer(make_config("gated_deltanet", dict(dim=24, n_heads=2, impl="naive", **values)))
+    naive.double().load_state_dict(chunked.state_dict())
+    return chunked, naive
+
+
+@pytest.mark.parametrize("conv_size", [4, 1])
+def test_layer_chunked_equals_naive_in_every_parameter_gradient(conv_size: int) -> None:
+    """The whole layer (projections, convolution, gates, norm, output gate): outputs, final state
+    and the gradients of its input, of a nonzero initial state and of every parameter."""
+    chunked, naive = layer_pair(conv_size=conv_size)
+    B, T = 2, 29
+    x = torch.randn(B, T, 24, **F64, requires_grad=True)
+    s0 = chunked.init_state(B, "cpu", torch.float64)
+    s0 = DeltaState(S=torch.randn_like(s0.S).requires_grad_(), conv=torch.randn_like(s0.conv).requires_grad_())
+    w = torch.randn(B, T, 24, **F64)
+    results = []
+    for layer in (chunked, naive):
+        y, s = layer(x, s0, Call(0, torch.zeros(B, dtype=torch.long)))
+        wrt = [x, s0.S, *([s0.conv] if conv_size > 1 else []), *layer.parameters()]
+        gs = torch.autograd.grad((y * w).sum() + s.S.sum() + s.conv.sum(), wrt, allow_unused=False)
+        results.append([y, s.S, s.conv, *gs])
+    names = ["y", "S", "conv", "dx", "dS0", *(["dconv0"] if conv_size > 1 else []), *dict(chunked.named_parameters())]
+    assert len(names) == len(results[0])
+    for n, a, b in zip(names, *results):
+        torch.testing.assert_close(a, b, **TIGHT, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_initial_decay_and_write_strength() -> None:
+    cfg = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, decay_init=0.9995, write_init=0.25)
+    model = build_model("gated_deltanet", cfg).double()
+    layer = model.layers[0].attn
+    with torch.no_grad():
+        b, g = layer.gates(torch.randn(3, 11, 32, **F64) * 5)
+        b0, _ = layer.gates(torch.zeros(1, 1, 32, **F64))
+    # (to 1e-7: dt_bias and c_b were set in float32, before the cast to float64)
+    torch.testing.assert_close(g.exp(), torch.full_like(g, 0.9995), rtol=0, atol=1e-7)
+    torch.testing.assert_close(b0, torch.full_like(b0, 0.25), rtol=0, atol=1e-7)
+    assert float(b.std()) > 0.01  # W_b is random: b depends on the input
+    assert model.info_lines()[0] == "layers: 0:delta(K=4), 1:delta(K=4)"
+
+
+def test_state_survives_a_safetensors_file(tmp_path) -> None:
+    cfg = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8)
+    model = build_model("gated_deltanet", cfg).double().eval()
+    randomize_params(model, 0.3)
+    tokens = torch.randint(0, 61, (2, 30))
+    with torch.no_grad():
+        whole = model(tokens).logits
+        state = model(tokens[:, :17]).state
+        save_file(state.to_flat(), tmp_path / "state.safetensors")
+        again = model.state_from_flat(load_file(tmp_path / "state.safetensors"))
+        torch.testing.assert_close(model(tokens[:, 17:], state=again).logits, whole[:, 17:], **TIGHT)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (dict(decay_init=1.0), "'decay_init' must lie strictly between 0 and 1, got 1.0"),
+        (dict(decay_init=0.0), "'decay_init' must lie strictly between 0 and 1, got 0.0"),
+        (dict(write_init=1.5), "'write_init' must lie strictly between 0 and 1, got 1.5"),
+        (dict(conv_size=0), "'conv_size' must be >= 1, got 0"),
+        (dict(chunk_size=0), "'chunk_size' must be >= 1, got 0"),
+        (dict(dim=30, n_heads=4), r"dim \(30\) must be divisible by n_heads \(4\)"),
+        (dict(impl="fast"), r"'model.impl' must be one of \['chunked', 'naive'\], got 'fast'"),
+        (dict(n_layers=2, layers=["delta", "window"]), "layer 1 is a 'window' layer: set config key 'window'"),
+    ],
+)
+def test_bad_settings_give_one_line(values, message) -> None:
+    with pytest.raises(RecurformerError, match=message) as e:
+        build_model("gated_deltanet", dict(dict(vocab_size=61, dim=32, n_layers=2, n_heads=4), **values))
+    assert "\n" not in str(e.value)
+
+
+def test_a_stack_without_its_config_gives_one_line() -> None:
+    with pytest.raises(RecurformerError, match="a 'delta' layer needs the config of a GatedDeltaNetConfig") as e:
+        build_model("llama", dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, layers=["full", "delta"]))
+    assert "\n" not in str(e.value)
+
+
+def test_a_training_step_reads_nothing_from_the_device() -> None:
+    """The forward and backward over two calls (state carried) make no host read of a device
+    tensor (``.item()``, ``bool(t)``, ...), as a CUDA graph needs (``HostReads`` of test_host_sync)."""
+    from test_host_sync import HostReads
+
+    model = build_model("gated_deltanet", dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8))
+    tokens = torch.randint(0, 61, (2, 20))
+    mode = HostReads()
+    mode.mark_host(tokens)
+    with mode:
+        state, loss = None, 0
+        for a, b in ((0, 13), (13, 20)):
+            out = model(tokens[:, a:b], state=state, targets=tokens[:, a:b])
+            state, loss = out.state, loss + out.loss
+        loss.backward()
+    assert mode.reads == []
