@@ -306,7 +306,7 @@ def test_readme_example_outputs_are_ignored_by_git() -> None:
     blocks = "\n".join(re.findall(r"```.*?```", README, flags=re.DOTALL))
     outputs = re.findall(r"(?:(?<![\w-])(?:--out|--json|-w)\s+|out_dir=)([a-z][\w.\-]*(?:/[\w.\-]+)*)", blocks)
     outputs += re.findall(r"export\([^,]+, \"([^\"]+)\"\)", blocks)
-    assert {"my-model", "niah.json", "exported/tinystories-cpu", "wheels"} <= set(outputs)
+    assert {"my-model", "niah.json", "exported/api-tour", "wheels"} <= set(outputs)
     for path in outputs:
         found = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT)
         assert found.returncode == 0, f"{path} (a README example's output) is not in .gitignore"
