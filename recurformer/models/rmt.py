@@ -216,22 +216,22 @@ def dpfp(x: Tensor, nu: int = 3) -> Tensor:
 
 class Associative(nn.Module):
     """ARMT's associative block of one layer (Rodkin et al., "Associative Recurrent Memory
-    Transformer", 2024, §3), A stored as [K, D] (the paper's A transposed), phi = ``dpfp``, nu = 3:
+    Transformer", 2024, §3), phi = ``dpfp`` with nu = 3, A [K, D] (row f: what feature f recalls):
 
-        read:   x_j <- x_j + phi(q_j) A / (z . phi(q_j) + eps),  q_j = W_q x_j   (every row, before the layer)
-        write:  k_i = phi(W_k m_i), v_i = W_v m_i, beta_i = sigmoid(W_b m_i)       (m_i: the layer's output
-                                                                                  at write slot i, once per segment)
-                vbar_i = k_i A / (z . k_i + eps)                                   (what A holds at k_i)
-                gamma_i = clip(1 - z . k_i / (||k_i||^2 + eps), 0, 1), detached
-                A <- A + sum_i beta_i k_i^T (v_i - vbar_i)                       (delta rule)
-                z <- z + sum_i gamma_i k_i
+        read, every row x_j of the layer's input:   x_j <- x_j + phi(q_j) A / (z . phi(q_j) + eps),  q_j = W_q x_j
+        write, once per segment, from the layer's outputs m_i at the M write slots:
+            k_i = phi(W_k m_i),  v_i = W_v m_i,  beta_i = sigmoid(W_b m_i)
+            vbar_i = k_i A / (z . k_i + eps)                         (what A recalls at k_i)
+            gamma_i = clip(1 - z . k_i / (||k_i||^2 + eps), 0, 1)    (detached)
+            A <- A + sum_i beta_i k_i^T (v_i - vbar_i)               (delta rule)
+            z <- z + sum_i gamma_i k_i
 
-    Every write slot reads the A and z of before the segment (the paper's sum over i). W_v starts
-    at zero (the authors' code), so a fresh model's writes are -vbar: nothing at first. gamma is
-    the paper's correction, detached as in the authors' code, which also places eps = 1e-5 where
-    this does: in every denominator, on z . phi and on ||k||^2 (so A = 0, z = 0 reads 0 and the
-    first write has gamma = 1). The authors' code skips the read on a document's first segment;
-    A = 0 reads exactly 0 there, so nothing is skipped here. W_b's bias starts at 0 (beta = 1/2)."""
+    Every slot reads the A and z of before the segment (the sum over i). From the authors' code:
+    W_v starts at zero, so a fresh model's A stays zero (vbar = 0) until W_v learns, while z
+    grows; gamma is detached; eps = 1e-5. Where the code differs: it writes gamma_i = 1 -
+    (z . k_i + eps) / (||k_i||^2 + eps) (here the equation, eps guarding ||k||^2 only, so a first
+    write has gamma = 1 exactly), and it skips the read on a document's first segment (A = 0 reads
+    exactly 0 there, so nothing is skipped here). W_b's bias starts at 0 (beta = 1/2)."""
 
     eps = 1e-5
     nu = 3
