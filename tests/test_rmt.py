@@ -335,6 +335,8 @@ def test_associative_fresh_model_writes_nothing_and_its_state_round_trips(tmp_pa
     det = out.state.detach()
     assert not det.layers[1].assoc.requires_grad and not det.layers[1].assoc_z.requires_grad
     assert out.state.to(torch.float32).layers[0].assoc.dtype == torch.float32
+    K, D, M, S, N = 24, 32, 2, 5, 2  # the state's size in ``recurformer info``: A, z and the caches
+    assert f"at most {(K * D + K) * N + 2 * (M + S - 1) * D * N:,} floats" in "\n".join(model.info_lines())
 
 
 def test_associative_off_gives_the_outputs_of_before_the_option() -> None:

@@ -283,8 +283,9 @@ class AssociativeBlock(Block):
         x = x + self.assoc.read(x, state.assoc, state.assoc_z)
         y, new = super().forward(x, state, call)
         if c + x.shape[1] == 2 * M + S:
+            assert isinstance(new, RMTState)
             A, z = self.assoc.write(y[:, -M:], state.assoc, state.assoc_z)
-            new = dataclasses.replace(new, assoc=A, assoc_z=z)  # type: ignore[call-arg]
+            new = dataclasses.replace(new, assoc=A, assoc_z=z)
         return y, new
 
 
