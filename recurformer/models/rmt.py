@@ -49,7 +49,8 @@ from the layer's outputs at the write slots (``Associative``). As the authors' c
 memory slots are then the same learned vectors (``init_memory``) at every segment: the recurrent
 state is (A, z) of every layer alone, and the write slots' outputs leave the segment only through
 the writes (no RMSNorm gain is reapplied to a carried memory each segment). The read slots stay,
-as a learned prefix that reads A like every row (the authors' code has write slots only).
+as a learned prefix that reads A like every row (the authors' code has write slots only). The
+read costs every row O(D d_mem + K D) per layer, the write O(M (D d_mem + K D)) per layer and segment.
 """
 
 from __future__ import annotations
