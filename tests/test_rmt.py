@@ -1,23 +1,31 @@
 """Recurrent Memory Transformer: the streaming model against the paper read literally (each
 segment one pass over [memory; tokens; memory] with one causal mask), the memory as the only path
 between segments (and ``detach`` cutting it), constant-size state while generating, and clear
-errors for bad configs and foreign states."""
+errors for bad configs and foreign states. The ``associative`` option (ARMT): its read and write
+against the equations written per token, the whole model against a segment-at-a-time reference,
+its state through reset, detach, ``to`` and safetensors, and the option off against the outputs
+the code gave before the option existed."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import randomize_params
+from safetensors.torch import load_file, save_file
 
 from recurformer import RecurformerError, build_model
 from recurformer.generate import new_session, read
+from recurformer.models.rmt import Associative
 from recurformer.modules import apply_rope, rope_cos_sin
 from recurformer.train import Trainer, load_run_config
 
 BASE = dict(vocab_size=61, dim=32, n_heads=4)
+ARMT = dict(BASE, associative=True, assoc_dim=4)
+FIXTURE = Path(__file__).parent / "fixtures" / "rmt_plain" / "expected.safetensors"
 
 
 def reference(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -26,7 +34,7 @@ def reference(model, tokens: torch.Tensor) -> torch.Tensor:
     new memory is the final-normed output of the write slots. T need not be a multiple of S (the
     last segment is short and writes no memory)."""
     c = model.config
-    S, M, H = c.segment_len, c.memory_size, c.n_heads
+    S, M = c.segment_len, c.memory_size
     B, T = tokens.shape
     memory = model.init_memory.expand(B, M, c.dim)
     out = []
@@ -36,14 +44,81 @@ def reference(model, tokens: torch.Tensor) -> torch.Tensor:
         h = torch.cat((memory, x, memory), 1)
         cos, sin = rope_cos_sin(torch.arange(h.shape[1]), c.head_dim, c.rope_theta, h.dtype)
         for block in model.layers:
-            att, u = block.attn, block.attn_norm(h)
-            q, k, v = (w(u).view(B, -1, H, c.head_dim).transpose(1, 2) for w in (att.wq, att.wk, att.wv))
-            o = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True)
-            h = h + att.wo(o.transpose(1, 2).reshape(B, -1, c.dim))
-            h = h + block.ffn(block.ffn_norm(h))
+            h = block_literal(block, h, cos, sin)
         out.append(model.norm(h[:, M : M + n]))
         memory = model.norm(h[:, -M:])
     return F.linear(torch.cat(out, 1), model.tok_emb.weight)
+
+
+def block_literal(block, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One pre-norm block over the whole extended segment h [B, 2M + n, D], one causal mask."""
+    c = block.attn.cfg
+    B, att, u = h.shape[0], block.attn, block.attn_norm(h)
+    q, k, v = (w(u).view(B, -1, c.n_heads, c.head_dim).transpose(1, 2) for w in (att.wq, att.wk, att.wv))
+    o = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True)
+    h = h + att.wo(o.transpose(1, 2).reshape(B, -1, c.dim))
+    return h + block.ffn(block.ffn_norm(h))
+
+
+def phi_literal(x: torch.Tensor, nu: int = 3) -> torch.Tensor:
+    """DPFP of one vector x [d]: r = (relu(x_1..x_d), relu(-x_1..-x_d)), phi = (r_i r_{i-j mod 2d})
+    for j = 1..nu, i = 1..2d."""
+    r = [a.clamp(min=0) for a in x] + [(-a).clamp(min=0) for a in x]
+    n = len(r)
+    return torch.stack([r[i] * r[(i - j) % n] for j in range(1, nu + 1) for i in range(n)])
+
+
+def read_literal(assoc: Associative, x: torch.Tensor, A: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """ARMT's read (Rodkin et al. 2024, §3) of one row x [D]: phi(W_q x) A / (z . phi(W_q x) + eps)."""
+    q = phi_literal(assoc.wq.weight @ x)
+    return sum(q[f] * A[f] for f in range(len(q))) / (sum(z[f] * q[f] for f in range(len(q))) + assoc.eps)
+
+
+def write_literal(assoc: Associative, m: torch.Tensor, A: torch.Tensor, z: torch.Tensor):
+    """ARMT's write (§3) of the slots' outputs m [M, D], one slot at a time, every slot reading the
+    A and z of before the segment; returns (A, z, the gammas)."""
+    A_new, z_new, gammas = A, z, []
+    for mi in m:
+        k = phi_literal(assoc.wk.weight @ mi)
+        v = assoc.wv.weight @ mi
+        beta = torch.sigmoid(assoc.wb.weight[0] @ mi + assoc.wb.bias[0])
+        vbar = (k @ A) / (z @ k + assoc.eps)
+        gamma = torch.clamp(1 - (z @ k) / (k @ k + assoc.eps), 0, 1).detach()
+        A_new = A_new + beta * torch.outer(k, v - vbar)
+        z_new = z_new + gamma * k
+        gammas.append(float(gamma))
+    return A_new, z_new, gammas
+
+
+def armt_reference(model, tokens: torch.Tensor):
+    """Logits of a fresh state and every layer's final (A, z), one segment at a time: the same
+    learned slots [init_memory; E(x); init_memory] every segment; before each layer every row of
+    every batch row gets its read added (``read_literal``); after a full segment each layer writes
+    its write slots' outputs (``write_literal``)."""
+    c = model.config
+    S, M, N = c.segment_len, c.memory_size, c.n_layers
+    B, T = tokens.shape
+    K = Associative.features(c.assoc_dim)
+    A = [[torch.zeros(K, c.dim, dtype=torch.float64) for _ in range(B)] for _ in range(N)]
+    z = [[torch.zeros(K, dtype=torch.float64) for _ in range(B)] for _ in range(N)]
+    slots = model.init_memory.expand(B, M, c.dim)
+    out = []
+    for a in range(0, T, S):
+        x = model.tok_emb(tokens[:, a : a + S])
+        n = x.shape[1]
+        h = torch.cat((slots, x, slots), 1)
+        cos, sin = rope_cos_sin(torch.arange(h.shape[1]), c.head_dim, c.rope_theta, h.dtype)
+        for i, block in enumerate(model.layers):
+            reads = [
+                [read_literal(block.assoc, h[b, p], A[i][b], z[i][b]) for p in range(h.shape[1])] for b in range(B)
+            ]
+            h = h + torch.stack([torch.stack(r) for r in reads])
+            h = block_literal(block, h, cos, sin)
+            if n == S:
+                for b in range(B):
+                    A[i][b], z[i][b], _ = write_literal(block.assoc, h[b, -M:], A[i][b], z[i][b])
+        out.append(model.norm(h[:, M : M + n]))
+    return F.linear(torch.cat(out, 1), model.tok_emb.weight), A, z
 
 
 @pytest.mark.parametrize(
@@ -176,3 +251,132 @@ def test_trains_with_a_carried_state_and_refuses_a_segment_that_does_not_fit(tmp
             show_progress=False,
         )
     assert not (tmp_path / "bad").exists()
+
+
+def test_associative_read_and_write_match_the_equations_per_slot() -> None:
+    """The vectorised read and write of ``Associative`` against the equations written one row and
+    one slot at a time (float64), with a z that sends some gammas to the clip at 0 and leaves
+    others inside (0, 1); the gradients agree too (gamma detached in both)."""
+    cfg = build_model("rmt", dict(ARMT, n_layers=1)).config
+    assoc = Associative(cfg).double()
+    randomize_params(assoc, 0.3)
+    B, M, K, D = 2, 5, Associative.features(cfg.assoc_dim), cfg.dim
+    A = torch.randn(B, K, D, dtype=torch.float64, requires_grad=True)
+    z = (torch.rand(B, K, dtype=torch.float64) * torch.tensor([[0.02], [3.0]], dtype=torch.float64)).requires_grad_()
+    m = torch.randn(B, M, D, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(B, 7, D, dtype=torch.float64)
+    got_read = assoc.read(x, A, z)
+    got_A, got_z = assoc.write(m, A, z)
+    want_read = torch.stack(
+        [torch.stack([read_literal(assoc, x[b, j], A[b], z[b]) for j in range(7)]) for b in range(B)]
+    )
+    want = [write_literal(assoc, m[b], A[b], z[b]) for b in range(B)]
+    gammas = [g for _, _, gs in want for g in gs]
+    assert any(g == 0 for g in gammas) and any(0 < g < 1 for g in gammas)
+    torch.testing.assert_close(got_read, want_read, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_A, torch.stack([w[0] for w in want]), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_z, torch.stack([w[1] for w in want]), rtol=1e-12, atol=1e-12)
+    wA, wz = torch.randn_like(got_A), torch.randn_like(got_z)
+    inputs = [m, A, z, *assoc.parameters()]
+    g_got = torch.autograd.grad((got_A * wA).sum() + (got_z * wz).sum(), inputs, allow_unused=True)
+    g_want = torch.autograd.grad(
+        sum((w[0] * wA[b]).sum() + (w[1] * wz[b]).sum() for b, w in enumerate(want)), inputs, allow_unused=True
+    )
+    for name, g, w in zip(["m", "A", "z", *(n for n, _ in assoc.named_parameters())], g_got, g_want):
+        if g is None or w is None:  # W_q: read only
+            assert g is None and w is None and name == "wq.weight", name
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize(
+    "extra", [dict(n_layers=2, segment_len=7, memory_size=3), dict(n_layers=1, segment_len=4, memory_size=2)]
+)
+def test_associative_model_matches_the_reference(extra) -> None:
+    """Whole and token by token, the associative RMT gives the logits and every layer's (A, z) of
+    ``armt_reference`` (the slots constant, A and z the only path between segments)."""
+    model = build_model("rmt", dict(ARMT, **extra)).double().eval()
+    randomize_params(model, 0.2)
+    tokens = torch.randint(0, 61, (2, 30))
+    with torch.no_grad():
+        ref, A, z = armt_reference(model, tokens)
+        whole = model(tokens)
+        torch.testing.assert_close(whole.logits, ref, rtol=1e-10, atol=1e-10)
+        for i, s in enumerate(whole.state.layers):
+            torch.testing.assert_close(s.assoc, torch.stack(A[i]), rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(s.assoc_z, torch.stack(z[i]), rtol=1e-10, atol=1e-10)
+            assert s.memory is None
+        assert float(whole.state.layers[0].assoc.abs().max()) > 0
+        state, steps = None, []
+        for t in range(tokens.shape[1]):
+            out = model(tokens[:, t : t + 1], state=state)
+            state = out.state
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_associative_fresh_model_writes_nothing_and_its_state_round_trips(tmp_path) -> None:
+    """W_v starts at zero, so a fresh model's A stays zero (z grows); a state saved with
+    safetensors mid-segment continues exactly; ``detach`` cuts A and z; ``to`` casts them."""
+    model = build_model("rmt", dict(ARMT, n_layers=2, segment_len=5, memory_size=2))
+    x = torch.randint(0, 61, (2, 12))
+    st = model(x).state
+    assert all(float(s.assoc.detach().abs().max()) == 0 and float(s.assoc_z.detach().sum()) > 0 for s in st.layers)
+    model = model.double()
+    randomize_params(model, 0.2)
+    y = torch.randint(0, 61, (2, 9))
+    out = model(x)
+    save_file(out.state.to_flat(), tmp_path / "state.safetensors")
+    again = model.state_from_flat(load_file(tmp_path / "state.safetensors"))
+    with torch.no_grad():
+        assert torch.equal(model(y, state=again).logits, model(y, state=out.state).logits)
+    assert "layers.1.assoc" in out.state.to_flat() and "layers.0.memory" not in out.state.to_flat()
+    assert out.state.layers[1].assoc.requires_grad
+    det = out.state.detach()
+    assert not det.layers[1].assoc.requires_grad and not det.layers[1].assoc_z.requires_grad
+    assert out.state.to(torch.float32).layers[0].assoc.dtype == torch.float32
+    K, D, M, S, N = 24, 32, 2, 5, 2  # the state's size in ``recurformer info``: A, z and the caches
+    assert f"at most {(K * D + K) * N + 2 * (M + S - 1) * D * N:,} floats" in "\n".join(model.info_lines())
+
+
+def test_associative_off_gives_the_outputs_of_before_the_option() -> None:
+    """The default (``associative: false``) computes what the RMT computed before the option
+    existed (``tests/fixtures/rmt_plain``): the same parameters from the same seed, the same state
+    fields, and the logits fresh and from the carried state and the state itself to float64
+    rounding (bit for bit with the same thread count; another count reorders BLAS sums by ~1e-15)."""
+    exp = load_file(FIXTURE)
+    torch.manual_seed(0)
+    model = build_model("rmt", dict(BASE, n_layers=2, segment_len=6, memory_size=3))
+    assert not model.config.associative
+    randomize_params(model, 0.2)
+    model = model.double().eval()
+    with torch.no_grad():
+        out = model(exp["tokens"])
+        torch.testing.assert_close(out.logits, exp["logits"], rtol=1e-13, atol=1e-13)
+        more = model(exp["more"], state=out.state).logits
+        torch.testing.assert_close(more, exp["logits_more"], rtol=1e-13, atol=1e-13)
+    flat = out.state.to_flat()
+    assert sorted(flat) == sorted(k.removeprefix("state.") for k in exp if k.startswith("state."))
+    for k, t in flat.items():
+        torch.testing.assert_close(t, exp["state." + k], rtol=1e-13, atol=1e-13, msg=k)
+
+
+def test_associative_bad_configs_and_states_are_one_line_errors() -> None:
+    with pytest.raises(RecurformerError, match="config key 'assoc_dim' must be >= 1, got 0"):
+        build_model("rmt", dict(ARMT, assoc_dim=0))
+    with pytest.raises(RecurformerError, match="unknown config key 'model.associative'"):
+        build_model("llama", dict(BASE, associative=True))
+    with pytest.raises(RecurformerError, match="config key 'layers' names 'window'"):
+        build_model("rmt", dict(ARMT, n_layers=2, window=3, layers=["rmt", "window"]))
+    x = torch.tensor([[1, 2, 3, 4, 5]])
+    plain = build_model("rmt", dict(BASE, n_layers=2, segment_len=5, memory_size=2))
+    armt = build_model("rmt", dict(ARMT, n_layers=2, segment_len=5, memory_size=2))
+    wide = build_model("rmt", dict(ARMT, n_layers=2, segment_len=5, memory_size=2, assoc_dim=5))
+    with pytest.raises(RecurformerError, match=r"state does not fit this RMT: layer 0 \(rmt\) 'memory' is unexpected"):
+        armt(x, state=plain(x).state)
+    with pytest.raises(RecurformerError, match=r"layer 0 \(rmt\) 'memory' is missing"):
+        plain(x, state=armt(x).state)
+    with pytest.raises(
+        RecurformerError, match=r"layer 0 \(rmt\) 'assoc' has shape \(1, 30, 32\), expected \(1, 24, 32\)"
+    ):
+        armt(x, state=wide(x).state)

@@ -40,6 +40,17 @@ memory until the trainer detaches the state (the TBPTT boundary). A row can be r
 
 The memory slots pass through every layer, so every layer of the stack is an 'rmt' layer: a
 hybrid stack with 'full' or 'window' layers is refused (such a layer has no way to read the slots).
+
+``associative: true`` is the Associative Recurrent Memory Transformer (Rodkin, Kuratov, Bulatov,
+Burtsev, "Associative Recurrent Memory Transformer", 2024, §3): every layer l holds a fast-weight
+matrix A [K, D] and a normaliser z [K] (K = 2 nu d_mem features, nu = 3, d_mem = ``assoc_dim``),
+zero at a document start, read by every row of the layer's input and written once per segment
+from the layer's outputs at the write slots (``Associative``). As the authors' code runs it, the
+memory slots are then the same learned vectors (``init_memory``) at every segment: the recurrent
+state is (A, z) of every layer alone, and the write slots' outputs leave the segment only through
+the writes (no RMSNorm gain is reapplied to a carried memory each segment). The read slots stay,
+as a learned prefix that reads A like every row (the authors' code has write slots only). The
+read costs every row O(D d_mem + K D) per layer, the write O(M (D d_mem + K D)) per layer and segment.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tap
@@ -64,9 +76,13 @@ class RMTConfig(ModelConfig):
     context_field = "segment_len"
     segment_len: int = 128  # S: tokens per segment
     memory_size: int = 16  # M: memory slots (read and write)
+    associative: bool = False  # ARMT: a fast-weight matrix per layer, written by the write slots
+    assoc_dim: int = 32  # d_mem: ARMT's key/query width before the DPFP feature map (K = 6 d_mem)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.assoc_dim < 1:
+            raise RecurformerError(f"config key 'assoc_dim' must be >= 1, got {self.assoc_dim}")
         if self.segment_len < 1:
             raise RecurformerError(f"config key 'segment_len' must be >= 1, got {self.segment_len}")
         if self.memory_size < 1:
@@ -82,13 +98,17 @@ class RMTConfig(ModelConfig):
 class RMTState(LayerState):
     """``k``/``v`` [B, H, c, d]: keys/values (rotated) of the current segment's read slots and
     tokens read so far, c = M + r after r tokens, c = 0 at a segment boundary (the read slots run
-    with the segment's first token); ``memory`` [B, M, D] (layer 0 only): the memory of the current
-    segment, the stack's input at the read and the write slots."""
+    with the segment's first token); ``memory`` [B, M, D] (layer 0 only, not ``associative``): the
+    memory of the current segment, the stack's input at the read and the write slots; ``assoc``
+    [B, K, D] and ``assoc_z`` [B, K] (``associative`` only): the layer's fast-weight matrix A and
+    normaliser z, as written by the segments before the current one."""
 
     cache: ClassVar[dict[str, int]] = {"k": 2, "v": 2}
     k: Tensor
     v: Tensor
     memory: Tensor | None = None
+    assoc: Tensor | None = None
+    assoc_z: Tensor | None = None
 
 
 class RMTAttention(Layer):
@@ -117,8 +137,24 @@ class RMTAttention(Layer):
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> RMTState:
         c = self.cfg
         z = torch.zeros(batch_size, c.n_heads, 0, c.head_dim, device=device, dtype=dtype)
-        memory = torch.zeros(batch_size, c.memory_size, c.dim, device=device, dtype=dtype) if self.index == 0 else None
-        return RMTState(k=z, v=z, memory=memory)
+        if not c.associative:
+            memory = (
+                torch.zeros(batch_size, c.memory_size, c.dim, device=device, dtype=dtype) if self.index == 0 else None
+            )
+            return RMTState(k=z, v=z, memory=memory)
+        K = Associative.features(c.assoc_dim)
+        A = torch.zeros(batch_size, K, c.dim, device=device, dtype=dtype)
+        return RMTState(k=z, v=z, assoc=A, assoc_z=torch.zeros(batch_size, K, device=device, dtype=dtype))
+
+    def reset(self, state: RMTState, fresh: Tensor) -> RMTState:
+        """A and z of the fresh rows back to zero (the KV cache is empty at a segment boundary, and
+        layer 0's memory is reset by the model)."""
+        if state.assoc is None or state.assoc_z is None:
+            return state
+        zero = state.assoc.new_zeros(())
+        return dataclasses.replace(
+            state, assoc=reset_rows(fresh, state.assoc, zero), assoc_z=reset_rows(fresh, state.assoc_z, zero)
+        )
 
     def check_state(self, state: LayerState, pos: int) -> str | None:
         if (why := super().check_state(state, pos)) is not None:
@@ -162,7 +198,7 @@ class RMTAttention(Layer):
             tokens = (p >= M) & (p < M + S)
             vis = torch.arange(c + n, device=x.device)[None, :] <= p[:, None]
             tap.record(self, tap.attention_share(q[:, :, tokens], k, vis[tokens], M))
-        return self.wo(merge_heads(o)), RMTState(k=k, v=v, memory=state.memory)
+        return self.wo(merge_heads(o)), dataclasses.replace(state, k=k, v=v)
 
 
 def with_memory(state: LayerState, memory: Tensor) -> RMTState:
@@ -171,9 +207,99 @@ def with_memory(state: LayerState, memory: Tensor) -> RMTState:
     return dataclasses.replace(state, memory=memory)
 
 
+def dpfp(x: Tensor, nu: int = 3) -> Tensor:
+    """The DPFP feature map (Schlag, Irie, Schmidhuber, "Linear Transformers Are Secretly Fast
+    Weight Programmers", ICML 2021, §5.4), x [..., d] -> [..., 2 nu d]: with r = [relu(x), relu(-x)],
+    phi(x) = [r * roll(r, 1), ..., r * roll(r, nu)] (non-negative, so z . phi stays >= 0)."""
+    r = torch.cat((F.relu(x), F.relu(-x)), dim=-1)
+    return torch.cat([r * r.roll(j, dims=-1) for j in range(1, nu + 1)], dim=-1)
+
+
+class Associative(nn.Module):
+    """ARMT's associative block of one layer (Rodkin et al., "Associative Recurrent Memory
+    Transformer", 2024, §3), phi = ``dpfp`` with nu = 3, A [K, D] (row f: what feature f recalls):
+
+        read, every row x_j of the layer's input:   x_j <- x_j + phi(q_j) A / (z . phi(q_j) + eps),  q_j = W_q x_j
+        write, once per segment, from the layer's outputs m_i at the M write slots:
+            k_i = phi(W_k m_i),  v_i = W_v m_i,  beta_i = sigmoid(W_b m_i)
+            vbar_i = k_i A / (z . k_i + eps)                         (what A recalls at k_i)
+            gamma_i = clip(1 - z . k_i / (||k_i||^2 + eps), 0, 1)    (detached)
+            A <- A + sum_i beta_i k_i^T (v_i - vbar_i)               (delta rule)
+            z <- z + sum_i gamma_i k_i
+
+    Every slot reads the A and z of before the segment (the sum over i). From the authors' code:
+    W_v starts at zero, so a fresh model's A stays zero (vbar = 0) until W_v learns, while z
+    grows; gamma is detached; eps = 1e-5. Where the code differs: it writes gamma_i = 1 -
+    (z . k_i + eps) / (||k_i||^2 + eps) (here the equation, eps guarding ||k||^2 only, so a first
+    write has gamma = 1 exactly), and it skips the read on a document's first segment (A = 0 reads
+    exactly 0 there, so nothing is skipped here). W_b's bias starts at 0 (beta = 1/2)."""
+
+    eps = 1e-5
+    nu = 3
+
+    def __init__(self, cfg: RMTConfig) -> None:
+        super().__init__()
+        self.wq = nn.Linear(cfg.dim, cfg.assoc_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.assoc_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wb = nn.Linear(cfg.dim, 1)
+
+    @classmethod
+    def features(cls, assoc_dim: int) -> int:
+        """K: the width of phi's output."""
+        return 2 * cls.nu * assoc_dim
+
+    def init_extra(self, std: float) -> None:
+        nn.init.zeros_(self.wv.weight)
+        nn.init.zeros_(self.wb.bias)
+
+    def read(self, x: Tensor, A: Tensor, z: Tensor) -> Tensor:
+        """phi(W_q x) A / (z . phi(W_q x) + eps) for x [B, n, D], A [B, K, D], z [B, K]."""
+        q = dpfp(self.wq(x), self.nu)
+        return (q @ A) / (q @ z[:, :, None] + self.eps)
+
+    def write(self, m: Tensor, A: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
+        """(A, z) after the write of the slots' outputs m [B, M, D]."""
+        k = dpfp(self.wk(m), self.nu)  # [B, M, K]
+        seen = k @ z[:, :, None]  # [B, M, 1]
+        vbar = (k @ A) / (seen + self.eps)
+        beta = torch.sigmoid(self.wb(m))
+        gamma = (1 - seen / (k.square().sum(-1, keepdim=True) + self.eps)).clamp(0, 1).detach()
+        return A + (beta * k).transpose(1, 2) @ (self.wv(m) - vbar), z + (gamma * k).sum(1)
+
+
+class AssociativeBlock(Block):
+    """The RMT block with ARMT's associative block before it (``Associative``): the read is added
+    to every input row, and the piece that ends a segment (its last M rows, the write slots, at
+    positions 2M + S - M.. of the extended segment) writes the block's outputs there into A, z."""
+
+    def __init__(self, cfg: RMTConfig, mixer: RMTAttention) -> None:
+        super().__init__(cfg, mixer)
+        self.assoc = Associative(cfg)
+        self.cfg = cfg
+
+    def forward(self, x: Tensor, state: LayerState, call: Call) -> tuple[Tensor, LayerState]:
+        assert isinstance(state, RMTState) and state.assoc is not None and state.assoc_z is not None
+        M, S, c = self.cfg.memory_size, self.cfg.segment_len, state.k.shape[2]
+        x = x + self.assoc.read(x, state.assoc, state.assoc_z)
+        y, new = super().forward(x, state, call)
+        if c + x.shape[1] == 2 * M + S:
+            assert isinstance(new, RMTState)
+            A, z = self.assoc.write(y[:, -M:], state.assoc, state.assoc_z)
+            new = dataclasses.replace(new, assoc=A, assoc_z=z)
+        return y, new
+
+
+def with_assoc(state: LayerState, old: LayerState) -> RMTState:
+    """``state`` (a fresh one: empty caches) with the A and z of ``old``."""
+    assert isinstance(state, RMTState) and isinstance(old, RMTState)
+    return dataclasses.replace(state, assoc=old.assoc, assoc_z=old.assoc_z)
+
+
 @register_layer("rmt", RMTConfig)
 def rmt_layer(cfg: RMTConfig, index: int) -> Layer:
-    return Block(cfg, RMTAttention(cfg, index))
+    mixer = RMTAttention(cfg, index)
+    return AssociativeBlock(cfg, mixer) if cfg.associative else Block(cfg, mixer)
 
 
 class RMT(StreamingLM):
@@ -195,10 +321,15 @@ class RMT(StreamingLM):
                 f"RMT can reset a row only at a segment boundary (current segment has {pos % S} of {S} tokens)"
             )
         start = torch.where(state.fresh, torch.full_like(state.start, pos), state.start)
-        # init_memory enters every call's graph (with no fresh row, with a zero gradient), so that
-        # DDP finds every parameter used
-        memory = reset_rows(state.fresh, getattr(layers[0], "memory"), self.init_memory)
-        layers[0] = with_memory(layers[0], memory)
+        assoc = self.config.associative
+        if assoc:  # the same slots every segment; the fresh rows' A and z start at zero
+            memory = self.init_memory.to(h.dtype).expand(h.shape[0], M, -1)
+            layers = [layer.reset(s, state.fresh) for layer, s in zip(self.layers, layers)]
+        else:
+            # init_memory enters every call's graph (with no fresh row, with a zero gradient), so
+            # that DDP finds every parameter used
+            memory = reset_rows(state.fresh, getattr(layers[0], "memory"), self.init_memory)
+            layers[0] = with_memory(layers[0], memory)
         outs, a = [], 0
         for n in pieces(pos % S, h.shape[1], S):
             r, done = (pos + a) % S, (pos + a) % S + n == S
@@ -207,10 +338,14 @@ class RMT(StreamingLM):
             for i, (layer, s) in enumerate(zip(self.layers, layers)):
                 x, layers[i] = layer(x, s, call)
             outs.append(x[:, :n])  # the last layer answers for the tokens [and the write slots] only
-            if done:  # the write slots' outputs are the next memory; the caches start over
-                memory = self.norm(x[:, -M:])
-                layers = self.init_state(h.shape[0], h.device).layers
-                layers[0] = with_memory(layers[0], memory)
+            if done:  # the write slots' outputs are the next memory (or in A); the caches start over
+                new = self.init_state(h.shape[0], h.device).layers
+                if assoc:
+                    layers = [with_assoc(f, s) for f, s in zip(new, layers)]
+                else:
+                    memory = self.norm(x[:, -M:])
+                    layers = new
+                    layers[0] = with_memory(layers[0], memory)
             a += n
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         return out, State(
@@ -221,11 +356,15 @@ class RMT(StreamingLM):
     def info_lines(self) -> list[str]:
         c = self.config
         S, M, N, D = c.segment_len, c.memory_size, c.n_layers, c.dim
-        most = M * D + 2 * (M + S - 1) * D * N
+        K = Associative.features(c.assoc_dim)
+        carried, what = (
+            ((K * D + K) * N, f"A, z: (K × d + K) × layers, K = {K}") if c.associative else (M * D, "memory M × d")
+        )
+        most = carried + 2 * (M + S - 1) * D * N
         return super().info_lines() + [
             f"segment S = {S}, memory M = {M}: each segment is read as [M read slots; S tokens; M write slots], RoPE positions 0..{2 * M + S - 1}",
-            f"state per row: memory M × d = {M * D:,} + K/V of [read slots; tokens so far] ≤ 2 × (M + S - 1) × d × layers"
-            f" = {most - M * D:,}, at most {most:,} floats ({4 * most / 2**20:.2f} MiB at fp32), the same at any length",
+            f"state per row: {what} = {carried:,} + K/V of [read slots; tokens so far] ≤ 2 × (M + S - 1) × d × layers"
+            f" = {most - carried:,}, at most {most:,} floats ({4 * most / 2**20:.2f} MiB at fp32), the same at any length",
         ]
 
 
