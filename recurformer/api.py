@@ -23,6 +23,7 @@ import torch
 
 from .config import RecurformerError, check_options, merge
 from .data import Tokenizer
+from .device import cpu_threads
 from .evaluate import LengthResult, evaluate_lengths
 from .nn import StreamingLM
 from .probe import ProbeResult
@@ -55,6 +56,7 @@ def _overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@cpu_threads()
 def train(
     config: str | Path | dict[str, Any] | None = None,
     *,
@@ -103,6 +105,7 @@ def _tokens(tokenizer: Tokenizer | None, dataset: str | None, text: Sequence[str
     return eval_tokens(tokenizer, {}, dataset=dataset, text=[str(f) for f in text] if text else None)
 
 
+@cpu_threads()
 def evaluate(
     model: StreamingLM,
     tokenizer: Tokenizer | None = None,
@@ -162,6 +165,7 @@ def check_probe(
         raise RecurformerError(f"warm must be (min, max) with min <= max, got {warm}")
 
 
+@cpu_threads()
 def probe(
     model: StreamingLM,
     tokenizer: Tokenizer,
@@ -221,6 +225,7 @@ class Generated:
     memory_kind: str  # what the peak counts ('GPU memory', 'RSS', ...)
 
 
+@cpu_threads()
 def generate_text(
     checkpoint: str | Path,
     prompt: str = "",
@@ -319,6 +324,7 @@ def default_output(given: str | Path | None, checkpoint: str | Path, name: str) 
     return (d.parent if d.name.startswith("step_") else d) / name
 
 
+@cpu_threads()
 def evaluate_checkpoints(
     checkpoints: Sequence[str],
     lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
@@ -418,6 +424,7 @@ def evaluate_checkpoints(
     return results
 
 
+@cpu_threads()
 def probe_checkpoints(
     checkpoints: Sequence[str],
     out: str | Path | None = None,
@@ -535,6 +542,7 @@ def merge_probes(
     return results
 
 
+@cpu_threads()
 def niah_checkpoint(
     checkpoint: str | Path,
     lengths: Sequence[int] = (256, 512, 1024, 2048),
@@ -585,6 +593,7 @@ def niah_checkpoint(
     return cells
 
 
+@cpu_threads()
 def readout_checkpoint(
     checkpoint: str | Path,
     *,
