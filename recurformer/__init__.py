@@ -7,6 +7,7 @@ The Python API (see ``recurformer.api``): ``recurformer.train(config, **override
 # first, before anything imports torch: OpenMP's wait policy (see openmp.py)
 from . import openmp as _openmp  # noqa: F401
 
+# isort: split
 # the modules named like API functions are imported first, so that the functions, bound after them,
 # keep the names: ``recurformer.train(...)`` is ``api.train``, ``from recurformer.train import Trainer``
 # still reads the module

@@ -24,7 +24,7 @@ import torch
 from .config import RecurformerError, check_options, merge
 from .data import Tokenizer
 from .device import cpu_threads
-from .evaluate import LengthResult, evaluate_lengths
+from .evaluate import DEFAULT_WINDOWS, LengthResult, evaluate_lengths
 from .nn import StreamingLM
 from .probe import ProbeResult
 
@@ -115,7 +115,7 @@ def evaluate(
     text: Sequence[str | Path] | None = None,
     lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
     last: int = 256,
-    windows: int | None = None,
+    windows: int | None = DEFAULT_WINDOWS,
     chunk: int = 256,
     warm_state: int = 0,
     batch_size: int = 8,
@@ -123,8 +123,9 @@ def evaluate(
 ) -> list[LengthResult]:
     """Length extrapolation as ``recurformer eval``: loss (with a 95% bootstrap interval over
     documents) and accuracy on the last ``last`` tokens of windows of each length, on ``tokens``
-    or a dataset's val split or text files. The windows are deterministic: all of them (the scored
-    blocks tile the text), or ``windows`` evenly spaced ones; ``evaluate.paired_differences``
+    or a dataset's val split or text files. The windows are deterministic: ``windows`` evenly
+    spaced ones (default ``DEFAULT_WINDOWS``), or all of them with ``windows=None`` (the scored
+    blocks tile the text); ``evaluate.paired_differences``
     compares two models' results on the same tokens."""
     data = np.asarray(tokens, dtype=np.int64) if tokens is not None else _tokens(tokenizer, dataset, text)
     return evaluate_lengths(
@@ -331,7 +332,7 @@ def evaluate_checkpoints(
     out: str | Path | None = None,
     *,
     last: int = 256,
-    windows: int | None = None,
+    windows: int | None = DEFAULT_WINDOWS,
     chunk: int = 256,
     warm_state: int = 0,
     batch_size: int = 8,
@@ -346,17 +347,20 @@ def evaluate_checkpoints(
     style: str = "python",
 ) -> dict[str, list[LengthResult]]:
     """``recurformer eval``: length extrapolation of each checkpoint (on its own val split by
-    default, or ``data``/``dataset``/``text``), ``window`` W evaluating a dense model with a
-    sliding window; logs a table, writes ``out`` (JSON with ``meta``; default ``eval.json`` in the
-    first checkpoint's run directory) and its PNG plot. Every option is checked before any work."""
+    default, or ``data``/``dataset``/``text``; ``windows`` evenly spaced windows per length, all of
+    them with None), ``window`` W evaluating a dense model with a sliding window; logs a table,
+    writes ``out`` (JSON with ``meta``; default ``eval.json`` in the first checkpoint's run
+    directory) and its PNG plot. The JSON is rewritten (atomically) as each length finishes, with
+    ``"complete": false`` until the end, so an interrupted eval keeps what it finished; progress
+    shows as a bar on a terminal, as lines through ``log`` elsewhere. Every option is checked
+    before any work."""
     import math
-
-    from tqdm import tqdm
 
     from .device import memory_kind, pick_device
     from .evaluate import check_lengths, eval_tokens, markdown_table, plot, save_json, window_ends
     from .files import check_writable
     from .hub import load_model
+    from .loggers import Progress
 
     lengths = list(lengths)
     check_options(style, window=window)
@@ -378,17 +382,34 @@ def evaluate_checkpoints(
             label += f" (window {window})"
         tokens = eval_tokens(tok, config, data=data, dataset=dataset, text=text, cache=cache)
         span = context or warm_state + max(lengths)
-        n = len(window_ends(len(tokens), span, last, windows)) if len(tokens) > span else 0
-        how = "every window of the evaluation text" if windows is None else "evenly spaced windows"
+        every = len(window_ends(len(tokens), span, last)) if len(tokens) > span else 0
+        n = min(every, windows or every)
+        every_one = "--all" if style == "cli" else "windows=None"
+        how = (
+            "every window of the evaluation text" if n == every else f"evenly spaced, of {every:,}; {every_one} for all"
+        )
         log(
             f"evaluating {label} ({name}) at lengths {lengths}: {n:,} windows ({how}), loss on the last {last} tokens of each, "
             f"{n * sum(warm_state + L for L in lengths):,} tokens to read"
-            + (" (--windows K for a quicker look)" if windows is None else "")
         )
-        with tqdm(
-            total=n * len(lengths), desc=label, unit="window", leave=False, disable=not sys.stderr.isatty()
-        ) as bar:
-            rs = evaluate_lengths(
+
+        def keep(r: LengthResult, label: str = label, path: str = path) -> None:
+            """Each length as it finishes, into the JSON: an interrupted eval keeps what it finished."""
+            if not math.isfinite(r.loss):
+                kept = f"{path_out} keeps the results before it" if results else "nothing written"
+                raise RecurformerError(
+                    f"{path} gives non-finite logits (loss {r.loss} at length {r.length}) although its weights load; {kept}"
+                )
+            results[label] = [*results.get(label, []), r]
+            save_json(results, path_out, meta or {}, complete=False)
+            log(
+                f"  L={r.length:>6}: loss {r.loss:.4f} [{r.loss_low:.4f}, {r.loss_high:.4f}]  acc {r.accuracy:.3f}  "
+                f"{r.windows} windows, bootstrap over {r.units} {r.unit}  {r.tokens_per_s:,.0f} tok/s  peak {memory_kind(dev)} {r.peak_memory_mb:,.0f} MB"
+            )
+
+        progress = Progress(n * len(lengths), label, "window", log)
+        try:
+            evaluate_lengths(
                 model,
                 tokens,
                 lengths,
@@ -400,31 +421,25 @@ def evaluate_checkpoints(
                 context,
                 tok.bos_id if tok is not None else None,
                 style=style,
-                progress=bar.update,
+                progress=progress.update,
+                done=keep,
             )
-        bad = next((r for r in rs if not math.isfinite(r.loss)), None)
-        if bad is not None:
-            raise RecurformerError(
-                f"{path} gives non-finite logits (loss {bad.loss} at length {bad.length}) although its weights load; "
-                f"nothing written"
-            )
-        for r in rs:
-            log(
-                f"  L={r.length:>6}: loss {r.loss:.4f} [{r.loss_low:.4f}, {r.loss_high:.4f}]  acc {r.accuracy:.3f}  "
-                f"{r.windows} windows, bootstrap over {r.units} {r.unit}  {r.tokens_per_s:,.0f} tok/s  peak {memory_kind(dev)} {r.peak_memory_mb:,.0f} MB"
-            )
-        results[label] = rs
+        except BaseException as e:  # Ctrl-C, a scheduler's SIGTERM, a failure
+            if results and not isinstance(e, RecurformerError):
+                log(f'stopped: {path_out} keeps the lengths finished so far ("complete": false)')
+            raise
+        finally:
+            progress.close()
         trained[label] = config.get("train", {}).get("seq_len")
     log("")
     log(markdown_table(results))
     save_json(results, path_out, meta or {})
     png = path_out.with_suffix(".png")
-    plot(results, png, f"loss on the last {last} tokens", last, trained, warm_state)
+    plot(results, png, f"loss on the last {last} tokens (nats/token, lower is better)", last, trained, warm_state)
     log(f"wrote {path_out} and {png}")
     return results
 
 
-@cpu_threads()
 def probe_checkpoints(
     checkpoints: Sequence[str],
     out: str | Path | None = None,
@@ -547,7 +562,7 @@ def niah_checkpoint(
     checkpoint: str | Path,
     lengths: Sequence[int] = (256, 512, 1024, 2048),
     depths: Sequence[float] = (0, 25, 50, 75, 100),
-    out: str | Path = "niah.json",
+    out: str | Path | None = None,
     *,
     trials: int = 4,
     chunk: int = 256,
@@ -559,13 +574,14 @@ def niah_checkpoint(
 ) -> list[Cell]:
     """``recurformer niah``: needle in a haystack over depths x lengths for a checkpoint, read by
     recurformer or (``via="transformers"``) through ``AutoModelForCausalLM``; logs the table and
-    writes ``out`` (JSON) and its heatmap PNG."""
+    writes ``out`` (JSON; default ``niah.json`` in the checkpoint's run directory) and its heatmap PNG."""
     from .device import pick_device
     from .files import check_writable
     from .niah import niah, save, table
 
-    path_out = Path(out)
+    path_out = default_output(out, checkpoint, "niah.json")
     check_writable(path_out, "output JSON")
+    check_writable(path_out.with_suffix(".png"), "heatmap")
     dev = pick_device(device)
     model: Any
     if via == "transformers":

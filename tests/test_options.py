@@ -221,7 +221,6 @@ def test_openmp_waits_passively_unless_the_user_says_otherwise() -> None:
     assert out.strip() == "ACTIVE"
 
 
-
 THREADS_SEEN = """
 import sys
 import numpy as np
@@ -265,6 +264,7 @@ def test_the_api_does_not_spin_against_a_busy_machine_when_torch_came_first(impo
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == expected
     assert ("runs on 1 torch thread(s), not 2" in out.stderr) == (expected == "[1] 2")
+
 
 def test_compile_on_torch_2_4_is_one_line_and_nothing_is_written(tmp_path, monkeypatch, capsys) -> None:
     """torch 2.4's inductor fails on the RoPE tables (``nn.check_compile``): --compile there is one
