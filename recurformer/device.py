@@ -180,26 +180,25 @@ def cpu_threads() -> Iterator[int]:
     """torch's intra-op threads for one call of the Python API (usable as a decorator): unchanged,
     unless OpenMP spins (``openmp.SPINNING``: torch was imported before recurformer with no wait
     policy set, so the runtime cannot be made passive any more) and fewer CPUs are idle
-    (``idle_cpus``) than torch has threads. Then, where torch has a thread per CPU (its default),
-    one thread more than CPUs: libgomp spins only ~100 times, not ~300,000, while it manages more
-    threads than CPUs, so its waits are as good as passive (benchmarks/import_order.py); with
-    fewer threads than CPUs, as many as CPUs are idle, at least 1 (one thread never enters an
-    OpenMP parallel region, so it cannot stall). The count is restored afterwards; yields the
-    count used."""
+    (``idle_cpus``) than torch has threads; then as many threads as idle CPUs, at least 1, so no
+    thread of a parallel region spins on a core another process needs while a sibling waits for
+    it. The count is restored afterwards; yields the count used. One thread never enters an
+    OpenMP parallel region, so it cannot stall this way. (A thread more than CPUs makes
+    libgomp spin only briefly as well, but it depends on libgomp's internals and was not measured
+    cleanly enough here to rely on.)"""
     n = torch.get_num_threads()
     idle = idle_cpus() if openmp.SPINNING and n > 1 else None
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    use = n if idle is None or idle >= n else cpus + 1 if n >= cpus else max(1, idle)
-    if use != n:
+    use = n if idle is None else max(1, min(n, idle))
+    if use < n:
         warnings.warn(
             f"torch was imported before recurformer, so OpenMP's idle threads spin (no OMP_WAIT_POLICY when torch "
-            f"loaded); {idle} of this process's {cpus} CPUs are idle, so this call runs on {use} torch thread(s), "
-            f"not {n}. Import recurformer before torch (or export OMP_WAIT_POLICY=PASSIVE) to keep {n}",
+            f"loaded); {idle} of this process's CPUs are idle, so this call runs on {use} torch thread(s), not {n}. "
+            "Import recurformer before torch (or export OMP_WAIT_POLICY=PASSIVE) to keep every thread",
             stacklevel=4,  # the caller of the decorated function
         )
         torch.set_num_threads(use)
     try:
         yield use
     finally:
-        if use != n:
+        if use < n:
             torch.set_num_threads(n)
