@@ -464,13 +464,12 @@ def probe_checkpoints(
     """``recurformer probe``: the copy or swap probe of each checkpoint on the same documents
     (``dataset`` defaults to ``tinystories-repeat`` for ``repeat``, else the checkpoint's own);
     logs the tables, writes ``out`` (JSON with ``meta``; default ``probe.json`` in the first
-    checkpoint's run directory) and its PNG plot."""
-    from tqdm import tqdm
-
+    checkpoint's run directory) and its PNG plot; progress as a bar on a terminal, as lines in a log."""
     from .checkpoint import resolve
     from .device import pick_device, slow_bf16_warning
     from .files import atomic_write, check_writable
     from .hub import load_model
+    from .loggers import Progress
     from .probe import (
         METRICS,
         make_samples,
@@ -520,8 +519,11 @@ def probe_checkpoints(
             f"probing {label} ({name}, receptive field {'unbounded' if R is None else R}) on {len(samples)} documents, task {task}"
         )
         rows = sum(len(s.rows) for s in samples)
-        with tqdm(total=rows, desc=label, unit="row", leave=False, disable=not sys.stderr.isatty()) as bar:
-            metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed, bar.update)
+        progress = Progress(rows, label, "row", log)
+        try:
+            metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed, progress.update)
+        finally:
+            progress.close()
         facts = run_facts(resolve(path))
         results.append(ProbeResult(label, str(resolve(path)), name, R, metrics=metrics, **facts))
         del model
