@@ -4,16 +4,10 @@ The Python API (see ``recurformer.api``): ``recurformer.train(config, **override
 ``recurformer.load(path_or_repo_id)``, ``recurformer.evaluate(model, tokenizer, ...)``,
 ``recurformer.probe(model, tokenizer, ...)``, ``recurformer.export(run, out_dir)``."""
 
-import os
+# first, before anything imports torch: OpenMP's wait policy (see openmp.py)
+from . import openmp as _openmp  # noqa: F401
 
-# OpenMP's default wait policy lets idle threads spin; on a CPU shared with another busy process
-# a spinning thread holds the core the other threads wait for, and every parallel region stalls
-# (benchmarks/threads.py: generation and a training step ~20x slower on a loaded 2-core machine
-# with 2 threads, as fast as 1 thread or faster with passive waiting). Set before torch loads its
-# OpenMP runtime, so it applies where recurformer is imported before torch (the command line);
-# a value the user set wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
+# isort: split
 # the modules named like API functions are imported first, so that the functions, bound after them,
 # keep the names: ``recurformer.train(...)`` is ``api.train``, ``from recurformer.train import Trainer``
 # still reads the module

@@ -26,7 +26,8 @@ import torch
 
 from .config import RecurformerError, check_options, merge, option_name
 from .data import Tokenizer
-from .evaluate import LengthResult, evaluate_lengths
+from .device import cpu_threads
+from .evaluate import DEFAULT_WINDOWS, LengthResult, evaluate_lengths
 from .nn import StreamingLM
 from .probe import ProbeResult
 
@@ -58,6 +59,7 @@ def _overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@cpu_threads()
 def train(
     config: str | Path | dict[str, Any] | None = None,
     *,
@@ -108,6 +110,7 @@ def _tokens(tokenizer: Tokenizer | None, dataset: str | None, text: Sequence[str
     return eval_tokens(tokenizer, {}, dataset=dataset, text=[str(f) for f in text] if text else None)
 
 
+@cpu_threads()
 def evaluate(
     model: StreamingLM,
     tokenizer: Tokenizer | None = None,
@@ -117,7 +120,7 @@ def evaluate(
     text: Sequence[str | Path] | None = None,
     lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
     last: int = 256,
-    windows: int | None = None,
+    windows: int | None = DEFAULT_WINDOWS,
     chunk: int = 256,
     warm_state: int = 0,
     batch_size: int = 8,
@@ -125,8 +128,9 @@ def evaluate(
 ) -> list[LengthResult]:
     """Length extrapolation as ``recurformer eval``: loss (with a 95% bootstrap interval over
     documents) and accuracy on the last ``last`` tokens of windows of each length, on ``tokens``
-    or a dataset's val split or text files. The windows are deterministic: all of them (the scored
-    blocks tile the text), or ``windows`` evenly spaced ones; ``evaluate.paired_differences``
+    or a dataset's val split or text files. The windows are deterministic: ``windows`` evenly
+    spaced ones (default ``DEFAULT_WINDOWS``), or all of them with ``windows=None`` (the scored
+    blocks tile the text); ``evaluate.paired_differences``
     compares two models' results on the same tokens."""
     from .device import out_of_memory
 
@@ -185,6 +189,7 @@ def check_probe(
         raise RecurformerError(f"warm must be (min, max) with min <= max, got {warm}")
 
 
+@cpu_threads()
 def probe(
     model: StreamingLM,
     tokenizer: Tokenizer,
@@ -244,6 +249,7 @@ class Generated:
     memory_kind: str  # what the peak counts ('GPU memory', 'RSS', ...)
 
 
+@cpu_threads()
 def generate_text(
     checkpoint: str | Path,
     prompt: str = "",
@@ -356,13 +362,14 @@ def default_output(given: str | Path | None, checkpoint: str | Path, name: str) 
     return (d.parent if d.name.startswith("step_") else d) / name
 
 
+@cpu_threads()
 def evaluate_checkpoints(
     checkpoints: Sequence[str],
     lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
     out: str | Path | None = None,
     *,
     last: int = 256,
-    windows: int | None = None,
+    windows: int | None = DEFAULT_WINDOWS,
     chunk: int = 256,
     warm_state: int = 0,
     batch_size: int = 8,
@@ -377,17 +384,20 @@ def evaluate_checkpoints(
     style: str = "python",
 ) -> dict[str, list[LengthResult]]:
     """``recurformer eval``: length extrapolation of each checkpoint (on its own val split by
-    default, or ``data``/``dataset``/``text``), ``window`` W evaluating a dense model with a
-    sliding window; logs a table, writes ``out`` (JSON with ``meta``; default ``eval.json`` in the
-    first checkpoint's run directory) and its PNG plot. Every option is checked before any work."""
+    default, or ``data``/``dataset``/``text``; ``windows`` evenly spaced windows per length, all of
+    them with None), ``window`` W evaluating a dense model with a sliding window; logs a table,
+    writes ``out`` (JSON with ``meta``; default ``eval.json`` in the first checkpoint's run
+    directory) and its PNG plot. The JSON is rewritten (atomically) as each length finishes, with
+    ``"complete": false`` until the end, so an interrupted eval keeps what it finished; progress
+    shows as a bar on a terminal, as lines through ``log`` elsewhere. Every option is checked
+    before any work."""
     import math
-
-    from tqdm import tqdm
 
     from .device import memory_kind, out_of_memory, pick_device
     from .evaluate import check_lengths, eval_tokens, markdown_table, plot, save_json, window_ends
     from .files import check_writable
     from .hub import load_model
+    from .loggers import Progress
 
     lengths = list(lengths)
     check_options(style, window=window)
@@ -409,51 +419,61 @@ def evaluate_checkpoints(
             label += f" (window {window})"
         tokens = eval_tokens(tok, config, data=data, dataset=dataset, text=text, cache=cache)
         span = context or warm_state + max(lengths)
-        n = len(window_ends(len(tokens), span, last, windows)) if len(tokens) > span else 0
-        how = "every window of the evaluation text" if windows is None else "evenly spaced windows"
+        every = len(window_ends(len(tokens), span, last)) if len(tokens) > span else 0
+        n = min(every, windows or every)
+        every_one = "--all" if style == "cli" else "windows=None"
+        how = (
+            "every window of the evaluation text" if n == every else f"evenly spaced, of {every:,}; {every_one} for all"
+        )
         log(
             f"evaluating {label} ({name}) at lengths {lengths}: {n:,} windows ({how}), loss on the last {last} tokens of each, "
             f"{n * sum(warm_state + L for L in lengths):,} tokens to read"
-            + (" (--windows K for a quicker look)" if windows is None else "")
         )
-        with (
-            tqdm(
-                total=n * len(lengths), desc=label, unit="window", leave=False, disable=not sys.stderr.isatty()
-            ) as bar,
-            out_of_memory(*eval_sizes(label, model, batch_size, chunk, lengths, style)),
-        ):
-            rs = evaluate_lengths(
-                model,
-                tokens,
-                lengths,
-                last,
-                windows,
-                chunk,
-                warm_state,
-                batch_size,
-                context,
-                tok.bos_id if tok is not None else None,
-                style=style,
-                progress=bar.update,
-            )
-        bad = next((r for r in rs if not math.isfinite(r.loss)), None)
-        if bad is not None:
-            raise RecurformerError(
-                f"{path} gives non-finite logits (loss {bad.loss} at length {bad.length}) although its weights load; "
-                f"nothing written"
-            )
-        for r in rs:
+
+        def keep(r: LengthResult, label: str = label, path: str = path) -> None:
+            """Each length as it finishes, into the JSON: an interrupted eval keeps what it finished."""
+            if not math.isfinite(r.loss):
+                kept = f"{path_out} keeps the results before it" if results else "nothing written"
+                raise RecurformerError(
+                    f"{path} gives non-finite logits (loss {r.loss} at length {r.length}) although its weights load; {kept}"
+                )
+            results[label] = [*results.get(label, []), r]
+            save_json(results, path_out, meta or {}, complete=False)
             log(
                 f"  L={r.length:>6}: loss {r.loss:.4f} [{r.loss_low:.4f}, {r.loss_high:.4f}]  acc {r.accuracy:.3f}  "
                 f"{r.windows} windows, bootstrap over {r.units} {r.unit}  {r.tokens_per_s:,.0f} tok/s  peak {memory_kind(dev)} {r.peak_memory_mb:,.0f} MB"
             )
-        results[label] = rs
+
+        progress = Progress(n * len(lengths), label, "window", log)
+        try:
+            with out_of_memory(*eval_sizes(label, model, batch_size, chunk, lengths, style)):
+                evaluate_lengths(
+                    model,
+                    tokens,
+                    lengths,
+                    last,
+                    windows,
+                    chunk,
+                    warm_state,
+                    batch_size,
+                    context,
+                    tok.bos_id if tok is not None else None,
+                    style=style,
+                    progress=progress.update,
+                    done=keep,
+                )
+        except BaseException as e:  # Ctrl-C, a scheduler's SIGTERM, a failure
+            if results and not isinstance(e, RecurformerError):
+                log(f'stopped: {path_out} keeps the lengths finished so far ("complete": false)')
+            raise
+        finally:
+            progress.close()
         trained[label] = config.get("train", {}).get("seq_len")
     log("")
     log(markdown_table(results))
     save_json(results, path_out, meta or {})
     png = path_out.with_suffix(".png")
-    plot(results, png, f"loss on the last {last} tokens", last, trained, warm_state)
+    plot(results, png, f"loss on the last {last} tokens (nats/token, lower is better)", last, trained, warm_state)
     log(f"wrote {path_out} and {png}")
     return results
 
@@ -482,13 +502,12 @@ def probe_checkpoints(
     """``recurformer probe``: the copy or swap probe of each checkpoint on the same documents
     (``dataset`` defaults to ``tinystories-repeat`` for ``repeat``, else the checkpoint's own);
     logs the tables, writes ``out`` (JSON with ``meta``; default ``probe.json`` in the first
-    checkpoint's run directory) and its PNG plot."""
-    from tqdm import tqdm
-
+    checkpoint's run directory) and its PNG plot; progress as a bar on a terminal, as lines in a log."""
     from .checkpoint import resolve
     from .device import pick_device, slow_bf16_warning
     from .files import atomic_write, check_writable
     from .hub import load_model
+    from .loggers import Progress
     from .probe import (
         METRICS,
         make_samples,
@@ -538,8 +557,11 @@ def probe_checkpoints(
             f"probing {label} ({name}, receptive field {'unbounded' if R is None else R}) on {len(samples)} documents, task {task}"
         )
         rows = sum(len(s.rows) for s in samples)
-        with tqdm(total=rows, desc=label, unit="row", leave=False, disable=not sys.stderr.isatty()) as bar:
-            metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed, bar.update)
+        progress = Progress(rows, label, "row", log)
+        try:
+            metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed, progress.update)
+        finally:
+            progress.close()
         facts = run_facts(resolve(path))
         results.append(ProbeResult(label, str(resolve(path)), name, R, metrics=metrics, **facts))
         del model
@@ -575,11 +597,12 @@ def merge_probes(
     return results
 
 
+@cpu_threads()
 def niah_checkpoint(
     checkpoint: str | Path,
     lengths: Sequence[int] = (256, 512, 1024, 2048),
     depths: Sequence[float] = (0, 25, 50, 75, 100),
-    out: str | Path = "niah.json",
+    out: str | Path | None = None,
     *,
     trials: int = 4,
     chunk: int = 256,
@@ -591,13 +614,14 @@ def niah_checkpoint(
 ) -> list[Cell]:
     """``recurformer niah``: needle in a haystack over depths x lengths for a checkpoint, read by
     recurformer or (``via="transformers"``) through ``AutoModelForCausalLM``; logs the table and
-    writes ``out`` (JSON) and its heatmap PNG."""
+    writes ``out`` (JSON; default ``niah.json`` in the checkpoint's run directory) and its heatmap PNG."""
     from .device import pick_device
     from .files import check_writable
     from .niah import niah, save, table
 
-    path_out = Path(out)
+    path_out = default_output(out, checkpoint, "niah.json")
     check_writable(path_out, "output JSON")
+    check_writable(path_out.with_suffix(".png"), "heatmap")
     dev = pick_device(device)
     model: Any
     if via == "transformers":
@@ -625,6 +649,7 @@ def niah_checkpoint(
     return cells
 
 
+@cpu_threads()
 def readout_checkpoint(
     checkpoint: str | Path,
     *,

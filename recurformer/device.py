@@ -11,14 +11,18 @@ first, as CUDA kernels run asynchronously.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import resource
+import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from . import openmp
 from .config import RecurformerError
 
 
@@ -171,3 +175,61 @@ def out_of_memory(doing: str, advice: str) -> Iterator[None]:
         message = f"out of memory {doing}{failed}; {advice}"
     if message is not None:
         raise RecurformerError(message)
+
+
+def idle_cpus(interval: float = 0.25) -> int | None:
+    """How many of the CPUs this process may run on stayed idle over the next ``interval`` seconds:
+    a CPU counts as idle when more than half of its time (Linux ``/proc/stat``: idle + iowait
+    over all ticks) went unused. None where ``/proc/stat`` cannot be read."""
+
+    def sample() -> dict[str, tuple[int, int]]:
+        ticks = {}
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *values = line.split()
+                if name.startswith("cpu") and name[3:].isdigit():
+                    v = [int(x) for x in values[:8]]  # user nice system idle iowait irq softirq steal
+                    ticks[name] = (v[3] + v[4], sum(v))
+        return ticks
+
+    try:
+        before = sample()
+        time.sleep(interval)
+        after = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    mine = {f"cpu{i}" for i in os.sched_getaffinity(0)} if hasattr(os, "sched_getaffinity") else set(after)
+    idle = 0
+    for cpu in mine & before.keys() & after.keys():
+        total = after[cpu][1] - before[cpu][1]
+        idle += total > 0 and after[cpu][0] - before[cpu][0] > total / 2
+    return idle
+
+
+@contextlib.contextmanager
+def cpu_threads() -> Iterator[int]:
+    """torch's intra-op threads for one call of the Python API (usable as a decorator): unchanged,
+    unless OpenMP spins (``openmp.SPINNING``: torch was imported before recurformer with no wait
+    policy set, so the runtime cannot be made passive any more) and fewer CPUs are idle
+    (``idle_cpus``) than torch has threads; then as many threads as idle CPUs, at least 1, so no
+    thread of a parallel region spins on a core another process needs while a sibling waits for
+    it. The count is restored afterwards; yields the count used. One thread never enters an
+    OpenMP parallel region, so it cannot stall this way. (A thread more than CPUs makes
+    libgomp spin only briefly as well, but it depends on libgomp's internals and was not measured
+    cleanly enough here to rely on.)"""
+    n = torch.get_num_threads()
+    idle = idle_cpus() if openmp.SPINNING and n > 1 else None
+    use = n if idle is None else max(1, min(n, idle))
+    if use < n:
+        warnings.warn(
+            f"torch was imported before recurformer, so OpenMP's idle threads spin (no OMP_WAIT_POLICY when torch "
+            f"loaded); {idle} of this process's CPUs are idle, so this call runs on {use} torch thread(s), not {n}. "
+            "Import recurformer before torch (or export OMP_WAIT_POLICY=PASSIVE) to keep every thread",
+            stacklevel=4,  # the caller of the decorated function
+        )
+        torch.set_num_threads(use)
+    try:
+        yield use
+    finally:
+        if use < n:
+            torch.set_num_threads(n)

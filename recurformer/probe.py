@@ -45,6 +45,13 @@ from .nn import StreamingLM
 TASKS = ("repeat", "swap")
 MARKER_TEXT = f"\n{REPEAT_PROMPT}\n"
 METRICS = {"repeat": ("swap_delta", "copy_gain"), "swap": ("swap_delta",)}
+# what a good result looks like, one line per metric (tables and plots)
+READING = {
+    "copy_gain": "nats; above 0: the copy is predicted better than the original, so the model used what it read "
+    "that far back (0 beyond its receptive field R); higher and farther is a longer memory",
+    "swap_delta": "nats; above 0: swapping the history that far back made the prediction worse, so the model used "
+    "it (0 beyond its receptive field R); higher and farther is a longer memory",
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -443,6 +450,13 @@ class ProbeResult:
     train_tok_per_s: float | None  # median training tokens/s up to this checkpoint (metrics.jsonl)
     metrics: dict[str, list[BinStat]]
 
+    def __str__(self) -> str:
+        """``print(result)``: the tables of ``markdown_tables``, one per metric, each with how to read it."""
+        return markdown_tables([self])
+
+    def _repr_markdown_(self) -> str:  # a notebook shows the tables, not the dataclass fields
+        return str(self)
+
 
 def run_facts(ckpt_dir: Path) -> dict[str, Any]:
     """Step and tokens of a checkpoint, and its run's validation loss and training speed so far."""
@@ -507,6 +521,7 @@ def markdown_tables(results: Sequence[ProbeResult]) -> str:
         )
         lines = [
             f"**{metric}** by distance (tokens back), mean over documents [95% bootstrap interval]",
+            f"({READING[metric]})" if metric in READING else "",
             "",
             head,
             "|---|---|---|---|" + "---|" * len(bins),
@@ -640,7 +655,9 @@ def figure(results: Sequence[ProbeResult], title: str):  # type: ignore[no-untyp
         bounded = any(r.receptive_field is not None for r in results)
         ax.set_xlabel("distance back (tokens)" + ("; dotted: receptive field R" if bounded else ""))
         ax.set_ylabel(f"{metric} (nats)")
-        ax.set_title(f"{title}: {metric}")
+        ax.set_title(
+            f"{title}: {metric}" + ("\nabove 0: the model used tokens that far back" if metric in READING else "")
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -647,3 +647,42 @@ def test_out_of_memory_in_eval_and_generate_is_one_line(trained, tmp_path, capsy
     monkeypatch.setattr(gen, "stream", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="^shape mismatch$"):  # not every RuntimeError is out of memory
         recurformer.api.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
+
+
+def test_a_default_eval_reads_a_sample_says_how_far_it_got_in_a_log_and_keeps_what_it_finished(
+    trained, tmp_path, capsys, monkeypatch
+) -> None:
+    """Without ``--windows`` eval reads ``DEFAULT_WINDOWS`` evenly spaced windows, not the whole
+    text (``--all`` does); its progress reaches a log (not a terminal here); an eval stopped after
+    its first length leaves that length in the JSON, marked incomplete."""
+    from recurformer.evaluate import DEFAULT_WINDOWS
+
+    text = write_corpus(tmp_path / "text.txt", 1)  # ~24k bytes: a few hundred windows of 64 scored tokens
+    out = tmp_path / "e.json"
+    ev = ["eval", "--checkpoint", str(trained), "--lengths", "64,128", "--last", "64", "--text", str(text)]
+    assert cli([*ev, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["complete"] and [r["windows"] for r in doc["results"]["run"]] == [DEFAULT_WINDOWS] * 2
+    log = capsys.readouterr().out
+    assert f"{DEFAULT_WINDOWS} windows (evenly spaced, of " in log and "--all for all" in log
+    assert f"run: {2 * DEFAULT_WINDOWS}/{2 * DEFAULT_WINDOWS} windows" in log  # the progress line, not a bar
+    assert cli([*ev, "--all", "--json", str(out)]) == 0
+    every = json.loads(out.read_text())["results"]["run"][0]["windows"]
+    assert (
+        every > DEFAULT_WINDOWS and f"{every} windows (every window of the evaluation text)" in capsys.readouterr().out
+    )
+
+    module = importlib.import_module("recurformer.evaluate")  # the module, not the function recurformer exports
+    real, calls = module.score_rows, {"n": 0}
+
+    def stopped_at_the_second_length(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "score_rows", stopped_at_the_second_length)
+    assert cli([*ev, "--json", str(out)]) == 130
+    doc = json.loads(out.read_text())
+    assert not doc["complete"] and [r["length"] for r in doc["results"]["run"]] == [64]
+    assert f"stopped: {out} keeps the lengths finished so far" in capsys.readouterr().out

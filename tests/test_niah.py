@@ -166,3 +166,26 @@ def test_cli_writes_json_and_heatmap(hay_file, tmp_path, capsys) -> None:
         == 2
     )
     assert "fewer than" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_cli_writes_under_the_run_not_the_working_directory_and_says_how_to_read_it(
+    hay_file, tmp_path, monkeypatch, capsys
+) -> None:
+    """Without ``--json`` the JSON and heatmap go into the checkpoint's run directory; the table
+    comes with a line on reading it, and the heatmap's two-line title fits inside the figure."""
+    from recurformer.niah import Cell, figure
+
+    model_of("block_recurrent").save_pretrained(tmp_path / "m", tokenizer=TOK)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    args = ["--lengths", "160", "--depths", "0,100", "--trials", "1", "--chunk", "16", "--device", "cpu"]
+    assert cli_main(["niah", "--checkpoint", str(tmp_path / "m"), *args, "--text", str(hay_file)]) == 0
+    assert list((tmp_path / "cwd").iterdir()) == []
+    assert (tmp_path / "m" / "niah.json").is_file() and (tmp_path / "m" / "niah.png").is_file()
+    assert "exact match: share of trials whose passkey came out whole (1.00 best)" in capsys.readouterr().out
+
+    cells = [Cell(L, d, -0.5, 1.0, 4) for L in (256, 512) for d in (0.0, 50.0, 100.0)]
+    fig = figure(cells, "tinystories-cpu step_001000")
+    fig.canvas.draw()
+    title = fig.axes[0].title.get_window_extent()
+    assert 0 <= title.x0 and title.x1 <= fig.bbox.x1 and title.y1 <= fig.bbox.y1

@@ -4,6 +4,7 @@ Python alike (one shared check, ``config.check_options``), before anything is pr
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -218,6 +219,51 @@ def test_openmp_waits_passively_unless_the_user_says_otherwise() -> None:
         check=True,
     ).stdout
     assert out.strip() == "ACTIVE"
+
+
+THREADS_SEEN = """
+import sys
+import numpy as np
+{imports}
+import recurformer.device as device
+from recurformer.models import build_model
+
+torch.set_num_threads(2)
+device.idle_cpus = lambda interval=0.25: 0  # a machine whose every CPU is busy with another job
+model = build_model("memory_attention", dict(vocab_size=64, dim=16, n_layers=1, n_heads=2, chunk_size=8))
+seen = set()
+model.register_forward_pre_hook(lambda module, args: seen.add(torch.get_num_threads()))
+tokens = np.random.default_rng(0).integers(0, 64, 400)
+recurformer.evaluate(model, tokens=tokens, lengths=[32], last=16, windows=2, chunk=16)
+print(sorted(seen), torch.get_num_threads())
+"""
+
+
+@pytest.mark.parametrize(
+    "imports, policy, expected",
+    [
+        ("import torch, recurformer", None, "[1] 2"),  # OpenMP spins: one thread while every CPU is busy
+        ("import recurformer, torch", None, "[2] 2"),  # passive waiting holds: every thread
+        ("import torch, recurformer", "ACTIVE", "[2] 2"),  # the user's own policy is kept
+    ],
+)
+def test_the_api_does_not_spin_against_a_busy_machine_when_torch_came_first(imports, policy, expected) -> None:
+    """``import torch`` before ``recurformer`` loads OpenMP with its spinning default (too late for
+    ``OMP_WAIT_POLICY=PASSIVE``); the API then runs on as many threads as CPUs are idle (here
+    none: one thread, which never spins) and restores the count after the call."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    code = THREADS_SEEN.format(imports=imports)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected
+    assert ("runs on 1 torch thread(s), not 2" in out.stderr) == (expected == "[1] 2")
 
 
 def test_compile_on_torch_2_4_is_one_line_and_nothing_is_written(tmp_path, monkeypatch, capsys) -> None:

@@ -488,3 +488,17 @@ def test_split_copy_document_finds_the_last_marker_as_a_scan_does() -> None:
             found += 1
             assert all(np.array_equal(w, g) for w, g in zip(want, got))
     assert found > 50
+
+
+def test_a_probe_result_prints_as_tables_that_say_how_to_read_them() -> None:
+    """``print(probe(...))`` shows one table per metric (not the dataclass fields), each under a
+    line saying what a good value looks like."""
+    from recurformer.probe import READING, BinStat, ProbeResult, markdown_tables
+
+    bins = [BinStat(1, 2, 0.3, 0.2, 0.4, 10, 10), BinStat(16, 64, 0.1, 0.0, 0.2, 10, 10)]
+    facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
+    result = ProbeResult("ma", "", "memory_attention", None, metrics={"copy_gain": bins, "swap_delta": bins}, **facts)
+    text = str(result)
+    assert text == markdown_tables([result]) == result._repr_markdown_()
+    assert "BinStat" not in text and "| ma | ∞ | – | – | +0.300 [+0.200, +0.400] | +0.100 [+0.000, +0.200] |" in text
+    assert f"({READING['copy_gain']})" in text and f"({READING['swap_delta']})" in text
