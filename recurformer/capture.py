@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from .config import RecurformerError
 from .nn import StreamingLM
@@ -131,17 +132,10 @@ class StepGraphs:
     def capture(self, tokens: Tensor, targets: Tensor, state: State) -> Graph:
         inputs = [t.clone() for t in (tokens, targets, *flatten(state))]
         fn = self.function(state, state.pos)
-        if self.backend == "eager":
-            graph = Graph(state.pos, inputs, [], lambda: None)
-            graph.replay = lambda: setattr(graph, "outputs", fn(*graph.inputs))
-            return graph
-        if self.backend == "trace":
-            from torch.fx.experimental.proxy_tensor import make_fx
-
-            recorded = make_fx(fn)(*inputs)  # forward and backward: replayed without autograd
-            graph = Graph(state.pos, inputs, [], lambda: None)
-            graph.replay = torch.no_grad()(lambda: setattr(graph, "outputs", list(recorded(*graph.inputs))))
-            return graph
+        if self.backend != "cuda":  # a CUDA graph's own protocol: static outputs, overwritten by every replay
+            run = fn if self.backend == "eager" else torch.no_grad()(make_fx(fn)(*inputs))  # forward and backward
+            outputs = fn(*inputs)
+            return Graph(state.pos, inputs, outputs, lambda: torch._foreach_copy_(outputs, run(*inputs)))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
