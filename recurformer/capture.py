@@ -68,16 +68,13 @@ def unflatten(like: State, tensors: Sequence[Tensor], pos: int) -> State:
 
 @contextlib.contextmanager
 def unchecked(model: StreamingLM) -> Iterator[None]:
-    """The model's per-call token check (a host read) off inside the step."""
-    before = model.__dict__.get("check_tokens")
+    """The model's per-call token check (a host read) off while a step is captured or replayed."""
+    before = model.check_tokens
     model.check_tokens = False
     try:
         yield
     finally:
-        if before is None:
-            del model.check_tokens
-        else:
-            model.check_tokens = before
+        model.check_tokens = before
 
 
 @dataclass
@@ -119,8 +116,7 @@ class StepGraphs:
         model, params = self.model, self.params
 
         def step(tokens: Tensor, targets: Tensor, *flat: Tensor) -> list[Tensor]:
-            with unchecked(model):
-                out = model(tokens, unflatten(like, flat, pos), targets)
+            out = model(tokens, unflatten(like, flat, pos), targets)
             assert out.loss is not None
             grads = torch.autograd.grad(out.loss / self.grad_accum, params, allow_unused=True)
             if self.used is None:
@@ -169,14 +165,15 @@ class StepGraphs:
         self.check(tokens, targets, state)
         self.model.check_state(state, tokens.shape[0])
         key = self.key(tokens, state)
-        if key not in self.graphs:
-            self.graphs[key] = self.capture(tokens, targets, state)
-        graph = self.graphs[key]
-        shift = graph.pos - state.pos  # a multiple of the reset boundary (0 unless shift-invariant)
-        for buf, t in zip(graph.inputs, (tokens, targets, *flatten(state))):
-            buf.copy_(t)
-        graph.inputs[3].add_(shift)  # the document starts, moved with the position
-        graph.replay()
+        with unchecked(self.model):
+            if key not in self.graphs:
+                self.graphs[key] = self.capture(tokens, targets, state)
+            graph = self.graphs[key]
+            shift = graph.pos - state.pos  # a multiple of the reset boundary (0 unless shift-invariant)
+            for buf, t in zip(graph.inputs, (tokens, targets, *flatten(state))):
+                buf.copy_(t)
+            graph.inputs[3].add_(shift)  # the document starts, moved with the position
+            graph.replay()
         n = 2 + sum(len(s.tensors()) for s in state.layers)
         out = graph.outputs
         flat = [t.clone() for t in out[1 : 1 + n]]  # copied out: the next replay overwrites them
