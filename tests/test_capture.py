@@ -110,9 +110,9 @@ def compile_case(name: str, index: int, impl: dict[str, object]) -> None:
     step = steps.function(state, state.pos)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(trace_autograd_ops=True):  # the backward inside the traced step
-        compiled = torch.compile(step, fullgraph=True, backend="eager")  # raises at a graph break
-        got = compiled(*batch(model, T), *flatten(state))
-    assert len(got) > 3 and all(torch.isfinite(t.double()).all() for t in got if t.is_floating_point())
+        seen = torch._dynamo.explain(step)(*batch(model, T), *flatten(state))
+    # (fullgraph=True does not raise here at a break inside the model: explain counts them)
+    assert seen.graph_break_count == 0 and seen.graph_count == 1, [str(b.reason)[:300] for b in seen.break_reasons]
 
 
 @pytest.mark.slow
