@@ -1,7 +1,6 @@
 """The captured training step (``recurformer/capture.py``), for every registered model and a hybrid
-stack: (a) the step, forward and backward with a carried state, traces with
-``torch.compile(fullgraph=True)`` without a graph break (no host read, no Python branch on a
-device value); (b) the static-buffer protocol of a CUDA-graph replay (copy in, step, copy the
+stack: (a) the step, forward and backward with a carried state, traces as one graph without a
+break (``torch._dynamo.explain``: no host read, no Python branch on a device value); (b) the static-buffer protocol of a CUDA-graph replay (copy in, step, copy the
 state out, resets as masks, gradient accumulation 2) equals the plain model over several calls:
 losses, states and gradients, run eagerly and as a replay of one ``make_fx`` record per shape (a
 shift-invariant model's one record replayed at every later position)."""
