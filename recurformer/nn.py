@@ -127,6 +127,14 @@ class Layer(nn.Module):
         return True
 
     @property
+    def shift_invariant(self) -> bool:
+        """The output and the new state stay the same when the position and every document start
+        move by a multiple of ``period`` (positions are read only relative to a document start or
+        within a chunk; absolute RoPE positions are not): one captured step then serves every
+        aligned position (``capture.py``)."""
+        return False
+
+    @property
     def state_cls(self) -> type[LayerState]:
         return LayerState
 
@@ -211,6 +219,10 @@ class Block(Layer):
     @property
     def bounded(self) -> bool:
         return self.attn.bounded
+
+    @property
+    def shift_invariant(self) -> bool:
+        return self.attn.shift_invariant
 
     @property
     def state_cls(self) -> type[LayerState]:
@@ -299,32 +311,34 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
             layers=[layer.init_state(batch_size, device, dtype) for layer in self.layers],
             any_fresh=True,
             start_floor=0,
+            start_ceiling=0,
         )
 
     def body(self, h: Tensor, state: State) -> tuple[Tensor, State]:
         """The layers over h [B, T, D], after the lazy reset of the fresh rows."""
-        layers, pos = state.layers, state.pos
-        any_fresh = state.any_fresh if state.any_fresh is not None else bool(state.fresh.any())
-        if any_fresh:
-            P = self.reset_boundary
-            if pos % P:
-                unit = max(self.layers, key=lambda layer: layer.period).unit
-                raise RecurformerError(
-                    f"{type(self).__name__} can reset a row only at a {unit} boundary (current {unit} has {pos % P} of {P} tokens)"
-                )
-        if any_fresh or (self.training and torch.is_grad_enabled()):
+        layers, pos, P = state.layers, state.pos, self.reset_boundary
+        # whether a row may be fresh: at a boundary an unknown answer needs no wait for the device (the
+        # reset is a mask, exact for rows that are not fresh), so a captured step has no host read
+        any_fresh = state.any_fresh if state.any_fresh is not None or pos % P == 0 else bool(state.fresh.any())
+        if any_fresh is not False and pos % P:
+            unit = max(self.layers, key=lambda layer: layer.period).unit
+            raise RecurformerError(
+                f"{type(self).__name__} can reset a row only at a {unit} boundary (current {unit} has {pos % P} of {P} tokens)"
+            )
+        if any_fresh is not False or (self.training and torch.is_grad_enabled()):
             # in training, a learned initial state enters every step's graph (a zero gradient when no
             # row is fresh), so that DDP finds every parameter used
             layers = [layer.reset(s, state.fresh) for layer, s in zip(self.layers, layers)]
         start = torch.where(state.fresh, torch.full_like(state.start, pos), state.start)
-        call = Call(pos, start, state.start_floor)
+        ceiling = state.start_ceiling if any_fresh is False else pos  # a fresh row starts at pos
+        call = Call(pos, start, state.start_floor, ceiling)
         new = []
         for layer, s in zip(self.layers, layers):
             h, s = layer(h, s, call)
             new.append(s)
         return h, State(  # a start only moves forward (to pos <= any later one), so the floor holds
             fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=new, any_fresh=False,
-            start_floor=state.start_floor,
+            start_floor=state.start_floor, start_ceiling=ceiling,
         )  # fmt: skip
 
     def features(self, tokens: Tensor, state: State | None = None) -> tuple[Tensor, State]:

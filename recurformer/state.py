@@ -77,6 +77,7 @@ class State:
     layers: list[LayerState]
     any_fresh: bool | None = None  # whether fresh.any(), when known on the host (None: ask the device)
     start_floor: int | None = None  # a bound <= every start[b], known on the host (None: unknown)
+    start_ceiling: int | None = None  # a bound >= every start[b], known on the host (None: unknown)
 
     @property
     def batch_size(self) -> int:
@@ -140,12 +141,14 @@ class Output:
 class Call:
     """What every layer of one call shares: the position of its first token, the document start
     of every row (and a bound below every start that the host knows, ``State.start_floor``: a
-    layer can skip cached positions before it, which no row can see, without asking the device),
+    layer can skip cached positions before it, which no row can see, without asking the device;
+    and one above every start, ``State.start_ceiling``: a cache from it on is hidden from no row),
     and a memo for tables (masks, RoPE angles) that several layers would build alike."""
 
     pos: int
     start: Tensor  # [B] int64
     start_floor: int | None = None
+    start_ceiling: int | None = None
     memo: dict[Any, Any] = field(default_factory=dict)
 
     def shared(self, key: Any, make: Callable[[], Any]) -> Any:

@@ -35,7 +35,7 @@ FLOORS: list[list[str]] = [
     # 5: the model around a stack of layers
     ["nn"],
     # 6: what reads a model; Llama, which other architectures build on
-    ["layers", "evaluate", "probe", "models.llama", "hf", "lm_eval", "niah", "curriculum", "readout"],
+    ["layers", "evaluate", "probe", "models.llama", "hf", "lm_eval", "niah", "curriculum", "readout", "capture"],
     # 7: the architectures (``models.*`` files not named elsewhere live on this floor too)
     [],
     ["models", "reference"],

@@ -134,6 +134,7 @@ class BlockAttention(Layer):
 
     kind, unit = "block_recurrent", "block"
     state_cls = BlockRecurrentState
+    shift_invariant = True  # positions within a chunk, or relative to a document start
 
     def __init__(self, cfg: BlockRecurrentConfig, recurrent: bool) -> None:
         super().__init__()

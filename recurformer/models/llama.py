@@ -161,7 +161,8 @@ class Attention(Layer):
         q_pos = torch.arange(pos0, pos0 + T, device=x.device)
         k_pos = torch.arange(pos0 - S, pos0 + T, device=x.device)
         cos, sin = rope_cos_sin(q_pos, self.head_dim, self.theta, x.dtype)
-        hides_cache = S > 0 and bool((start > pos0 - S).any())
+        # whether a row's document starts inside the cache, from the host's bound (unknown: the mask)
+        hides_cache = S > 0 and (call.start_ceiling is None or call.start_ceiling > pos0 - S)
         if not hides_cache and (W is None or W >= S + T) and (S == 0 or T == 1):
             return cos, sin, [Band(0, T, 0, S + T, None)]  # plain causal (S = 0), or one query that sees every key
         vis = k_pos[None, :] <= q_pos[:, None]  # [T, S+T]

@@ -97,6 +97,7 @@ class MemoryState(LayerState):
 class MemoryAttentionLayer(Layer):
     kind, unit = "memory", "chunk"
     state_cls = MemoryState
+    shift_invariant = True  # positions within a chunk, or relative to a document start
 
     def __init__(self, cfg: MemoryAttentionConfig) -> None:
         super().__init__()

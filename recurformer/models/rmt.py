@@ -118,6 +118,7 @@ class RMTAttention(Layer):
 
     kind, unit = "rmt", "segment"
     state_cls = RMTState
+    shift_invariant = True  # positions within a chunk, or relative to a document start
 
     def __init__(self, cfg: RMTConfig, index: int) -> None:
         super().__init__()

@@ -119,6 +119,7 @@ class XLState(LayerState):
 class RelAttention(Layer):
     kind, unit = "xl", "segment"
     state_cls = XLState
+    shift_invariant = True  # positions within a chunk, or relative to a document start
 
     def __init__(self, cfg: TransformerXLConfig) -> None:
         super().__init__()

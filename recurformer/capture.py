@@ -1,0 +1,188 @@
+"""One training call of a model as a function of static buffers, captured once per shape and
+replayed: the protocol of a CUDA graph over the step (PyTorch docs, "CUDA Graphs": whole-network
+capture with ``torch.cuda.graph``; ``torch.cuda.make_graphed_callables`` for a part), written so
+that the CPU runs it too.
+
+The step: tokens and targets [B, T] and the carried state in; the loss, the state after the last
+token (detached: truncated BPTT at every call) and the parameter gradients of loss / grad_accum
+out. Calls must be aligned (T and the position multiples of the model's ``reset_boundary``: no
+partial chunk), so that the chunk loop has the same shapes at every call.
+
+The known traps of replaying a captured step, each handled here:
+
+* A replay overwrites its outputs (pytorch#148439): the loss and the new state are copied out,
+  and the gradients added to ``p.grad``, before the next replay.
+* Warm up before capture (cuBLAS/cuDNN workspaces, Triton autotuning; triton#10596): ``warmup``
+  eager calls on a side stream first.
+* One graph per shape: a step is captured per key (batch, T, training mode, the state's shapes
+  and dtypes, the position within the reset boundary), and per position for a model with a layer
+  that reads absolute positions (``Layer.shift_invariant`` false: RoPE over a KV cache). A
+  shift-invariant step captured at position p0 serves every aligned position p: it runs at p0
+  with every document start moved by p0 - p.
+* No host read and no Python branch on a device value inside: resets are masks (the state's
+  ``fresh``, set by ``State.reset``; the model takes the masked reset when it does not know on the
+  host whether a row is fresh), and the token range is checked before the copy in (the model's
+  own check is off inside the step).
+
+Backends: "eager" runs the step function at every call; "trace" records it once per key with
+``make_fx`` (forward and backward as one graph of ATen operators, its Python run once) and
+replays the record: the CPU's stand-in for a CUDA graph, in which a value the step read on the
+host or a position it took as a constant is frozen as well; "cuda" captures it with
+``torch.cuda.graph`` (not yet run on a GPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .config import RecurformerError
+from .nn import StreamingLM
+from .state import IGNORE_INDEX, State
+
+Backend = Literal["eager", "trace", "cuda"]
+
+
+def flatten(state: State) -> list[Tensor]:
+    """fresh, start and every layer state's tensors, in a fixed order (``unflatten`` inverts it)."""
+    return [state.fresh, state.start, *(t for s in state.layers for t in s.tensors().values())]
+
+
+def unflatten(like: State, tensors: Sequence[Tensor], pos: int) -> State:
+    """A state of ``like``'s layer types made of ``tensors`` (``flatten``'s order), at ``pos``;
+    nothing known on the host (whether a row is fresh, bounds on the starts), no decoding rooms."""
+    it = iter(tensors)
+    fresh, start = next(it), next(it)
+    layers = [
+        dataclasses.replace(s, **{k: next(it) for k in s.tensors()}, **{k: None for k in s.runtime})
+        for s in like.layers
+    ]
+    return State(fresh=fresh, start=start, pos=pos, layers=layers)
+
+
+@contextlib.contextmanager
+def unchecked(model: StreamingLM) -> Iterator[None]:
+    """The model's per-call token check (a host read) off while a step is captured or replayed."""
+    before = model.check_tokens
+    model.check_tokens = False
+    try:
+        yield
+    finally:
+        model.check_tokens = before
+
+
+@dataclass
+class Graph:
+    """A step captured for one key: it reads ``inputs`` (tokens, targets, the flattened state) and
+    writes ``outputs`` (the loss, the flattened new state, the gradients of the parameters that
+    got one) at every ``replay``; it ran at position ``pos``."""
+
+    pos: int
+    inputs: list[Tensor]
+    outputs: list[Tensor]
+    replay: Callable[[], None]
+
+
+class StepGraphs:
+    """Training calls of ``model`` through captured steps (see the module docstring):
+    ``loss, state = steps(tokens, targets, state)`` equals ``out = model(tokens, state, targets)``,
+    ``(out.loss / grad_accum).backward()``, ``out.state.detach()``."""
+
+    def __init__(self, model: StreamingLM, grad_accum: int = 1, backend: Backend = "eager", warmup: int = 3) -> None:
+        if backend == "cuda" and not torch.cuda.is_available():
+            raise RecurformerError("the 'cuda' capture backend needs a CUDA GPU; this machine has none")
+        if backend not in ("eager", "trace", "cuda"):
+            raise RecurformerError(f"unknown capture backend '{backend}' (eager, trace or cuda)")
+        self.model, self.grad_accum, self.backend, self.warmup = model, grad_accum, backend, warmup
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.shift = all(layer.shift_invariant for layer in model.layers)
+        self.graphs: dict[tuple[Any, ...], Graph] = {}
+        self.used: list[bool] | None = None  # which parameters get a gradient (found by the first step)
+
+    def key(self, tokens: Tensor, state: State) -> tuple[Any, ...]:
+        shapes = tuple((tuple(t.shape), t.dtype) for t in flatten(state))
+        return (tuple(tokens.shape), self.model.training, state.pos % self.model.reset_boundary, shapes) + (
+            () if self.shift else (state.pos,)
+        )
+
+    def function(self, like: State, pos: int) -> Callable[..., list[Tensor]]:
+        """The step at position ``pos`` as a function of tensors only: what is captured."""
+        model, params = self.model, self.params
+
+        def step(tokens: Tensor, targets: Tensor, *flat: Tensor) -> list[Tensor]:
+            out = model(tokens, unflatten(like, flat, pos), targets)
+            assert out.loss is not None
+            grads = torch.autograd.grad(out.loss / self.grad_accum, params, allow_unused=True)
+            if self.used is None:
+                self.used = [g is not None for g in grads]
+            return [out.loss.detach(), *flatten(out.state.detach()), *(g for g in grads if g is not None)]
+
+        return step
+
+    def capture(self, tokens: Tensor, targets: Tensor, state: State) -> Graph:
+        inputs = [t.clone() for t in (tokens, targets, *flatten(state))]
+        fn = self.function(state, state.pos)
+        if self.backend != "cuda":  # a CUDA graph's own protocol: static outputs, overwritten by every replay
+            run = fn if self.backend == "eager" else torch.no_grad()(make_fx(fn)(*inputs))  # forward and backward
+            outputs = fn(*inputs)
+            return Graph(state.pos, inputs, outputs, lambda: torch._foreach_copy_(outputs, run(*inputs)))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                fn(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            outputs = fn(*inputs)
+        return Graph(state.pos, inputs, outputs, cuda_graph.replay)
+
+    def check(self, tokens: Tensor, targets: Tensor, state: State) -> None:
+        """Aligned shapes, and token ids in the vocabulary (a host read unless the model's check is off)."""
+        P, V = self.model.reset_boundary, self.model.config.vocab_size
+        if tokens.dim() != 2 or targets.shape != tokens.shape or state.batch_size != tokens.shape[0]:
+            raise RecurformerError(
+                f"a captured step needs tokens and targets [batch, time] of one shape and a state of that batch, "
+                f"got {tuple(tokens.shape)}, {tuple(targets.shape)} and batch {state.batch_size}"
+            )
+        if tokens.shape[1] % P or state.pos % P:
+            raise RecurformerError(
+                f"a captured step needs aligned calls: {tokens.shape[1]} tokens at position {state.pos}, "
+                f"both multiples of {P} are needed"
+            )
+        if self.model.check_tokens:
+            bad = (tokens < 0) | (tokens >= V) | ((targets != IGNORE_INDEX) & ((targets < 0) | (targets >= V)))
+            if bool(bad.any()):
+                raise RecurformerError(f"a token or target id is outside the vocabulary [0, {V})")
+
+    def __call__(self, tokens: Tensor, targets: Tensor, state: State) -> tuple[Tensor, State]:
+        self.check(tokens, targets, state)
+        self.model.check_state(state, tokens.shape[0])
+        key = self.key(tokens, state)
+        with unchecked(self.model):
+            if key not in self.graphs:
+                self.graphs[key] = self.capture(tokens, targets, state)
+            graph = self.graphs[key]
+            shift = graph.pos - state.pos  # a multiple of the reset boundary (0 unless shift-invariant)
+            for buf, t in zip(graph.inputs, (tokens, targets, *flatten(state))):
+                buf.copy_(t)
+            graph.inputs[3].add_(shift)  # the document starts, moved with the position
+            graph.replay()
+        n = 2 + sum(len(s.tensors()) for s in state.layers)
+        out = graph.outputs
+        flat = [t.clone() for t in out[1 : 1 + n]]  # copied out: the next replay overwrites them
+        flat[1] -= shift
+        grads = iter(out[1 + n :])
+        assert self.used is not None
+        for p, used in zip(self.params, self.used):
+            if used:
+                g = next(grads)
+                p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+        new = unflatten(state, flat, state.pos + tokens.shape[1])
+        return out[0].clone(), dataclasses.replace(new, any_fresh=False, start_floor=state.start_floor)
