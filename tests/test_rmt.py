@@ -364,7 +364,7 @@ def test_associative_off_gives_the_outputs_of_before_the_option() -> None:
 def test_associative_bad_configs_and_states_are_one_line_errors() -> None:
     with pytest.raises(RecurformerError, match="config key 'assoc_dim' must be >= 1, got 0"):
         build_model("rmt", dict(ARMT, assoc_dim=0))
-    with pytest.raises(RecurformerError, match="unknown config key 'model.associative'"):
+    with pytest.raises(RecurformerError, match="config key 'model.associative' is a setting of rmt, not of llama"):
         build_model("llama", dict(BASE, associative=True))
     with pytest.raises(RecurformerError, match="config key 'layers' names 'window'"):
         build_model("rmt", dict(ARMT, n_layers=2, window=3, layers=["rmt", "window"]))
