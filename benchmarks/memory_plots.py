@@ -2,8 +2,9 @@
 and Improving Recall in Efficient Language Models", 2023, Fig. 2 and §4), and a passkey table,
 from ``recurformer synth --json`` results (e.g. those ``experiments/memory/run_grid.sh`` writes):
 
-- ``<out>_distance.png``: test accuracy vs the distance between the pairs and the queries
-  (MQAR's ``eval_lengths``), one line per model and recipe, mean over seeds with min-max bars;
+- ``<out>_distance.png``: test accuracy vs the task's length (MQAR: the distance between the
+  pairs and the queries; passkey: the filler), one line per model and recipe, mean over seeds with
+  min-max bars;
 - ``<out>_state.png``: accuracy vs the state's size in bytes per row at one distance, measured
   as ``recurformer info`` does, from the state itself (``statesize.measure``) at that row length;
 - ``<out>.md`` / ``<out>.json``: the table behind both (every number with its seeds).
@@ -34,6 +35,12 @@ def state_bytes(name: str, config: dict[str, Any], length: int) -> int:
     """Bytes per row of the state after reading ``length`` tokens (``statesize.measure``; fp32):
     constant for a bounded state, the KV cache of the row for full attention."""
     return int(4 * measure(build_model(name, {k: v for k, v in config.items() if k != "name"})).at(length))
+
+
+LENGTH_LABEL = {
+    "mqar": "distance from the pairs to the queries (tokens; 0 plotted at 1)",
+    "passkey": "the passkey's filler length L (tokens)",
+}
 
 
 def look(i: int) -> dict[str, str]:
@@ -94,9 +101,10 @@ def main() -> None:
         hi = [max(by_d[d]) - m for m, d in zip(mean, ds)]
         ax.errorbar([max(d, 1) for d in ds], mean, yerr=[lo, hi], capsize=3, label=lab, **look(i))
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("distance from the pairs to the queries (tokens; 0 plotted at 1)")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(f"{task.pop()}: accuracy vs distance (mean over seeds, min-max bars)")
+    name = task.pop()
+    ax.set_xlabel(LENGTH_LABEL.get(name, "task length (tokens; 0 plotted at 1)"))
+    ax.set_ylabel("test accuracy" if name != "passkey" else "exact match")
+    ax.set_title(f"{name}: accuracy vs length (mean over seeds, min-max bars)")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(f"{out}_distance.png", dpi=120)
