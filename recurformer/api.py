@@ -344,7 +344,7 @@ def eval_labels(paths: Sequence[str]) -> list[str]:
     seen: dict[Any, Any] = {}
     for p, d in zip(paths, dirs):
         if d.resolve() in seen:
-            raise RecurformerError(f"--checkpoint {p} and {seen[d.resolve()]} are the same checkpoint ({d})")
+            raise RecurformerError(f"checkpoints {p} and {seen[d.resolve()]} are the same checkpoint ({d})")
         seen[d.resolve()] = p
     runs = [d.parent.name if d.name.startswith("step_") else d.name for d in dirs]
     labels = [f"{r} {d.name}" if runs.count(r) > 1 and d.name.startswith("step_") else r for r, d in zip(runs, dirs)]
@@ -404,7 +404,7 @@ def evaluate_checkpoints(
     check_lengths(lengths, last, windows, chunk, warm_state, batch_size, context, style)
     labels = eval_labels(checkpoints)
     path_out = default_output(out, checkpoints[0], "eval.json")
-    check_writable(path_out, "--json file")  # before the work, not after it
+    check_writable(path_out, "--json file" if style == "cli" else "out file")  # before the work, not after it
     check_writable(path_out.with_suffix(".png"), "plot")
     dev = pick_device(device)
     results: dict[str, list[LengthResult]] = {}
@@ -414,7 +414,9 @@ def evaluate_checkpoints(
         model, name, tok, config = load_model(path, dev)
         if window:
             if not hasattr(model, "set_window"):
-                raise RecurformerError(f"--window applies to dense attention models (llama), not {name}")
+                raise RecurformerError(
+                    f"{option_name('window', style)} applies to dense attention models (llama), not {name}"
+                )
             model.set_window(window)
             label += f" (window {window})"
         tokens = eval_tokens(tok, config, data=data, dataset=dataset, text=text, cache=cache)
@@ -522,7 +524,7 @@ def probe_checkpoints(
 
     check_probe(task, docs=docs, passage=passage, span=span, chunk=chunk, batch_size=batch_size, warm=warm, style=style)
     path_out = default_output(out, checkpoints[0], "probe.json")
-    check_writable(path_out, "--json file")  # before the work, not after it
+    check_writable(path_out, "--json file" if style == "cli" else "out file")  # before the work, not after it
     check_writable(path_out.with_suffix(".png"), "plot")
     dev = pick_device(device)
     if warning := slow_bf16_warning(precision, dev):
@@ -537,7 +539,7 @@ def probe_checkpoints(
             dataset = config.get("data", {}).get("dataset")
             if not dataset:
                 raise RecurformerError(
-                    f"checkpoint {path} does not name a bundled dataset; give --dataset NAME or --text FILE"
+                    f"checkpoint {path} does not name a bundled dataset; give {option_name('dataset', style)} or {option_name('text', style)}"
                 )
         samples = make_samples(
             tok,
@@ -587,7 +589,7 @@ def merge_probes(
     from .probe import markdown_tables, merge, plot, to_json
 
     path_out = Path(out) if out else Path(files[0]).with_name("probe-merged.json")
-    check_writable(path_out, "--json file")
+    check_writable(path_out, "output file")
     check_writable(path_out.with_suffix(".png"), "plot")
     results, meta = merge([Path(f) for f in files])
     log(markdown_tables(results))
@@ -675,7 +677,7 @@ def readout_checkpoint(
 
     check_options(style, segments=segments, rows=rows, segment=segment)
     if out:
-        check_writable(Path(out), "--json file")
+        check_writable(Path(out), "--json file" if style == "cli" else "out file")
     model, tok, config = from_pretrained(checkpoint)
     segment = segment or default_segment(model)
     need = (segments + 1) * segment

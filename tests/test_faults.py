@@ -686,3 +686,24 @@ def test_a_default_eval_reads_a_sample_says_how_far_it_got_in_a_log_and_keeps_wh
     doc = json.loads(out.read_text())
     assert not doc["complete"] and [r["length"] for r in doc["results"]["run"]] == [64]
     assert f"stopped: {out} keeps the lengths finished so far" in capsys.readouterr().out
+
+
+def test_the_python_api_names_its_own_keywords_in_eval_and_probe_errors(trained, tmp_path) -> None:
+    """The same checks as the command line's, in the caller's words: keyword names from Python, never
+    a flag the caller did not type."""
+    from recurformer import api
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    common = dict(lengths=[32], last=16, windows=1, chunk=16, log=lambda s: None)
+    cases = [
+        (dict(out=blocker / "e.json"), f"cannot write out file {blocker / 'e.json'}: {blocker} is not a directory"),
+        (dict(out=tmp_path / "e.json", window=8), "window applies to dense attention models (llama), not"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(RecurformerError) as e:
+            api.evaluate_checkpoints([str(trained)], **common, **extra)  # type: ignore[arg-type]
+        assert str(e.value).startswith(message) and "--" not in str(e.value), str(e.value)
+    with pytest.raises(RecurformerError) as e:
+        api.probe_checkpoints([str(trained)], blocker / "p.json", docs=1, log=lambda s: None)
+    assert str(e.value).startswith(f"cannot write out file {blocker / 'p.json'}"), str(e.value)
