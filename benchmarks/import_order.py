@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from threads import busy  # noqa: E402  (the same busy processes as the threads benchmark)
 
 CHILD = r"""
 import json, sys, tempfile, time
@@ -70,11 +72,6 @@ print("RESULT " + json.dumps(times))
 WAYS = ("api, torch first", "api, recurformer first", "cli")
 
 
-def hog() -> None:
-    while True:
-        pass
-
-
 def child_env() -> dict[str, str]:
     """The environment of a fresh shell: no OpenMP settings of this process."""
     return {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
@@ -112,21 +109,14 @@ def main() -> None:
         env={**child_env(), "PYTHONPATH": roots["this tree"]}, check=True, capture_output=True,
     )  # fmt: skip
     cpus, load = len(os.sched_getaffinity(0)), os.getloadavg()
-    hogs = [mp.Process(target=hog, daemon=True) for _ in range(args.hog)]
-    for h in hogs:
-        h.start()
     runs: dict[tuple[str, str], list[dict[str, float] | None]] = {(n, w): [] for n in roots for w in WAYS}
-    try:
-        time.sleep(0.5)
+    with busy(args.hog):
         for _ in range(args.repeat):  # A B C A B C: a change in the machine's load hits every setting
             for name, root in roots.items():
                 for way in WAYS:
                     got = run(root, way, ckpt, args.steps, args.timeout)
                     runs[name, way].append(got)
                     print(f"  {name}, {way}: {got or 'timed out'}", flush=True)
-    finally:
-        for h in hogs:
-            h.terminate()
     rows = []
     print("\n| tree | way | evaluate (s) | probe (s) | training (tok/s) |\n|---|---|---:|---:|---:|")
     for (name, way), got in runs.items():

@@ -14,12 +14,14 @@ Prints one row per setting (best of ``--repeat``) and writes JSON; compare rows 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 CHILD = """
@@ -48,6 +50,20 @@ print(f"{gen} {step} {torch.get_num_threads()}")
 def hog() -> None:
     while True:
         pass
+
+
+@contextlib.contextmanager
+def busy(n: int) -> Iterator[None]:
+    """``n`` busy-looping processes (another user's jobs) for the block, ended however it ends."""
+    hogs = [mp.Process(target=hog, daemon=True) for _ in range(n)]
+    for h in hogs:
+        h.start()
+    try:
+        time.sleep(0.5)
+        yield
+    finally:
+        for h in hogs:
+            h.terminate()
 
 
 POLICIES = (None, "passive", "active")
@@ -80,21 +96,14 @@ def main() -> None:
     ap.add_argument("--out", default="out/threads.json", help="the JSON written")
     args = ap.parse_args()
     cpus, load = len(os.sched_getaffinity(0)), os.getloadavg()
-    hogs = [mp.Process(target=hog, daemon=True) for _ in range(args.hog)]
-    for h in hogs:
-        h.start()
     settings = [(t, p) for t in sorted({1, cpus}) for p in POLICIES]
     runs: dict[tuple[int, str | None], list[tuple[float, float] | None]] = {k: [] for k in settings}
-    try:
-        time.sleep(0.5)
+    with busy(args.hog):
         for _ in range(args.repeat):  # A B C A B C: a change in the machine's load hits every setting
             for threads, policy in settings:
                 got = run(threads, policy, args.tokens, args.timeout)
                 runs[threads, policy].append(got)
                 print(f"  {threads} thread(s), {policy or 'default'}: {got or 'timed out'}", flush=True)
-    finally:
-        for h in hogs:
-            h.terminate()
     rows = []
     for (threads, policy), got in runs.items():
         done = [g for g in got if g is not None]
