@@ -304,9 +304,11 @@ def test_top_level_help_lists_every_command(capsys) -> None:
 
 
 def test_readme_example_outputs_are_ignored_by_git() -> None:
+    """Outputs named in the code blocks of the README and of docs/install.md, docs/gpu.md."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
-    blocks = "\n".join(re.findall(r"```.*?```", README, flags=re.DOTALL))
+    docs = [README, *((ROOT / "docs" / n).read_text(encoding="utf-8") for n in ("install.md", "gpu.md"))]
+    blocks = "\n".join(b for d in docs for b in re.findall(r"```.*?```", d, flags=re.DOTALL))
     outputs = re.findall(r"(?:(?<![\w-])(?:--out|--json|-w)\s+|out_dir=)([a-z][\w.\-]*(?:/[\w.\-]+)*)", blocks)
     outputs += re.findall(r"export\([^,]+, \"([^\"]+)\"\)", blocks)
     assert {"my-model", "niah.json", "exported/api-tour", "wheels"} <= set(outputs)
