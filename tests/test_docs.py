@@ -1,7 +1,9 @@
 """The public docs hold together: every relative link in the README, docs/, benchmarks/ and
 experiments/ names a file (and, for a Markdown target with ``#anchor``, one of its headings), public
-text carries no internal words (work periods, internal paper numbers, private paths), and the
-one-study configs under experiments/ still load."""
+text carries no internal words (work periods, internal paper numbers, private paths), the
+one-study configs under experiments/ still load, and the results read as a product: every claim
+row of docs/results/README.md names its page, hardware and date, and every results page gives
+hardware, date and a command in at most MAX_PAGE_LINES lines."""
 
 from __future__ import annotations
 
@@ -99,3 +101,100 @@ def test_benchmarks_readme_lists_every_script() -> None:
     listed = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
     scripts = sorted(p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
     assert scripts and [s for s in scripts if f"`{s}`" not in listed] == []
+
+
+# -- the results: one row per claim, each page with hardware, date and command -----------------------
+
+RESULTS = ROOT / "docs" / "results"
+MAX_PAGE_LINES = 250  # a page holds the current table per question; superseded runs go to dev/LOG.md
+CLAIMS_HEADER = "| claim | number | hardware | date | page |"
+DATE = re.compile(r"\b20\d\d-[01]\d(-[0-3]\d)?\b")
+MACHINE = re.compile(r"AMD EPYC|x86-64|NVIDIA|\bin CI\b")  # a page names its machine, or says it is tests in CI
+COMMAND = re.compile(
+    r"^\s*(?:[A-Z_]+=\S*\s+)*(?:python3?|\.venv/bin/\w+|recurformer|pytest|benchmarks/|experiments/|scripts/)",
+    re.MULTILINE,
+)
+
+
+def claim_rows(index: str) -> list[list[str]]:
+    """The cells of each row of the index's claims table (the rows under ``CLAIMS_HEADER``)."""
+    lines = index.split(CLAIMS_HEADER, 1)[1].splitlines()[2:]  # past the header's |---| line
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split(" | ")])
+    return rows
+
+
+def hardware_names(index: str) -> set[str]:
+    """The names of the index's Hardware table."""
+    return set(re.findall(r"^\| ([\w-]+) \| ", index.split("## Hardware", 1)[1], flags=re.MULTILINE)) - {"name"}
+
+
+def row_problems(row: list[str], hardware: set[str], pages: set[str]) -> list[str]:
+    """What a claim row lacks: five cells, a known machine (or tests), a date, a link to a results page."""
+    if len(row) != 5:
+        return [f"{len(row)} cells, not 5"]
+    _, _, machine, date, page = row
+    problems = []
+    tests = machine.startswith("tests")
+    if not tests and machine.split()[0].rstrip(",") not in hardware:
+        problems.append(f"hardware {machine!r} is not in the Hardware table")
+    if not (DATE.fullmatch(date) or (tests and date == "–")):
+        problems.append(f"date {date!r}")
+    linked = {t.partition("#")[0] for t in LINK.findall(page)}
+    if not linked or not linked <= pages:
+        problems.append(f"page {page!r} links no results page")
+    return problems
+
+
+def page_problems(text: str, dated: bool = True) -> list[str]:
+    """What a results page lacks: its machine, a date (``dated``: it reports measurements, not tests
+    only), a command in a code block, and a length within MAX_PAGE_LINES."""
+    code = "\n".join(re.findall(r"```.*?```", text, flags=re.DOTALL))
+    problems = []
+    if not MACHINE.search(text):
+        problems.append("no hardware")
+    if dated and not DATE.search(text):
+        problems.append("no date")
+    if not COMMAND.search(code):
+        problems.append("no command")
+    if len(text.splitlines()) > MAX_PAGE_LINES:
+        problems.append(f"{len(text.splitlines())} lines > {MAX_PAGE_LINES}")
+    return problems
+
+
+INDEX = (RESULTS / "README.md").read_text(encoding="utf-8")
+TOPIC_PAGES = sorted(p for p in RESULTS.glob("*.md") if p.name != "README.md")
+
+
+def test_every_claim_row_names_its_page_hardware_and_date() -> None:
+    rows = claim_rows(INDEX)
+    assert 0 < len(rows) <= 25  # one row per claim, its current number only
+    hardware, pages = hardware_names(INDEX), {p.name for p in TOPIC_PAGES}
+    assert {row[0]: row_problems(row, hardware, pages) for row in rows if row_problems(row, hardware, pages)} == {}
+
+
+@pytest.mark.parametrize("page", TOPIC_PAGES, ids=lambda p: p.name)
+def test_results_page_gives_hardware_date_and_command(page: Path) -> None:
+    rows = [r for r in claim_rows(INDEX) if len(r) == 5 and page.name in r[4]]
+    dated = not rows or any(r[3] != "–" for r in rows)  # a page of tests only (date "–") needs no date
+    assert page_problems(page.read_text(encoding="utf-8"), dated) == []
+
+
+def test_results_checks_see_a_bad_row_and_a_bad_page() -> None:
+    index = f"{CLAIMS_HEADER}\n|---|---|---|---|---|\n| a | 1 | m1 | 2026-11 | [p](p.md) |\n"
+    index += "| no page | 1 | m1 | 2026-11 | p |\n| unknown machine, no date | 1 | m9 | soon | [p](p.md) |\n"
+    index += "| four cells | 1 | m1 | [p](p.md) |\n\n## Hardware\n\n| name | machine |\n|---|---|\n| m1 | AMD EPYC |\n"
+    rows = claim_rows(index)
+    hardware = hardware_names(index)
+    assert hardware == {"m1"} and [len(row_problems(r, hardware, {"p.md"})) for r in rows] == [0, 1, 2, 1]
+    good = "# P\n\nAMD EPYC, 2026-11-27.\n\n```bash\nOMP_NUM_THREADS=2 python benchmarks/peers.py\n```\n"
+    assert page_problems(good) == []
+    assert page_problems(good.replace("AMD EPYC", "a machine")) == ["no hardware"]
+    assert page_problems(good.replace("2026-11-27", "today")) == ["no date"]
+    assert page_problems(good.replace("2026-11-27", "today"), dated=False) == []
+    assert page_problems(good.replace("python benchmarks/peers.py", "done")) == ["no command"]
+    long = good + "line\n" * MAX_PAGE_LINES
+    assert page_problems(long) == [f"{len(long.splitlines())} lines > {MAX_PAGE_LINES}"]
