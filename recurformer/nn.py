@@ -315,7 +315,8 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
         )
 
     def body(self, h: Tensor, state: State) -> tuple[Tensor, State]:
-        """The layers over h [B, T, D], after the lazy reset of the fresh rows."""
+        """The layers over h [B, T, D] (``layer_pass``), after the checks and the lazy reset of
+        the fresh rows; the new state's document starts and what the host knows of them."""
         layers, pos, P = state.layers, state.pos, self.reset_boundary
         # whether a row may be fresh: at a boundary an unknown answer needs no wait for the device (the
         # reset is a mask, exact for rows that are not fresh), so a captured step has no host read
@@ -331,15 +332,23 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
             layers = [layer.reset(s, state.fresh) for layer, s in zip(self.layers, layers)]
         start = torch.where(state.fresh, torch.full_like(state.start, pos), state.start)
         ceiling = state.start_ceiling if any_fresh is False else pos  # a fresh row starts at pos
-        call = Call(pos, start, state.start_floor, ceiling)
-        new = []
-        for layer, s in zip(self.layers, layers):
-            h, s = layer(h, s, call)
-            new.append(s)
+        h, new = self.layer_pass(h, layers, state.fresh, Call(pos, start, state.start_floor, ceiling))
         return h, State(  # a start only moves forward (to pos <= any later one), so the floor holds
             fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=new, any_fresh=False,
             start_floor=state.start_floor, start_ceiling=ceiling,
         )  # fmt: skip
+
+    def layer_pass(
+        self, h: Tensor, layers: list[LayerState], fresh: Tensor, call: Call
+    ) -> tuple[Tensor, list[LayerState]]:
+        """h [B, T, D] through the stack, each layer reading and returning its own state (the fresh
+        rows' states already reset; ``fresh`` [B] for a model that resets more of its own). A model
+        whose state crosses layers overrides this pass only (RMT); ``body`` keeps the contract."""
+        new = []
+        for layer, s in zip(self.layers, layers):
+            h, s = layer(h, s, call)
+            new.append(s)
+        return h, new
 
     def features(self, tokens: Tensor, state: State | None = None) -> tuple[Tensor, State]:
         """Validated ``tokens`` [B, T] -> final-norm hidden states [B, T, D] (what the LM head
