@@ -261,6 +261,7 @@ class NonFiniteLogits(RecurformerError):
 
 
 def check_token_shape(tokens: Tensor) -> None:
+    """One line unless ``tokens`` is an integer tensor [B, T]."""
     if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
         raise RecurformerError(
             f"tokens must be an integer tensor [batch, time], got {tuple(tokens.shape)} {tokens.dtype}"
@@ -268,6 +269,7 @@ def check_token_shape(tokens: Tensor) -> None:
 
 
 def check_targets(tokens: Tensor, targets: Tensor) -> None:
+    """One line unless ``targets`` has the shape of ``tokens``."""
     if targets.shape != tokens.shape:
         raise RecurformerError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
 
@@ -405,11 +407,12 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
     ) -> Iterator[Output]:  # fmt: skip
         """``tokens`` [B, T] read ``chunk`` tokens per call with the state carried (the last call
         reads the T mod chunk left), one ``Output`` per call: the logits promoted to at least
-        float32 and checked finite (else ``NonFiniteLogits``, naming the tokens), the mean loss of
-        the call's ``targets`` [B, T] when given, and the state after the call. Every call runs
-        under ``precision``'s autocast (``device.autocast_context``: bf16, or none for fp32, when an
-        outer autocast stays in force). Whole == chunked: the logits equal ``forward``'s over all
-        of ``tokens`` (the streaming contract). Gradients flow unless the caller turns them off."""
+        float32 and checked finite (else ``NonFiniteLogits``, naming the tokens; the check waits
+        for the device once per call), the mean loss of the call's ``targets`` [B, T] when given,
+        and the state after the call. Every call runs under ``precision``'s autocast
+        (``device.autocast_context``: bf16 autocast for bf16; for fp32 none of its own, so an outer
+        autocast stays in force). Whole == chunked: the logits equal ``forward``'s over all of
+        ``tokens`` (the streaming contract). Gradients flow unless the caller turns them off."""
         check_token_shape(tokens)
         if chunk < 1:
             raise RecurformerError(f"chunk must be >= 1, got {chunk}")
