@@ -28,7 +28,7 @@ from .config import RecurformerError, check_options, merge, option_name
 from .data import Tokenizer
 from .device import cpu_threads
 from .evaluate import DEFAULT_WINDOWS, LengthResult, evaluate_lengths
-from .nn import StreamingLM
+from .nn import NonFiniteLogits, StreamingLM
 from .probe import ProbeResult
 
 if TYPE_CHECKING:
@@ -391,7 +391,6 @@ def evaluate_checkpoints(
     ``"complete": false`` until the end, so an interrupted eval keeps what it finished; progress
     shows as a bar on a terminal, as lines through ``log`` elsewhere. Every option is checked
     before any work."""
-    import math
 
     from .device import memory_kind, out_of_memory, pick_device
     from .evaluate import check_lengths, eval_tokens, markdown_table, plot, save_json, window_ends
@@ -432,13 +431,8 @@ def evaluate_checkpoints(
             f"{n * sum(warm_state + L for L in lengths):,} tokens to read"
         )
 
-        def keep(r: LengthResult, label: str = label, path: str = path) -> None:
+        def keep(r: LengthResult, label: str = label) -> None:
             """Each length as it finishes, into the JSON: an interrupted eval keeps what it finished."""
-            if not math.isfinite(r.loss):
-                kept = f"{path_out} keeps the results before it" if results else "nothing written"
-                raise RecurformerError(
-                    f"{path} gives non-finite logits (loss {r.loss} at length {r.length}) although its weights load; {kept}"
-                )
             results[label] = [*results.get(label, []), r]
             save_json(results, path_out, meta or {}, complete=False)
             log(
@@ -464,6 +458,9 @@ def evaluate_checkpoints(
                     progress=progress.update,
                     done=keep,
                 )
+        except NonFiniteLogits as e:
+            kept = f"{path_out} keeps the results before it" if results else "nothing written"
+            raise RecurformerError(f"{path} gives {e} although its weights load; {kept}") from None
         except BaseException as e:  # Ctrl-C, a scheduler's SIGTERM, a failure
             if results and not isinstance(e, RecurformerError):
                 log(f'stopped: {path_out} keeps the lengths finished so far ("complete": false)')

@@ -31,7 +31,7 @@ from .config import RecurformerError, check_options, option_name
 from .data.tokenizer import Tokenizer
 from .device import peak_memory_mb, reset_peak_memory, synchronize
 from .files import atomic_write
-from .nn import StreamingLM
+from .nn import NonFiniteLogits, StreamingLM
 
 BOOTSTRAP_SAMPLES = 2000
 BOOTSTRAP_SEED = 0
@@ -98,16 +98,12 @@ def score_rows(
         x, y = rows[:, :-1], rows[:, 1:]
         T = x.shape[1]
         first_scored = T - last
-        state = None
         row_loss, row_hits = [], []
-        for a in range(0, T, chunk):
+        for a, out in zip(range(0, T, chunk), model.read(x, chunk)):
             b = min(a + chunk, T)
-            out = model(x[:, a:b], state=state)
-            state = out.state
             lo = max(a, first_scored)
             if lo < b:
                 logits = out.logits[:, lo - a :]
-                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
                 tgt = y[:, lo:b]
                 row_loss.append(F.cross_entropy(logits.transpose(1, 2), tgt, reduction="none").double().cpu())
                 row_hits.append((logits.argmax(-1) == tgt).double().cpu())
@@ -276,7 +272,10 @@ def evaluate_lengths(
         w = torch.from_numpy(np.stack([np.asarray(tokens[e - n : e], dtype=np.int64) for e in ends]))
         reset_peak_memory(device)
         t0 = time.perf_counter()
-        loss, hits = score_rows(model, w, last, chunk, batch_size, progress)
+        try:
+            loss, hits = score_rows(model, w, last, chunk, batch_size, progress)
+        except NonFiniteLogits as e:
+            raise NonFiniteLogits(f"non-finite logits (NaN/inf) at length {L}") from e
         synchronize(device)
         dt = time.perf_counter() - t0
         doc_loss = np.bincount(unit, weights=loss.numpy().reshape(-1), minlength=n_units)

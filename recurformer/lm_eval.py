@@ -118,12 +118,9 @@ class RecurformerLM(TemplateLM):
         lo = torch.tensor(first, device=self.device)[:, None]
         ll = torch.zeros(B, dtype=torch.float64, device=self.device)
         greedy = torch.ones(B, dtype=torch.bool, device=self.device)
-        state = None
-        for a in range(0, T - 1, self.chunk):
+        for a, out in zip(range(0, T - 1, self.chunk), self.model.read(x[:, : T - 1], self.chunk)):
             b_ = min(a + self.chunk, T - 1)
-            out = self.model(x[:, a:b_], state=state)
-            state = out.state
-            logp = out.logits.float().log_softmax(-1)
+            logp = out.logits.log_softmax(-1)
             tgt = x[:, a + 1 : b_ + 1]
             pos = torch.arange(a + 1, b_ + 1, device=self.device)[None]
             scored = (pos >= lo) & (pos < length)
@@ -191,10 +188,9 @@ class RecurformerLM(TemplateLM):
     def _read(self, tokens: list[int], state: Any = None) -> tuple[torch.Tensor, Any]:
         """Next-token logits [1, V] after ``tokens``, read in chunks, and the state."""
         x = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        for a in range(0, x.shape[1], self.chunk):
-            o = self.model(x[:, a : a + self.chunk], state=state)
-            state = o.state
-        return o.logits[:, -1].float(), state
+        for o in self.model.read(x, self.chunk, state):
+            pass
+        return o.logits[:, -1], o.state
 
 
 def _values(args: list[str], *flags: str) -> list[str]:

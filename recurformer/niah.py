@@ -85,19 +85,19 @@ def logits_fn(model: Any, chunk: int) -> Callable[[torch.Tensor, int], torch.Ten
     read ``chunk`` tokens per call through the state (a ``StreamingLM``, or recurformer's
     transformers class through its cache; earlier logits are dropped as they come); any other
     ``transformers`` model reads the whole sequence in one call."""
-    ours = isinstance(model, StreamingLM)
-    if ours or hasattr(model, "empty_cache"):  # recurformer's transformers class: read through its state cache
+    if isinstance(model, StreamingLM):
+
+        def read(x: torch.Tensor, first: int) -> torch.Tensor:
+            parts = zip(range(0, x.shape[1], chunk), model.read(x, chunk))
+            return torch.cat([out.logits[:, max(first - a, 0) :] for a, out in parts if a + chunk > first], 1)
+
+        return read
+    if hasattr(model, "empty_cache"):  # recurformer's transformers class: read through its state cache
 
         def run(x: torch.Tensor, first: int) -> torch.Tensor:
-            parts, state = [], None
-            cache = None if ours else model.empty_cache()
+            parts, cache = [], model.empty_cache()
             for a in range(0, x.shape[1], chunk):
-                part = x[:, a : a + chunk]
-                if ours:
-                    out = model(part, state=state)
-                    logits, state = out.logits, out.state
-                else:
-                    logits = model(part, past_key_values=cache, use_cache=True).logits
+                logits = model(x[:, a : a + chunk], past_key_values=cache, use_cache=True).logits
                 if a + chunk > first:
                     parts.append(logits[:, max(first - a, 0) :].float())
             return torch.cat(parts, 1)

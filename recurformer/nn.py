@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 
 from .compat import upgrade_state
 from .config import RecurformerError
+from .device import autocast_context
 from .generate import GenerationMixin
 from .hub import HubMixin
 from .modules import MLP, RMSNorm, cross_entropy
@@ -31,6 +33,7 @@ __all__ = [
     "Layer",
     "LayerState",
     "ModelConfig",
+    "NonFiniteLogits",
     "Output",
     "Room",
     "State",
@@ -253,6 +256,24 @@ class Block(Layer):
 # the model
 
 
+class NonFiniteLogits(RecurformerError):
+    """A call of ``StreamingLM.read`` gave a logit that is NaN or infinite."""
+
+
+def check_token_shape(tokens: Tensor) -> None:
+    """One line unless ``tokens`` is an integer tensor [B, T]."""
+    if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+        raise RecurformerError(
+            f"tokens must be an integer tensor [batch, time], got {tuple(tokens.shape)} {tokens.dtype}"
+        )
+
+
+def check_targets(tokens: Tensor, targets: Tensor) -> None:
+    """One line unless ``targets`` has the shape of ``tokens``."""
+    if targets.shape != tokens.shape:
+        raise RecurformerError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
+
+
 def check_compile() -> None:
     """Compiling needs torch >= 2.5: torch 2.4's inductor fails on the RoPE tables (``TypeError:
     Invalid NaN comparison``, in code generation); the eager model runs on 2.4."""
@@ -315,7 +336,8 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
         )
 
     def body(self, h: Tensor, state: State) -> tuple[Tensor, State]:
-        """The layers over h [B, T, D], after the lazy reset of the fresh rows."""
+        """The layers over h [B, T, D] (``layer_pass``), after the checks and the lazy reset of
+        the fresh rows; the new state's document starts and what the host knows of them."""
         layers, pos, P = state.layers, state.pos, self.reset_boundary
         # whether a row may be fresh: at a boundary an unknown answer needs no wait for the device (the
         # reset is a mask, exact for rows that are not fresh), so a captured step has no host read
@@ -331,23 +353,28 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
             layers = [layer.reset(s, state.fresh) for layer, s in zip(self.layers, layers)]
         start = torch.where(state.fresh, torch.full_like(state.start, pos), state.start)
         ceiling = state.start_ceiling if any_fresh is False else pos  # a fresh row starts at pos
-        call = Call(pos, start, state.start_floor, ceiling)
-        new = []
-        for layer, s in zip(self.layers, layers):
-            h, s = layer(h, s, call)
-            new.append(s)
+        h, new = self.layer_pass(h, layers, state.fresh, Call(pos, start, state.start_floor, ceiling))
         return h, State(  # a start only moves forward (to pos <= any later one), so the floor holds
             fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=new, any_fresh=False,
             start_floor=state.start_floor, start_ceiling=ceiling,
         )  # fmt: skip
 
+    def layer_pass(
+        self, h: Tensor, layers: list[LayerState], fresh: Tensor, call: Call
+    ) -> tuple[Tensor, list[LayerState]]:
+        """h [B, T, D] through the stack, each layer reading and returning its own state (the fresh
+        rows' states already reset; ``fresh`` [B] for a model that resets more of its own). A model
+        whose state crosses layers overrides this pass only (RMT); ``body`` keeps the contract."""
+        new = []
+        for layer, s in zip(self.layers, layers):
+            h, s = layer(h, s, call)
+            new.append(s)
+        return h, new
+
     def features(self, tokens: Tensor, state: State | None = None) -> tuple[Tensor, State]:
         """Validated ``tokens`` [B, T] -> final-norm hidden states [B, T, D] (what the LM head
         reads) and the state after the last token."""
-        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise RecurformerError(
-                f"tokens must be an integer tensor [batch, time], got {tuple(tokens.shape)} {tokens.dtype}"
-            )
+        check_token_shape(tokens)
         B, T = tokens.shape
         if T > 0 and self.check_tokens:
             lo, hi = int(tokens.min()), int(tokens.max())
@@ -365,8 +392,7 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
         logits = F.linear(h, self.tok_emb.weight)
         loss = None
         if targets is not None:
-            if targets.shape != tokens.shape:
-                raise RecurformerError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
+            check_targets(tokens, targets)
             V = self.config.vocab_size
             wrong = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= V)) if self.check_tokens else None
             if wrong is not None and bool(wrong.any()):
@@ -374,6 +400,42 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
                 raise RecurformerError(f"target id {bad} is outside the vocabulary [0, {V}) and is not {IGNORE_INDEX}")
             loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), IGNORE_INDEX)
         return Output(logits=logits, loss=loss, state=state)
+
+    def read(
+        self, tokens: Tensor, chunk: int, state: State | None = None, targets: Tensor | None = None,
+        precision: str = "fp32",
+    ) -> Iterator[Output]:  # fmt: skip
+        """``tokens`` [B, T] read ``chunk`` tokens per call with the state carried (the last call
+        reads the T mod chunk left), one ``Output`` per call: the logits promoted to at least
+        float32 and checked finite (else ``NonFiniteLogits``, naming the tokens; the check waits
+        for the device once per call), the mean loss of the call's ``targets`` [B, T] when given,
+        and the state after the call. Every call runs under ``precision``'s autocast
+        (``device.autocast_context``: bf16 autocast for bf16; for fp32 none of its own, so an outer
+        autocast stays in force). Whole == chunked: the logits equal ``forward``'s over all of
+        ``tokens`` (the streaming contract). Gradients flow unless the caller turns them off."""
+        check_token_shape(tokens)
+        if chunk < 1:
+            raise RecurformerError(f"chunk must be >= 1, got {chunk}")
+        if targets is not None:
+            check_targets(tokens, targets)
+        return self._read(tokens, chunk, state, targets, precision)
+
+    def _read(
+        self, tokens: Tensor, chunk: int, state: State | None, targets: Tensor | None, precision: str
+    ) -> Iterator[Output]:
+        T, device = tokens.shape[1], self.tok_emb.weight.device
+        for a in range(0, T, chunk):
+            b = min(a + chunk, T)
+            with autocast_context(precision, device):
+                out = self(tokens[:, a:b], state, None if targets is None else targets[:, a:b])
+            logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
+            if not bool(torch.isfinite(logits).all()):
+                raise NonFiniteLogits(
+                    f"the model produced non-finite logits (NaN/inf) at tokens {a}..{b - 1} of {T} ({precision}): "
+                    "its weights are broken or overflow"
+                )
+            state = out.state
+            yield Output(logits, out.loss, state)
 
     def check_state(self, state: State, batch_size: int) -> State:
         """Exact: the state's type, batch size, layer count and every layer state's shapes."""

@@ -336,11 +336,6 @@ def row_losses(
     device = model.tok_emb.weight.device
     order = np.argsort([len(r) for r in rows], kind="stable")
     out: list[np.ndarray] = [np.empty(0)] * len(rows)
-    cast = (
-        torch.autocast(device.type, dtype=torch.bfloat16)
-        if precision == "bf16"
-        else torch.autocast(device.type, enabled=False)
-    )
     for start in range(0, len(rows), batch_size):
         idx = order[start : start + batch_size]
         T = max(len(rows[i]) for i in idx)
@@ -349,16 +344,9 @@ def row_losses(
             x[b, : len(rows[i])] = torch.from_numpy(rows[i])
         x = x.to(device)
         losses = torch.full((len(idx), T), float("nan"), dtype=torch.float64)
-        state = None
-        for a in range(0, T - 1, chunk):
+        for a, o in zip(range(0, T - 1, chunk), model.read(x[:, : T - 1], chunk, precision=precision)):
             e = min(a + chunk, T - 1)
-            with cast:
-                o = model(x[:, a:e], state=state)
-            state = o.state
-            logits = o.logits.to(torch.promote_types(o.logits.dtype, torch.float32))
-            if not torch.isfinite(logits).all():
-                raise RecurformerError("the model produced non-finite logits (NaN/inf): its weights are broken")
-            ce = F.cross_entropy(logits.flatten(0, 1), x[:, a + 1 : e + 1].flatten(), reduction="none")
+            ce = F.cross_entropy(o.logits.flatten(0, 1), x[:, a + 1 : e + 1].flatten(), reduction="none")
             losses[:, a + 1 : e + 1] = ce.view(len(idx), -1).double().cpu()
         for b, i in enumerate(idx):
             out[i] = losses[b, : len(rows[i])].numpy()

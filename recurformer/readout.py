@@ -58,10 +58,9 @@ def memory_share(model: StreamingLM, tokens: Tensor, segment: int) -> dict[int, 
     ``tokens`` [B, T], read one segment per call with the state carried. Layers without a
     memory path are left out."""
     model.eval()
-    state = None
     with tap.recording() as rec:
-        for a in range(0, tokens.shape[1], segment):
-            state = model(tokens[:, a : a + segment], state=state).state
+        for _ in model.read(tokens, segment):
+            pass
     out: dict[int, list[float]] = {}
     for i, layer in enumerate(model.layers):
         shares = [torch.cat(rec[m], dim=1) for m in layer.modules() if m in rec]
@@ -92,16 +91,12 @@ def state_gradient(model: StreamingLM, inputs: Tensor, targets: Tensor, segment:
 
     state = replace(s0, layers=[s.map(leaf) for s in s0.layers])
     losses: list[Tensor | None] = []
-    for j in range(1, k + 1):
-        out = model(inputs[:, j * segment : (j + 1) * segment], state=state)
+    for j, out in enumerate(model.read(inputs[:, segment : (k + 1) * segment], segment, state), start=1):
         y = targets[:, j * segment : (j + 1) * segment]
         scored = bool((y != IGNORE_INDEX).any())
         losses.append(
-            F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
-            if scored
-            else None
+            F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX) if scored else None
         )
-        state = out.state
     norms = []
     for loss in losses:
         if loss is None:

@@ -290,19 +290,13 @@ class Learner(nn.Module):
     @torch.no_grad()
     def predict(self, x: Tensor, chunk: int) -> Tensor:
         """Argmax predictions [B, T], reading ``x`` ``chunk`` tokens per call with the state carried."""
-        state = None
-        preds, last = [], None
-        for a in range(0, x.shape[1], chunk):
-            if self.decoder is None:
-                out = self.model(x[:, a : a + chunk], state=state)
-                preds.append(out.logits.argmax(-1))
-                state = out.state
-            else:
-                h, state = self.model.features(x[:, a : a + chunk], state)
-                last = h[:, -1]
-        if self.decoder is not None:
-            return self.decoder(last, x.shape[1]).argmax(-1)
-        return torch.cat(preds, dim=1)
+        if self.decoder is None:
+            return torch.cat([out.logits.argmax(-1) for out in self.model.read(x, chunk)], dim=1)
+        state, last = None, None
+        for a in range(0, x.shape[1], chunk):  # the hidden states, which the autoencoder head reads
+            h, state = self.model.features(x[:, a : a + chunk], state)
+            last = h[:, -1]
+        return self.decoder(last, x.shape[1]).argmax(-1)
 
 
 @torch.no_grad()

@@ -694,8 +694,12 @@ class Trainer:
         elif bool(batch.wrapped.any()):  # host data: no wait for the device
             state = state.reset(batch.wrapped)  # a host mask, so the state knows on the host that a row is fresh
         x, y = to_device(batch.x, self.device), to_device(batch.y, self.device)
-        with autocast_context(t.precision, self.device):
-            out = (self.model if evaluating else self.ddp)(x, state=state, targets=y)
+        if evaluating:  # one call, its logits checked finite
+            out = next(self.model.read(x, x.shape[1], state, y, t.precision))
+        else:
+            with autocast_context(t.precision, self.device):
+                out = self.ddp(x, state=state, targets=y)
+        assert out.loss is not None  # targets were given
         return out.loss, out.state
 
     def _mean_over_ranks(self, x: float) -> float:

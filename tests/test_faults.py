@@ -407,7 +407,7 @@ def test_non_finite_logits_from_finite_weights_are_one_line_errors(trained, tmp_
         == 2
     )
     err = last_error(capsys)
-    assert err.startswith(f"recurformer: error: {broken} gives non-finite logits (loss nan at length 32)")
+    assert err.startswith(f"recurformer: error: {broken} gives non-finite logits (NaN/inf) at length 32 although")
     assert not out.exists()
     assert cli(["generate", "--checkpoint", str(broken), "--prompt", "the", "--max-new-tokens", "3"]) == 2
     assert last_error(capsys).endswith("non-finite logits (nan/inf) although its weights load; it cannot generate")

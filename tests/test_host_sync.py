@@ -14,17 +14,45 @@ from host tensors alone; ``.to(device)`` makes a device tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 import weakref
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
+from helpers import TEST_CONFIGS
 from test_train import corpus, run_config  # noqa: F401  (the fixture)
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from recurformer.train import Trainer
+from recurformer import build_model
+from recurformer.models import REGISTRY
+from recurformer.train import RunConfig, Trainer
+
+# every registered model as the trainer's fixture runs it: its chunk, segment, block or window 8,
+# so the fixture's train.seq_len (32) is a whole number of them
+MODELS: dict[str, dict[str, Any]] = {
+    "memory_attention": {"chunk_size": 8},
+    "transformer_xl": {"segment_len": 8},
+    "block_recurrent": {"block_size": 8, "recurrent_layers": [1]},
+    "recurrent_transformer": {"block_size": 8},
+    "rmt": {"segment_len": 8, "memory_size": 2},
+    "gated_deltanet": {"chunk_size": 8},
+    "llama": {},
+    "sliding_window": {"window": 8},
+}
+
+
+def test_every_model_is_watched() -> None:
+    assert set(MODELS) == set(REGISTRY)
+
+
+def with_model(cfg: RunConfig, name: str) -> RunConfig:
+    """The fixture's run with model ``name`` (dim 32, 2 layers, 2 heads) in place of its own."""
+    return dataclasses.replace(cfg, model={"name": name, "dim": 32, "n_layers": 2, "n_heads": 2, **MODELS[name]})
+
 
 READS = {
     "item",
@@ -113,10 +141,12 @@ def test_the_emulation_sees_a_read() -> None:
     assert [r[0] for r in mode.reads] == ["item", "item", "__bool__", "__format__"]
 
 
-def test_training_steps_do_not_wait_for_the_device(corpus, tmp_path) -> None:  # noqa: F811
-    tr = Trainer(
-        run_config(corpus, tmp_path, truncation=2, grad_accum=2, grad_clip=1.0, state="carry"), show_progress=False
-    )
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_training_steps_do_not_wait_for_the_device(corpus, tmp_path, name) -> None:  # noqa: F811
+    """A state carried across steps (reset every step for a KV cache that grows without bound)."""
+    carry = build_model(name, {"dim": 32, "n_layers": 2, "n_heads": 2, **MODELS[name]}).bounded_state
+    cfg = run_config(corpus, tmp_path, truncation=2, grad_accum=2, grad_clip=1.0, state="carry" if carry else "reset")
+    tr = Trainer(with_model(cfg, name), show_progress=False)
     mode = watched(tr)
     with mode:
         losses = [tr.train_step(read=False) for _ in range(4)]
@@ -141,3 +171,22 @@ def test_the_loop_reads_once_per_log_interval(corpus, tmp_path) -> None:  # noqa
     assert asked.count("read_loss") == 2
     assert None not in asked, [r for r, a in zip(mode.reads, asked) if a is None]
     assert {"evaluate", "save"} <= set(asked)  # the emulation sees these reads
+
+
+@pytest.mark.parametrize("name", sorted(TEST_CONFIGS))
+def test_decoding_steps_do_not_wait_for_the_device(name) -> None:
+    """A prompt that ends mid-chunk (mid-segment, mid-block), then one token per call, as
+    decoding reads: after the first call the state knows on the host that no row is fresh, so no
+    call asks the device (the tokens are host data here; their range check reads only them)."""
+    torch.manual_seed(0)
+    cfg = TEST_CONFIGS[name][0]
+    model = build_model(name, cfg).eval()
+    tokens = torch.randint(0, cfg["vocab_size"], (2, 13))
+    with torch.no_grad(), HostReads() as mode:
+        mode.mark_host(tokens)
+        state = model(tokens[:, :5]).state
+        for t in range(5, tokens.shape[1]):
+            x = tokens[:, t : t + 1]
+            mode.mark_host(x)
+            state = model(x, state=state).state
+    assert mode.reads == []

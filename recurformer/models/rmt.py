@@ -68,7 +68,7 @@ from ..config import RecurformerError
 from ..modules import RMSNorm, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
-from ..state import Call, LayerState, State, reset_rows
+from ..state import Call, LayerState, reset_rows
 
 
 @dataclass
@@ -312,32 +312,29 @@ class RMT(StreamingLM):
         super().__init__(config)
         self.init_memory = nn.Parameter(torch.randn(config.memory_size, config.dim) * config.init_std)
 
-    def body(self, h: Tensor, state: State) -> tuple[Tensor, State]:
+    def layer_pass(
+        self, h: Tensor, layers: list[LayerState], fresh: Tensor, call: Call
+    ) -> tuple[Tensor, list[LayerState]]:
         """The layers over h [B, T, D], piece by piece: [read slots;] tokens [; write slots]
-        through the whole stack, then, at a segment end, the new memory and empty caches."""
-        S, M = self.config.segment_len, self.config.memory_size
-        pos, layers = state.pos, list(state.layers)
-        if pos % S and bool(state.fresh.any()):
-            raise RecurformerError(
-                f"RMT can reset a row only at a segment boundary (current segment has {pos % S} of {S} tokens)"
-            )
-        start = torch.where(state.fresh, torch.full_like(state.start, pos), state.start)
+        through the whole stack, then, at a segment end, the new memory and empty caches (the
+        fresh rows' memory is ``init_memory``; ``StreamingLM.body`` has reset their A and z)."""
+        S, M, pos = self.config.segment_len, self.config.memory_size, call.pos
+        layers = list(layers)
         assoc = self.config.associative
-        if assoc:  # the same slots every segment; the fresh rows' A and z start at zero
+        if assoc:  # the same slots every segment
             memory = self.init_memory.to(h.dtype).expand(h.shape[0], M, -1)
-            layers = [layer.reset(s, state.fresh) for layer, s in zip(self.layers, layers)]
         else:
             # init_memory enters every call's graph (with no fresh row, with a zero gradient), so
             # that DDP finds every parameter used
-            memory = reset_rows(state.fresh, getattr(layers[0], "memory"), self.init_memory)
+            memory = reset_rows(fresh, getattr(layers[0], "memory"), self.init_memory)
             layers[0] = with_memory(layers[0], memory)
         outs, a = [], 0
         for n in pieces(pos % S, h.shape[1], S):
             r, done = (pos + a) % S, (pos + a) % S + n == S
             x = torch.cat([memory] * (r == 0) + [h[:, a : a + n]] + [memory] * done, dim=1)
-            call = Call(pos + a, start, state.start_floor)
+            piece = dataclasses.replace(call, pos=pos + a, memo={})
             for i, (layer, s) in enumerate(zip(self.layers, layers)):
-                x, layers[i] = layer(x, s, call)
+                x, layers[i] = layer(x, s, piece)
             outs.append(x[:, :n])  # the last layer answers for the tokens [and the write slots] only
             if done:  # the write slots' outputs are the next memory (or in A); the caches start over
                 new = self.init_state(h.shape[0], h.device).layers
@@ -348,11 +345,7 @@ class RMT(StreamingLM):
                     layers = new
                     layers[0] = with_memory(layers[0], memory)
             a += n
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        return out, State(
-            fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=layers,
-            start_floor=state.start_floor,
-        )  # fmt: skip
+        return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]), layers
 
     def info_lines(self) -> list[str]:
         c = self.config
