@@ -119,7 +119,7 @@ class _CountAttention(TorchFunctionMode):
     """SDPA (and our written-out ``biased_attend``) counted by the (query, key) pairs its mask
     shows, as ``recurformer.flops`` does, and not run (zeros of the output's shape), so the FLOP
     counter never sees a dense kernel. A copy, because the peer's process cannot import our
-    package; tests/test_peers.py holds the two equal."""
+    package; tests/benchmarks/test_peers.py holds the two equal."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -18,7 +18,7 @@ The layer sits in the library's pre-norm block with a SwiGLU MLP, as the paper's
 Two exact forms of the recurrence: ``delta_rule_naive`` (token by token, the reference; it also
 decodes single tokens) and ``delta_rule_chunked`` (the paper's chunkwise WY/UT form, §3, over chunks of
 ``chunk_size`` tokens, for training), equal to rounding in outputs, final state and gradients
-(tests/test_gated_deltanet.py). The chunk is a unit of compute only: a row can be reset at any
+(tests/models/test_gated_deltanet.py). The chunk is a unit of compute only: a row can be reset at any
 token, and any split of a text into calls gives the same result.
 
 Initialisation: W_a starts at zero, A_log at 0 and dt_bias at softplus^{-1}(-log ``decay_init``),

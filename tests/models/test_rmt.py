@@ -25,7 +25,7 @@ from recurformer.train import Trainer, load_run_config
 
 BASE = dict(vocab_size=61, dim=32, n_heads=4)
 ARMT = dict(BASE, associative=True, assoc_dim=4)
-FIXTURE = Path(__file__).parent / "fixtures" / "rmt_plain" / "expected.safetensors"
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "rmt_plain" / "expected.safetensors"
 
 
 def reference(model, tokens: torch.Tensor) -> torch.Tensor:
