@@ -89,11 +89,11 @@ def train(
 
 def load(dir_or_repo_id: str | Path, device: str = "cpu") -> tuple[StreamingLM, Tokenizer | None]:
     """(model in eval mode, tokenizer or None) from a run, a checkpoint, a pretrained directory
-    or a Hub repo id."""
-    from .hub import from_pretrained
+    or a Hub repo id; ``hub.load`` gives its config, name and directory too."""
+    from . import hub
 
-    model, tok, _ = from_pretrained(dir_or_repo_id, device)
-    return model, tok
+    loaded = hub.load(dir_or_repo_id, device)
+    return loaded.model, loaded.tokenizer
 
 
 def _tokens(tokenizer: Tokenizer | None, dataset: str | None, text: Sequence[str | Path] | None) -> np.ndarray:
@@ -278,7 +278,7 @@ def generate_text(
     from .device import memory_kind, out_of_memory, peak_memory_mb, pick_device, reset_peak_memory, synchronize
     from .files import check_writable
     from .generate import load_session, new_session, save_session, stream
-    from .hub import load_model
+    from .hub import load
 
     check_options(style, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     if save_state:
@@ -288,7 +288,8 @@ def generate_text(
     with out_of_memory(
         f"loading {checkpoint} onto {dev}", f"the model does not fit there: use another device ({where})"
     ):
-        model, name, tok, _ = load_model(checkpoint, dev)
+        loaded = load(checkpoint, dev)
+    model, name, tok = loaded.model, loaded.name, loaded.tokenizer
     if tok is None:
         raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
     if tok.lowercase and prompt != prompt.lower():
@@ -335,30 +336,35 @@ def generate_text(
 # what ``recurformer eval`` and ``recurformer probe`` run: several checkpoints, one table, JSON + plot
 
 
-def eval_labels(paths: Sequence[str]) -> list[str]:
-    """One unique label per checkpoint: the run's name, plus the step where two share a run
-    name, plus the full path where even that is not unique."""
-    from .checkpoint import resolve
+def eval_labels(paths: Sequence[str], dirs: Sequence[Path]) -> list[str]:
+    """One unique label per checkpoint (``paths`` as given, ``dirs`` as ``hub.locate`` found
+    them): the run's name (a Hub repo's id), plus the step where two share a run name, plus the
+    full path where even that is not unique."""
+    from .hub import is_hub_id
 
-    dirs = [resolve(p) for p in paths]
     seen: dict[Any, Any] = {}
     for p, d in zip(paths, dirs):
         if d.resolve() in seen:
             raise RecurformerError(f"checkpoints {p} and {seen[d.resolve()]} are the same checkpoint ({d})")
         seen[d.resolve()] = p
-    runs = [d.parent.name if d.name.startswith("step_") else d.name for d in dirs]
+    runs = [
+        str(p) if is_hub_id(p) else d.parent.name if d.name.startswith("step_") else d.name for p, d in zip(paths, dirs)
+    ]
     labels = [f"{r} {d.name}" if runs.count(r) > 1 and d.name.startswith("step_") else r for r, d in zip(runs, dirs)]
     return [str(d) if labels.count(lab) > 1 else lab for lab, d in zip(labels, dirs)]
 
 
 def default_output(given: str | Path | None, checkpoint: str | Path, name: str) -> Path:
     """``given``, or ``name`` in the run directory of ``checkpoint`` (the directory that holds its
-    step_* checkpoints, or the checkpoint / pretrained directory itself)."""
-    from .checkpoint import resolve
+    step_* checkpoints, or the checkpoint / pretrained directory itself; for a Hub repo id, the
+    working directory: never the Hub cache)."""
+    from .hub import is_hub_id, locate
 
     if given:
         return Path(given)
-    d = resolve(checkpoint)
+    if is_hub_id(checkpoint):
+        return Path(name)
+    d = locate(checkpoint)
     return (d.parent if d.name.startswith("step_") else d) / name
 
 
@@ -396,13 +402,14 @@ def evaluate_checkpoints(
     from .device import memory_kind, out_of_memory, pick_device
     from .evaluate import check_lengths, eval_tokens, markdown_table, plot, save_json, window_ends
     from .files import check_writable
-    from .hub import load_model
+    from .hub import load, locate
     from .loggers import Progress
 
     lengths = list(lengths)
     check_options(style, window=window)
     check_lengths(lengths, last, windows, chunk, warm_state, batch_size, context, style)
-    labels = eval_labels(checkpoints)
+    dirs = [locate(p) for p in checkpoints]  # a Hub id fetched once, before any work
+    labels = eval_labels(checkpoints, dirs)
     path_out = default_output(out, checkpoints[0], "eval.json")
     check_writable(path_out, "--json file" if style == "cli" else "out file")  # before the work, not after it
     check_writable(path_out.with_suffix(".png"), "plot")
@@ -410,8 +417,9 @@ def evaluate_checkpoints(
     results: dict[str, list[LengthResult]] = {}
     cache: dict[Any, Any] = {}
     trained: dict[str, Any] = {}
-    for path, label in zip(checkpoints, labels):
-        model, name, tok, config = load_model(path, dev)
+    for path, d, label in zip(checkpoints, dirs, labels):
+        loaded = load(d, dev)
+        model, name, tok, config = loaded.model, loaded.name, loaded.tokenizer, loaded.config
         if window:
             if not hasattr(model, "set_window"):
                 raise RecurformerError(
@@ -505,10 +513,9 @@ def probe_checkpoints(
     (``dataset`` defaults to ``tinystories-repeat`` for ``repeat``, else the checkpoint's own);
     logs the tables, writes ``out`` (JSON with ``meta``; default ``probe.json`` in the first
     checkpoint's run directory) and its PNG plot; progress as a bar on a terminal, as lines in a log."""
-    from .checkpoint import resolve
     from .device import pick_device, slow_bf16_warning
     from .files import atomic_write, check_writable
-    from .hub import load_model
+    from .hub import load, locate
     from .loggers import Progress
     from .probe import (
         METRICS,
@@ -531,8 +538,10 @@ def probe_checkpoints(
         print(warning, file=sys.stderr)
     dataset = dataset if (dataset or text) else ("tinystories-repeat" if task == "repeat" else None)
     results = []
-    for path, label in zip(checkpoints, eval_labels(checkpoints)):
-        model, name, tok, config = load_model(path, dev)
+    dirs = [locate(p) for p in checkpoints]
+    for path, d, label in zip(checkpoints, dirs, eval_labels(checkpoints, dirs)):
+        loaded = load(d, dev)
+        model, name, tok, config = loaded.model, loaded.name, loaded.tokenizer, loaded.config
         if tok is None:
             raise RecurformerError(f"checkpoint {path} has no tokenizer.json, so it cannot read text")
         if dataset is None and not text:
@@ -564,8 +573,8 @@ def probe_checkpoints(
             metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed, progress.update)
         finally:
             progress.close()
-        facts = run_facts(resolve(path))
-        results.append(ProbeResult(label, str(resolve(path)), name, R, metrics=metrics, **facts))
+        facts = run_facts(loaded.path)
+        results.append(ProbeResult(label, str(loaded.path), name, R, metrics=metrics, **facts))
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -672,13 +681,14 @@ def readout_checkpoint(
     from .data.synthetic import get_task, make_split
     from .evaluate import eval_tokens
     from .files import atomic_write, check_writable
-    from .hub import from_pretrained
+    from .hub import load
     from .readout import default_segment, readout, table
 
     check_options(style, segments=segments, rows=rows, segment=segment)
     if out:
         check_writable(Path(out), "--json file" if style == "cli" else "out file")
-    model, tok, config = from_pretrained(checkpoint)
+    loaded = load(checkpoint)
+    model, tok, config = loaded.model, loaded.tokenizer, loaded.config
     segment = segment or default_segment(model)
     need = (segments + 1) * segment
     if task:

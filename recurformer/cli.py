@@ -243,7 +243,7 @@ def synth_evaluate(args: argparse.Namespace) -> None:
 
     from .device import pick_device
     from .files import atomic_write_text
-    from .hub import load_model
+    from .hub import load
     from .synth import score_lengths, split_overrides, synth_config
 
     if not args.lengths:
@@ -254,7 +254,8 @@ def synth_evaluate(args: argparse.Namespace) -> None:
         raise RecurformerError(
             f"synth --evaluate reads the saved model as it is; --set {next(iter(model_over))}=... does not apply"
         )
-    model, name, _, saved = load_model(args.evaluate, pick_device(args.device))
+    loaded = load(args.evaluate, pick_device(args.device))
+    model, name, saved = loaded.model, loaded.name, loaded.config
     params = dict(saved.get("task") or {})
     task = params.pop("name", None)
     if task is None:

@@ -1,5 +1,5 @@
 """Hugging Face Hub conventions, through ``huggingface_hub``: ``save_pretrained(dir)``,
-``from_pretrained(dir_or_repo_id)``, ``push_to_hub(repo_id)``, and a model card.
+``load(dir_or_repo_id)``, ``push_to_hub(repo_id)``, and a model card.
 
 A pretrained directory is a checkpoint directory without the training state, plus a card:
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 from safetensors.torch import save_file
 
-from .checkpoint import load_checkpoint, load_model_weights, resolve, run_contents, spelled
+from .checkpoint import load_checkpoint, load_model_weights, metrics, resolve, run_contents, spelled, train_json
 from .compat import FORMAT
 from .config import RecurformerError
 from .data import Tokenizer
@@ -37,12 +37,46 @@ FILES = ["model.safetensors", "config.json", "tokenizer.json", CARD]
 EXPORT_FILES = [*FILES, "generation_config.json", "tokenizer_config.json"]  # --format transformers adds two
 
 
-def load_model(
-    path: str | Path, device: str | torch.device = "cpu"
-) -> tuple[Any, str, Tokenizer | None, dict[str, Any]]:
-    """(model in eval mode, model name, tokenizer or None, run config dict) from a checkpoint, a
-    run directory (its newest checkpoint) or a pretrained directory."""
-    ck = load_checkpoint(path)
+@dataclass(frozen=True)
+class Loaded:
+    """A model read from a run, a checkpoint, a pretrained directory or the Hub (``load``)."""
+
+    model: Any  # the StreamingLM, in eval mode, on the device asked for
+    tokenizer: Tokenizer | None  # None where the directory has no tokenizer.json
+    config: dict[str, Any]  # the run config: model (with its name), data and train sections
+    name: str  # the architecture's registered name (model.name)
+    path: Path  # the directory read: a run's newest checkpoint, or a Hub repo's cached snapshot
+
+
+def is_hub_id(path_or_hub_id: str | Path) -> bool:
+    """Whether ``path_or_hub_id`` names a Hub repo (``owner/name``) rather than a local directory."""
+    s = str(path_or_hub_id)
+    return not Path(s).exists() and s.count("/") == 1 and not s.startswith((".", "/")) and not s.endswith("/")
+
+
+def locate(path_or_hub_id: str | Path, revision: str | None = None) -> Path:
+    """The checkpoint or pretrained directory that ``path_or_hub_id`` names: a local directory
+    (``checkpoint.resolve``: a run is its newest checkpoint), or else a Hub repo id, fetched (or
+    found in the cache) by ``snapshot_download``."""
+    if not is_hub_id(path_or_hub_id):
+        if not Path(path_or_hub_id).exists():
+            raise RecurformerError(
+                f"checkpoint not found: {path_or_hub_id} (neither a local directory nor a Hub repo id owner/name)"
+            )
+        return resolve(path_or_hub_id)
+    try:
+        return resolve(snapshot_download(str(path_or_hub_id), revision=revision, allow_patterns=FILES))
+    except (HfHubHTTPError, LocalEntryNotFoundError, HFValidationError, OSError) as e:
+        raise RecurformerError(
+            f"{path_or_hub_id} is no local directory, and getting it from the Hub failed: {str(e).splitlines()[0]}"
+        ) from None
+
+
+def load(path_or_hub_id: str | Path, device: str | torch.device = "cpu", revision: str | None = None) -> Loaded:
+    """The model (in eval mode on ``device``), tokenizer and run config saved in a run (its newest
+    checkpoint), a checkpoint, a pretrained directory or a Hub repo (``locate``): the one loader
+    every command, ``recurformer.load`` and ``StreamingLM.from_pretrained`` use."""
+    ck = load_checkpoint(locate(path_or_hub_id, revision))
     mcfg = dict(ck["config"].get("model", {}))
     name = mcfg.pop("name", None)
     if name is None:
@@ -50,7 +84,7 @@ def load_model(
     model = build_model(name, mcfg)
     load_model_weights(model, ck["model"], str(ck["dir"]))
     tok = Tokenizer.load(ck["tokenizer_dir"]) if ck["tokenizer_dir"] is not None else None
-    return model.to(device).eval(), name, tok, ck["config"]
+    return Loaded(model.to(device).eval(), tok, ck["config"], name, ck["dir"])
 
 
 def run_config_of(model: Any, config: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -77,17 +111,8 @@ def shareable(config: dict[str, Any]) -> dict[str, Any]:
 def results_row(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     """The last logged metrics of a run (``metrics.jsonl``) up to ``step``: train loss, val loss,
     tokens. Empty when the run has no metrics file."""
-    path = run_dir / "metrics.jsonl"
     row: dict[str, Any] = {}
-    if not path.is_file():
-        return row
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash
-        if step is not None and rec.get("step", 0) > step:
-            break
+    for rec in metrics(run_dir, step):
         row.update({k: v for k, v in rec.items() if k in ("step", "loss", "val_loss", "tokens")})
     return row
 
@@ -233,25 +258,6 @@ def _same_run(path: Path, config: dict[str, Any]) -> bool:
     )
 
 
-def from_pretrained(
-    dir_or_repo_id: str | Path, device: str = "cpu", revision: str | None = None
-) -> tuple[Any, Tokenizer | None, dict[str, Any]]:
-    """(model in eval mode, tokenizer or None, config) from a local directory (a pretrained
-    directory, a checkpoint or a run) or else a Hub repo id (downloaded and cached)."""
-    path = Path(dir_or_repo_id)
-    if not path.exists():
-        if str(dir_or_repo_id).count("/") != 1 or str(dir_or_repo_id).startswith((".", "/")):
-            raise RecurformerError(f"{dir_or_repo_id} is neither a local directory nor a Hub repo id (owner/name)")
-        try:
-            path = Path(snapshot_download(str(dir_or_repo_id), revision=revision, allow_patterns=FILES))
-        except (HfHubHTTPError, LocalEntryNotFoundError, HFValidationError, OSError) as e:
-            raise RecurformerError(
-                f"{dir_or_repo_id} is no local directory, and getting it from the Hub failed: {str(e).splitlines()[0]}"
-            ) from None
-    model, _, tok, config = load_model(path, device)
-    return model, tok, config
-
-
 def push_to_hub(
     model: Any,
     repo_id: str,
@@ -289,13 +295,13 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, sty
     """A run or checkpoint directory -> a pretrained directory with its model card (the results
     row is the run's last logged metrics up to the checkpoint's step). ``out`` must not hold a run,
     nor, unless ``overwrite``, anything but an earlier export of the same run (``claim_export_dir``)."""
-    ck = resolve(checkpoint)
-    model, _, tok, config = load_model(ck)
-    claim_export_dir(Path(out), shareable(run_config_of(model, config)), overwrite, style)
-    if not (ck / "train_state.json").is_file():  # not a training checkpoint: no run to take results from
-        return save_pretrained(model, out, tok, config)
-    step = json.loads((ck / "train_state.json").read_text()).get("step")
-    return save_pretrained(model, out, tok, config, results_row(ck.parent, step))
+    loaded = load(checkpoint)
+    claim_export_dir(Path(out), shareable(run_config_of(loaded.model, loaded.config)), overwrite, style)
+    state = train_json(loaded.path)
+    if state is None:  # not a training checkpoint: no run to take results from
+        return save_pretrained(loaded.model, out, loaded.tokenizer, loaded.config)
+    results = results_row(loaded.path.parent, state.get("step"))
+    return save_pretrained(loaded.model, out, loaded.tokenizer, loaded.config, results)
 
 
 class HubMixin:
@@ -309,7 +315,7 @@ class HubMixin:
     @classmethod
     def from_pretrained(cls, dir_or_repo_id: str | Path, **kwargs: Any) -> Any:
         """The model saved in a local directory (pretrained, checkpoint or run) or a Hub repo."""
-        model = from_pretrained(dir_or_repo_id, **kwargs)[0]
+        model = load(dir_or_repo_id, **kwargs).model
         if not isinstance(model, cls):
             raise RecurformerError(f"{dir_or_repo_id} holds a {type(model).__name__}, not a {cls.__name__}")
         return model

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .checkpoint import metrics, train_json
 from .config import RecurformerError
 from .data.prepare import EOT, REPEAT_PROMPT, load_documents
 from .data.tokenizer import Tokenizer
@@ -461,18 +462,11 @@ class ProbeResult:
 def run_facts(ckpt_dir: Path) -> dict[str, Any]:
     """Step and tokens of a checkpoint, and its run's validation loss and training speed so far."""
     facts: dict[str, Any] = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
-    try:
-        tj = json.loads((ckpt_dir / "train_state.json").read_text())
-        facts["step"], facts["tokens_seen"] = tj.get("step"), tj.get("tokens_seen")
-    except (OSError, json.JSONDecodeError):
+    state = train_json(ckpt_dir)
+    if state is None:  # a pretrained directory: no run
         return facts
-    try:
-        rows = [
-            json.loads(line) for line in (ckpt_dir.parent / "metrics.jsonl").read_text().splitlines() if line.strip()
-        ]
-    except (OSError, json.JSONDecodeError):
-        return facts
-    rows = [r for r in rows if r.get("step", 0) <= facts["step"]]
+    facts["step"], facts["tokens_seen"] = state.get("step"), state.get("tokens_seen")
+    rows = metrics(ckpt_dir.parent, facts["step"])
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     speeds = [r["tok_per_s"] for r in rows if "tok_per_s" in r]
     facts["val_loss"] = vals[-1] if vals else None
