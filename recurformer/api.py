@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .config import RecurformerError, check_options, merge, option_name
+from .config import RecurformerError, check_options, merge, opt, say
 from .data import Tokenizer
 from .device import cpu_threads
 from .evaluate import DEFAULT_WINDOWS, LengthResult, evaluate_lengths
@@ -135,7 +135,7 @@ def evaluate(
     from .device import out_of_memory
 
     data = np.asarray(tokens, dtype=np.int64) if tokens is not None else _tokens(tokenizer, dataset, text)
-    with out_of_memory(*eval_sizes("the model", model, batch_size, chunk, lengths, "python")):
+    with out_of_memory(*eval_sizes("the model", model, batch_size, chunk, lengths)):
         return evaluate_lengths(
             model,
             data,
@@ -150,9 +150,7 @@ def evaluate(
         )
 
 
-def eval_sizes(
-    label: str, model: StreamingLM, batch_size: int, chunk: int, lengths: Sequence[int], style: str
-) -> tuple[str, str]:
+def eval_sizes(label: str, model: StreamingLM, batch_size: int, chunk: int, lengths: Sequence[int]) -> tuple[str, str]:
     """What an evaluation holds in memory (the model, windows side by side, tokens per call, the
     longest window) and what to lower, for ``device.out_of_memory``."""
     from .models import model_name
@@ -161,8 +159,7 @@ def eval_sizes(
         f"evaluating {label} ({model_name(model.config)}, {model.num_params():,} parameters): batch_size "
         f"{batch_size} windows side by side, chunk {chunk} tokens per call, lengths up to {max(lengths)}"
     )
-    name = lambda o: option_name(o, style)  # noqa: E731
-    return doing, f"lower {name('batch_size')} or {name('chunk')} (a state that grows with the text: {name('lengths')})"
+    return doing, f"lower {opt('batch_size')} or {opt('chunk')} (a state that grows with the text: {opt('lengths')})"
 
 
 def check_probe(
@@ -174,19 +171,16 @@ def check_probe(
     chunk: int,
     batch_size: int,
     warm: tuple[int, int],
-    style: str = "python",
 ) -> None:
     """The probe's options checked, for ``probe`` and ``probe_checkpoints`` alike (one-line errors
-    naming them as ``style`` does: ``"cli"`` gives ``--warm-min``)."""
+    naming them, ``config.opt``)."""
     from .probe import TASKS
 
     if task not in TASKS:
         raise RecurformerError(f"unknown probe task '{task}'; valid tasks: {', '.join(TASKS)}")
-    check_options(style, docs=docs, batch_size=batch_size, chunk=chunk, passage=passage, span=span, warm_min=warm[0])
+    check_options(docs=docs, batch_size=batch_size, chunk=chunk, passage=passage, span=span, warm_min=warm[0])
     if warm[0] > warm[1]:
-        if style == "cli":
-            raise RecurformerError(f"need 0 <= --warm-min <= --warm-max, got {warm[0]} and {warm[1]}")
-        raise RecurformerError(f"warm must be (min, max) with min <= max, got {warm}")
+        raise RecurformerError(f"{opt('warm')} must be (min, max) with min <= max, got {warm}")
 
 
 @cpu_threads()
@@ -236,100 +230,6 @@ def probe(
         metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed)
     facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
     return ProbeResult(label, "", model_name(model.config), receptive_field(model), metrics=metrics, **facts)
-
-
-@dataclass
-class Generated:
-    """What ``generate_text`` produced, with its speed and peak memory."""
-
-    text: str  # the continuation (without the prompt)
-    tokens: int
-    seconds: float
-    peak_memory_mb: float
-    memory_kind: str  # what the peak counts ('GPU memory', 'RSS', ...)
-
-
-@cpu_threads()
-def generate_text(
-    checkpoint: str | Path,
-    prompt: str = "",
-    *,
-    max_new_tokens: int = 200,
-    temperature: float = 0.8,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int = 0,
-    stop_at_eos: bool = True,
-    load_state: str | Path | None = None,
-    save_state: str | Path | None = None,
-    device: str = "auto",
-    on_text: Callable[[str], object] | None = None,
-    note: Callable[[str], object] = print,
-    style: str = "python",
-) -> Generated:
-    """``recurformer generate``: continue ``prompt`` with a checkpoint's model, streaming the text
-    (the prompt first) to ``on_text`` as whole characters arrive; ``load_state`` continues a
-    saved generation (the prompt is appended), ``save_state`` saves it to continue later.
-    ``style`` names the options in errors (``"cli"``: ``--top-p``); running out of memory is one
-    line naming the model, the prompt's length and what to lower."""
-    import time
-
-    from .checkpoint import quoted, spelled
-    from .device import memory_kind, out_of_memory, peak_memory_mb, pick_device, reset_peak_memory, synchronize
-    from .files import check_writable
-    from .generate import load_session, new_session, save_session, stream
-    from .hub import load
-
-    check_options(style, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
-    if save_state:
-        check_writable(Path(save_state), f"{option_name('save_state', style)} file")  # before generating, not after
-    dev = pick_device(device)
-    where = spelled(style, "device", quoted("cpu", style))
-    with out_of_memory(
-        f"loading {checkpoint} onto {dev}", f"the model does not fit there: use another device ({where})"
-    ):
-        loaded = load(checkpoint, dev)
-    model, name, tok = loaded.model, loaded.name, loaded.tokenizer
-    if tok is None:
-        raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
-    if tok.lowercase and prompt != prompt.lower():
-        note("[this model's tokenizer was learned from lower-case text: the prompt is lower-cased]")
-        prompt = prompt.lower()
-    ids = ([] if load_state else [tok.bos_id]) + tok.encode(prompt)
-    doing = (
-        f"generating with {name} ({model.num_params():,} parameters) on {dev} from a prompt of {len(ids)} "
-        f"tokens, at most {max_new_tokens} new ones"
-    )
-    lower = f"lower the prompt's length or {option_name('max_new_tokens', style)}"
-    emit = on_text or (lambda t: None)
-    with out_of_memory(doing, lower):
-        session = load_session(load_state, model, name) if load_state else new_session(model, 1, seed)
-        tokens = torch.tensor([ids], dtype=torch.long) if ids else None
-        stops = [tok.eos_id, tok.bos_id] if stop_at_eos else []
-        emit(prompt)
-        out: list[int] = []
-        shown = ""
-        reset_peak_memory(dev)
-        t0 = time.perf_counter()
-        for step in stream(
-            model, tokens, max_new_tokens, temperature, top_k, top_p, session=session, stop_tokens=stops
-        ):
-            t = int(step[0])
-            if t < 0:
-                break
-            out.append(t)
-            text = tok.decode(out)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                emit(text[len(shown) :])
-                shown = text
-        synchronize(dev)
-        dt = time.perf_counter() - t0
-        text = tok.decode(out)
-        emit(text[len(shown) :])
-        if save_state:
-            save_session(session, save_state, name)
-            note(f"[saved the generation state to {save_state}]")
-    return Generated(text, len(out), dt, peak_memory_mb(dev), memory_kind(dev))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,8 +286,7 @@ def evaluate_checkpoints(
     text: list[str] | None = None,
     device: str = "auto",
     meta: dict[str, Any] | None = None,
-    log: Callable[[str], object] = print,
-    style: str = "python",
+    log: Callable[[str], object] = say,
 ) -> dict[str, list[LengthResult]]:
     """``recurformer eval``: length extrapolation of each checkpoint (on its own val split by
     default, or ``data``/``dataset``/``text``; ``windows`` evenly spaced windows per length, all of
@@ -406,12 +305,12 @@ def evaluate_checkpoints(
     from .loggers import Progress
 
     lengths = list(lengths)
-    check_options(style, window=window)
-    check_lengths(lengths, last, windows, chunk, warm_state, batch_size, context, style)
+    check_options(window=window)
+    check_lengths(lengths, last, windows, chunk, warm_state, batch_size, context)
     dirs = [locate(p) for p in checkpoints]  # a Hub id fetched once, before any work
     labels = eval_labels(checkpoints, dirs)
     path_out = default_output(out, checkpoints[0], "eval.json")
-    check_writable(path_out, "--json file" if style == "cli" else "out file")  # before the work, not after it
+    check_writable(path_out, f"{opt('out')} file")  # before the work, not after it
     check_writable(path_out.with_suffix(".png"), "plot")
     dev = pick_device(device)
     results: dict[str, list[LengthResult]] = {}
@@ -422,16 +321,14 @@ def evaluate_checkpoints(
         model, name, tok, config = loaded.model, loaded.name, loaded.tokenizer, loaded.config
         if window:
             if not hasattr(model, "set_window"):
-                raise RecurformerError(
-                    f"{option_name('window', style)} applies to dense attention models (llama), not {name}"
-                )
+                raise RecurformerError(f"{opt('window')} applies to dense attention models (llama), not {name}")
             model.set_window(window)
             label += f" (window {window})"
         tokens = eval_tokens(tok, config, data=data, dataset=dataset, text=text, cache=cache)
         span = context or warm_state + max(lengths)
         every = len(window_ends(len(tokens), span, last)) if len(tokens) > span else 0
         n = min(every, windows or every)
-        every_one = "--all" if style == "cli" else "windows=None"
+        every_one = opt("windows", "None", True)
         how = (
             "every window of the evaluation text" if n == every else f"evenly spaced, of {every:,}; {every_one} for all"
         )
@@ -456,7 +353,7 @@ def evaluate_checkpoints(
 
         progress = Progress(n * len(lengths), label, "window", log)
         try:
-            with out_of_memory(*eval_sizes(label, model, batch_size, chunk, lengths, style)):
+            with out_of_memory(*eval_sizes(label, model, batch_size, chunk, lengths)):
                 evaluate_lengths(
                     model,
                     tokens,
@@ -468,7 +365,6 @@ def evaluate_checkpoints(
                     batch_size,
                     context,
                     tok.bos_id if tok is not None else None,
-                    style=style,
                     progress=progress.update,
                     done=keep,
                 )
@@ -507,7 +403,6 @@ def probe_checkpoints(
     device: str = "auto",
     meta: dict[str, Any] | None = None,
     log: Callable[[str], object] = print,
-    style: str = "python",
 ) -> list[ProbeResult]:
     """``recurformer probe``: the copy or swap probe of each checkpoint on the same documents
     (``dataset`` defaults to ``tinystories-repeat`` for ``repeat``, else the checkpoint's own);
@@ -529,9 +424,9 @@ def probe_checkpoints(
         to_json,
     )
 
-    check_probe(task, docs=docs, passage=passage, span=span, chunk=chunk, batch_size=batch_size, warm=warm, style=style)
+    check_probe(task, docs=docs, passage=passage, span=span, chunk=chunk, batch_size=batch_size, warm=warm)
     path_out = default_output(out, checkpoints[0], "probe.json")
-    check_writable(path_out, "--json file" if style == "cli" else "out file")  # before the work, not after it
+    check_writable(path_out, f"{opt('out')} file")  # before the work, not after it
     check_writable(path_out.with_suffix(".png"), "plot")
     dev = pick_device(device)
     if warning := slow_bf16_warning(precision, dev):
@@ -548,7 +443,7 @@ def probe_checkpoints(
             dataset = config.get("data", {}).get("dataset")
             if not dataset:
                 raise RecurformerError(
-                    f"checkpoint {path} does not name a bundled dataset; give {option_name('dataset', style)} or {option_name('text', style)}"
+                    f"checkpoint {path} does not name a bundled dataset; give {opt('dataset')} or {opt('text')}"
                 )
         samples = make_samples(
             tok,
@@ -672,7 +567,6 @@ def readout_checkpoint(
     seed: int = 0,
     out: str | Path | None = None,
     log: Callable[[str], object] = print,
-    style: str = "python",
 ) -> Readout:
     """``recurformer readout``: does a model read its memory, and does a later loss reach it
     (``readout.readout``) on ``rows`` rows of a synthetic ``task`` (with ``task_values``) or of the
@@ -684,9 +578,9 @@ def readout_checkpoint(
     from .hub import load
     from .readout import default_segment, readout, table
 
-    check_options(style, segments=segments, rows=rows, segment=segment)
+    check_options(segments=segments, rows=rows, segment=segment)
     if out:
-        check_writable(Path(out), "--json file" if style == "cli" else "out file")
+        check_writable(Path(out), f"{opt('out')} file")
     loaded = load(checkpoint)
     model, tok, config = loaded.model, loaded.tokenizer, loaded.config
     segment = segment or default_segment(model)
@@ -721,14 +615,13 @@ def export(
     push_to_hub: str | None = None,
     *,
     overwrite: bool = False,
-    style: str = "python",
 ) -> Path:
     """A run or checkpoint -> a pretrained directory (weights, config, tokenizer, model card),
     uploaded to the Hub repo ``push_to_hub`` when given. ``out`` never holds a run; anything there
     but an earlier export of the same run is replaced only with ``overwrite`` (``hub.claim_export_dir``)."""
     from . import hub
 
-    path = hub.export(checkpoint, out, overwrite, style)
+    path = hub.export(checkpoint, out, overwrite)
     if push_to_hub:
         hub.upload(path, push_to_hub)
     return path

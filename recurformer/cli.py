@@ -10,16 +10,100 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
 import signal
 import sys
 import threading
+import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import RecurformerError, parse_overrides
+from .config import RecurformerError, parse_overrides, spell
+
+
+def add_options(p: argparse.ArgumentParser, cls: type[Any]) -> None:
+    """One flag per field of the options dataclass ``cls`` (``config.option``): ``--name-like-this``
+    (or the field's ``flag``), its help, its default; a list of numbers is one comma-separated
+    argument, a bool with a True default a ``--x/--no-x`` pair."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        extra = dict(f.metadata.get("cli", {}))
+        if not extra.pop("cli", True):
+            continue
+        default: Any = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": f.metadata.get("help", "")}
+        tp = _base(hints[f.name])
+        if tp is bool:
+            kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        elif typing.get_origin(tp) in (list, tuple):
+            if "nargs" not in extra:  # numbers: one comma-separated argument, parsed by ``options_of``
+                kw["default"] = ",".join(str(v) for v in default) if default is not None else None
+        else:
+            kw["type"] = tp
+        if extra.get("required"):
+            kw.pop("default")
+        p.add_argument(flag_of(f), **kw | extra)
+
+
+def _base(tp: Any) -> Any:
+    """``X | None`` -> ``X``."""
+    return (
+        next((a for a in typing.get_args(tp) if a is not type(None)), tp) if type(None) in typing.get_args(tp) else tp
+    )
+
+
+def options_of(cls: type[Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The values of ``cls``'s fields among the parsed ``args``, comma-separated lists parsed
+    (one line naming the flag when one is not a list of numbers)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        tp = _base(hints[f.name])
+        if isinstance(value, str) and typing.get_origin(tp) in (list, tuple):
+            value = _numbers(value, flag_of(f), typing.get_args(tp)[0], bool(f.metadata.get("bounds")))
+        out[f.name] = value
+    return out
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    """The command line's flag for the option field ``f``."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _numbers(text: str, flag: str, kind: type, positive: bool) -> list[Any]:
+    """``"256,512"`` -> ``[256, 512]``: integers (positive ones where the option has a range) or numbers."""
+    what = "integers" if kind is int else "numbers"
+    try:
+        out = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise RecurformerError(f"{flag} must be comma-separated {what}, got {text!r}") from None
+    if positive and (not out or min(out) < 1):
+        raise RecurformerError(f"{flag} must be positive {what}, got {text!r}")
+    return out
+
+
+def cli_spelling(command: str) -> Callable[[str], str]:
+    """A message's options (``config.opt``) spelled as ``command``'s flags: ``--top-p``,
+    ``--resume DIR``, ``--overwrite``, ``--set train.out_dir=DIR``."""
+    cls = _options_classes().get(command)
+    flags = {f.name: flag_of(f) for f in dataclasses.fields(cls)} if cls else {}
+    flags |= ALIASES.get(command, {})
+
+    def flag(name: str, value: Any, literal: bool) -> str:
+        if "." in name:
+            return f"--set {name}={value}"
+        if value is not None and f"{name}={value}" in flags:
+            return flags[f"{name}={value}"]
+        spelled = flags.get(name, "--" + name.replace("_", "-"))
+        return spelled if value is None or value is True else f"{spelled} {value}"
+
+    return lambda text: spell(text, flag)
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -85,7 +169,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     if not args.dataset and not args.text:
         raise RecurformerError("give --dataset NAME or --text FILE ...")
     if args.tokenizer == "bpe":
-        check_options("cli", vocab_size=args.vocab_size)
+        check_options(vocab_size=args.vocab_size)
     dc = DataConfig(
         dataset=args.dataset,
         text_files=args.text or [],
@@ -156,28 +240,20 @@ def cmd_eval(args: argparse.Namespace) -> None:
         text=args.text,
         device=args.device,
         meta={k: v for k, v in vars(args).items() if k != "func"},
-        style="cli",
+        log=lambda line: print(cli_spelling("eval")(line)),
     )
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from .api import generate_text
+    from .generate import GenerateOptions, generate_text
 
+    options = options_of(GenerateOptions, args)
     g = generate_text(
-        args.checkpoint,
-        args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop_at_eos=args.stop_at_eos,
-        load_state=args.load_state,
-        save_state=args.save_state,
-        device=args.device,
+        options.pop("checkpoint"),
+        options.pop("prompt"),
         on_text=lambda t: print(t, end="", flush=True),
         note=lambda t: print(t, file=sys.stderr),
-        style="cli",
+        **options,
     )
     print()
     if args.stats:
@@ -325,9 +401,9 @@ def cmd_export(args: argparse.Namespace) -> None:
             )
         from .hf import export as export_transformers
 
-        out = export_transformers(args.checkpoint, args.out, args.overwrite, style="cli")
+        out = export_transformers(args.checkpoint, args.out, args.overwrite)
     else:
-        out = export(args.checkpoint, args.out, args.push_to_hub, overwrite=args.overwrite, style="cli")
+        out = export(args.checkpoint, args.out, args.push_to_hub, overwrite=args.overwrite)
     print(
         f"wrote {out} ("
         + ", ".join(sorted(f.name for f in out.iterdir()))
@@ -346,6 +422,8 @@ def cmd_probe(args: argparse.Namespace) -> None:
         distances = [int(x) for x in args.distances.split(",") if x.strip()]
     except ValueError:
         raise RecurformerError(f"--distances must be comma-separated integers, got '{args.distances}'") from None
+    if args.warm_min > args.warm_max:  # the command line's two flags for Python's warm=(min, max)
+        raise RecurformerError(f"need 0 <= --warm-min <= --warm-max, got {args.warm_min} and {args.warm_max}")
     probe_checkpoints(
         args.checkpoint,
         args.json,
@@ -363,7 +441,6 @@ def cmd_probe(args: argparse.Namespace) -> None:
         seed=args.seed,
         device=args.device,
         meta={k: v for k, v in vars(args).items() if k != "func"},
-        style="cli",
     )
 
 
@@ -381,9 +458,21 @@ def cmd_readout(args: argparse.Namespace) -> None:
         rows=args.rows,
         seed=args.seed,
         out=args.json,
-        style="cli",
     )
 
+
+def _options_classes() -> dict[str, type[Any]]:
+    """Each command's options dataclass (where it has one): its fields name its flags in errors."""
+    from .generate import GenerateOptions
+
+    return {"generate": GenerateOptions}
+
+
+ALIASES: dict[str, dict[str, str]] = {  # options the command line spells otherwise than Python
+    "eval": {"out": "--json", "windows=None": "--all"},
+    "probe": {"out": "--json"},
+    "readout": {"out": "--json"},
+}
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "info": cmd_info,
@@ -402,6 +491,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .evaluate import DEFAULT_WINDOWS
+    from .generate import GenerateOptions
     from .models import model_names
     from .probe import TASKS as PROBE_TASKS
 
@@ -513,24 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser("generate", formatter_class=_Help, help="stream text from a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="a run, checkpoint or pretrained directory, or a Hub repo id")
-    p.add_argument("--prompt", default="", help="text to continue (lower-cased for a lower-case tokenizer)")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
-    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens only (default: all)")
-    p.add_argument(
-        "--top-p",
-        type=float,
-        help="sample from the smallest set of tokens whose probability reaches p, in (0, 1] (default: all)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument(
-        "--stop-at-eos", action=argparse.BooleanOptionalAction, default=True, help="stop at the end of a document"
-    )
-    p.add_argument("--save-state", metavar="FILE", help="save the generation state (safetensors) to continue later")
-    p.add_argument("--load-state", metavar="FILE", help="continue a saved generation (the prompt is appended)")
+    add_options(p, GenerateOptions)
     p.add_argument("--stats", action="store_true", help="print tokens/s and peak memory")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
 
     from .data.synthetic import TASKS
 
@@ -748,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         COMMANDS[args.command](args)
     except RecurformerError as e:
-        print(f"recurformer: error: {e}", file=sys.stderr)
+        print(f"recurformer: error: {cli_spelling(args.command)(ValueError.__str__(e))}", file=sys.stderr)
         return 2
     except TrainingInterrupted as e:
         print(f"recurformer: {e}", file=sys.stderr)

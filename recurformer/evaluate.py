@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import RecurformerError, check_options, option_name
+from .config import RecurformerError, check_options, opt
 from .data.tokenizer import Tokenizer
 from .device import peak_memory_mb, reset_peak_memory, synchronize
 from .files import atomic_write
@@ -208,27 +208,20 @@ def check_lengths(
     warm: int,
     batch_size: int,
     context: int | None,
-    style: str = "python",
 ) -> int:
-    """The options of ``evaluate_lengths`` checked (one-line errors naming them as ``style`` does,
-    see ``config.check_options``); returns the context the windows end after."""
-    check_options(
-        style, last=last, windows=windows, chunk=chunk, warm_state=warm, batch_size=batch_size, context=context
-    )
+    """The options of ``evaluate_lengths`` checked (one-line errors naming them, ``config.opt``);
+    returns the context the windows end after."""
+    check_options(last=last, windows=windows, chunk=chunk, warm_state=warm, batch_size=batch_size, context=context)
     if not lengths:
-        raise RecurformerError(f"{option_name('lengths', style)} is empty")
+        raise RecurformerError(f"{opt('lengths')} is empty")
     for L in lengths:
-        check_options(style, length=L)
+        check_options(length=L)
         if L < last:
-            raise RecurformerError(
-                f"{option_name('lengths', style)}: {L} is shorter than {option_name('last', style)} {last}"
-            )
+            raise RecurformerError(f"{opt('lengths')}: {L} is shorter than {opt('last')} {last}")
     span = warm + max(lengths)
     context = span if context is None else context
     if context < span:
-        raise RecurformerError(
-            f"{option_name('context', style)} {context} is shorter than warm-up + the longest length ({span})"
-        )
+        raise RecurformerError(f"{opt('context')} {context} is shorter than warm-up + the longest length ({span})")
     return context
 
 
@@ -243,20 +236,18 @@ def evaluate_lengths(
     batch_size: int = 8,
     context: int | None = None,
     bos: int | None = None,
-    style: str = "python",
     progress: Callable[[int], object] | None = None,
     done: Callable[[LengthResult], object] | None = None,
 ) -> list[LengthResult]:
     """Loss on the last ``last`` tokens of windows of each length in ``lengths``, after reading
     ``warm`` unscored tokens first. ``context`` (default: warm + the longest length) fixes where
     the windows end (``window_ends``); ``bos`` marks the documents the bootstrap resamples (None:
-    each window is a unit). ``style`` names the options in errors (``"cli"``: ``--last``);
-    ``progress(n)`` is called after each batch of n windows read, ``done(result)`` after each length."""
+    each window is a unit); ``progress(n)`` is called after each batch of n windows read, ``done(result)`` after each length."""
     if int(tokens.max()) >= model.config.vocab_size:
         raise RecurformerError(
             f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}"
         )
-    context = check_lengths(lengths, last, windows, chunk, warm, batch_size, context, style)
+    context = check_lengths(lengths, last, windows, chunk, warm, batch_size, context)
     ends = window_ends(len(tokens), context, last, windows)
     targets = ends[:, None] - last + np.arange(last)  # stream positions of the scored tokens
     by_window = np.repeat(np.arange(len(ends)), last)

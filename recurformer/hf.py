@@ -333,7 +333,7 @@ def with_bos(path: Path, tokenizer: Tokenizer) -> None:
     hf.save(str(path))
 
 
-def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, style: str = "python") -> Path:
+def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """A run, checkpoint or pretrained directory -> a directory that ``AutoModelForCausalLM`` /
     ``AutoTokenizer`` and ``recurformer.load`` all read: ``config.json``, ``model.safetensors``,
     ``generation_config.json`` (stops at EOS), ``tokenizer.json`` + ``tokenizer_config.json``
@@ -347,7 +347,7 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, sty
     model, tok, config = loaded.model, loaded.tokenizer, loaded.config
     dest = Path(out)
     cfg = shareable(run_config_of(model, config))
-    claim_export_dir(dest, cfg, overwrite, style)
+    claim_export_dir(dest, cfg, overwrite)
     lower = tok is not None and tok.lowercase
     if tok is not None and lower:
         tok = tok.lowercasing()

@@ -25,9 +25,9 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 from safetensors.torch import save_file
 
-from .checkpoint import load_checkpoint, load_model_weights, metrics, resolve, run_contents, spelled, train_json
+from .checkpoint import load_checkpoint, load_model_weights, metrics, resolve, run_contents, train_json
 from .compat import FORMAT
-from .config import RecurformerError
+from .config import RecurformerError, opt
 from .data import Tokenizer
 from .files import move_files
 from .registry import build_model, description, model_name
@@ -224,8 +224,8 @@ def refuse_run_dir(out: Path) -> None:
         )
 
 
-def claim_export_dir(out: Path, config: dict[str, Any], overwrite: bool, style: str = "python") -> None:
-    """Refuse (one line, options spelled for ``style``) to export into ``out`` when it holds a run
+def claim_export_dir(out: Path, config: dict[str, Any], overwrite: bool) -> None:
+    """Refuse (one line) to export into ``out`` when it holds a run
     (``refuse_run_dir``, whatever ``overwrite`` says), or, unless ``overwrite``, anything but an
     earlier export of the same run: files an export writes only, with a ``config.json`` of the same
     model (and data and training, where it records them) as ``config``, the one to be written.
@@ -239,7 +239,7 @@ def claim_export_dir(out: Path, config: dict[str, Any], overwrite: bool, style: 
         what = "the export of another model or run (its config.json differs)"
     if what:
         raise RecurformerError(
-            f"{out} holds {what}; export into another directory, or pass {spelled(style, 'overwrite')} to write the "
+            f"{out} holds {what}; export into another directory, or pass {opt('overwrite', True)} to write the "
             f"export's files there"
         )
 
@@ -291,12 +291,12 @@ def upload(
     return str(info.commit_url)
 
 
-def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, style: str = "python") -> Path:
+def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """A run or checkpoint directory -> a pretrained directory with its model card (the results
     row is the run's last logged metrics up to the checkpoint's step). ``out`` must not hold a run,
     nor, unless ``overwrite``, anything but an earlier export of the same run (``claim_export_dir``)."""
     loaded = load(checkpoint)
-    claim_export_dir(Path(out), shareable(run_config_of(loaded.model, loaded.config)), overwrite, style)
+    claim_export_dir(Path(out), shareable(run_config_of(loaded.model, loaded.config)), overwrite)
     state = train_json(loaded.path)
     if state is None:  # not a training checkpoint: no run to take results from
         return save_pretrained(loaded.model, out, loaded.tokenizer, loaded.config)

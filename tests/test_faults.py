@@ -643,10 +643,10 @@ def test_out_of_memory_in_eval_and_generate_is_one_line(trained, tmp_path, capsy
     assert cli(["generate", "--checkpoint", str(trained), "--prompt", "the cat", "--max-new-tokens", "5"]) == 2
     assert last_error(capsys).startswith("recurformer: error: out of memory generating with memory_attention (")
     with pytest.raises(RecurformerError, match=r"from a prompt of 8 tokens, at most 5 new ones .*max_new_tokens$"):
-        recurformer.api.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
+        recurformer.generate.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
     monkeypatch.setattr(gen, "stream", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="^shape mismatch$"):  # not every RuntimeError is out of memory
-        recurformer.api.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
+        recurformer.generate.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
 
 
 def test_a_default_eval_reads_a_sample_says_how_far_it_got_in_a_log_and_keeps_what_it_finished(
