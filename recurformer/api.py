@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .config import RecurformerError, check_options, merge, opt, say
+from .config import RecurformerError, check_options, make_options, merge, opt
 from .data import Tokenizer
 from .device import cpu_threads
-from .evaluate import DEFAULT_WINDOWS, LengthResult, evaluate_lengths
+from .evaluate import LengthOptions, LengthResult, check_lengths, eval_sizes, evaluate_lengths
 from .nn import StreamingLM
 from .probe import ProbeResult
 
@@ -118,48 +118,33 @@ def evaluate(
     tokens: np.ndarray | None = None,
     dataset: str | None = None,
     text: Sequence[str | Path] | None = None,
-    lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
-    last: int = 256,
-    windows: int | None = DEFAULT_WINDOWS,
-    chunk: int = 256,
-    warm_state: int = 0,
-    batch_size: int = 8,
-    context: int | None = None,
+    **options: Any,
 ) -> list[LengthResult]:
     """Length extrapolation as ``recurformer eval``: loss (with a 95% bootstrap interval over
     documents) and accuracy on the last ``last`` tokens of windows of each length, on ``tokens``
-    or a dataset's val split or text files. The windows are deterministic: ``windows`` evenly
-    spaced ones (default ``DEFAULT_WINDOWS``), or all of them with ``windows=None`` (the scored
-    blocks tile the text); ``evaluate.paired_differences``
-    compares two models' results on the same tokens."""
+    or a dataset's val split or text files; ``options``: the fields of ``evaluate.LengthOptions``
+    (``lengths``, ``last``, ``windows``, ``chunk``, ``batch_size``, ``warm_state``, ``context``).
+    The windows are deterministic: ``windows`` evenly spaced ones (default ``DEFAULT_WINDOWS``),
+    or all of them with ``windows=None`` (the scored blocks tile the text);
+    ``evaluate.paired_differences`` compares two models' results on the same tokens."""
     from .device import out_of_memory
 
+    o = make_options(LengthOptions, options)
+    check_lengths(o)
     data = np.asarray(tokens, dtype=np.int64) if tokens is not None else _tokens(tokenizer, dataset, text)
-    with out_of_memory(*eval_sizes("the model", model, batch_size, chunk, lengths)):
+    with out_of_memory(*eval_sizes("the model", model, o.batch_size, o.chunk, o.lengths)):
         return evaluate_lengths(
             model,
             data,
-            list(lengths),
-            last,
-            windows,
-            chunk,
-            warm_state,
-            batch_size,
-            context,
+            o.lengths,
+            o.last,
+            o.windows,
+            o.chunk,
+            o.warm_state,
+            o.batch_size,
+            o.context,
             tokenizer.bos_id if tokenizer is not None else None,
         )
-
-
-def eval_sizes(label: str, model: StreamingLM, batch_size: int, chunk: int, lengths: Sequence[int]) -> tuple[str, str]:
-    """What an evaluation holds in memory (the model, windows side by side, tokens per call, the
-    longest window) and what to lower, for ``device.out_of_memory``."""
-    from .models import model_name
-
-    doing = (
-        f"evaluating {label} ({model_name(model.config)}, {model.num_params():,} parameters): batch_size "
-        f"{batch_size} windows side by side, chunk {chunk} tokens per call, lengths up to {max(lengths)}"
-    )
-    return doing, f"lower {opt('batch_size')} or {opt('chunk')} (a state that grows with the text: {opt('lengths')})"
 
 
 def check_probe(
@@ -236,154 +221,6 @@ def probe(
 # what ``recurformer eval`` and ``recurformer probe`` run: several checkpoints, one table, JSON + plot
 
 
-def eval_labels(paths: Sequence[str], dirs: Sequence[Path]) -> list[str]:
-    """One unique label per checkpoint (``paths`` as given, ``dirs`` as ``hub.locate`` found
-    them): the run's name (a Hub repo's id), plus the step where two share a run name, plus the
-    full path where even that is not unique."""
-    from .hub import is_hub_id
-
-    seen: dict[Any, Any] = {}
-    for p, d in zip(paths, dirs):
-        if d.resolve() in seen:
-            raise RecurformerError(f"checkpoints {p} and {seen[d.resolve()]} are the same checkpoint ({d})")
-        seen[d.resolve()] = p
-    runs = [
-        str(p) if is_hub_id(p) else d.parent.name if d.name.startswith("step_") else d.name for p, d in zip(paths, dirs)
-    ]
-    labels = [f"{r} {d.name}" if runs.count(r) > 1 and d.name.startswith("step_") else r for r, d in zip(runs, dirs)]
-    return [str(d) if labels.count(lab) > 1 else lab for lab, d in zip(labels, dirs)]
-
-
-def default_output(given: str | Path | None, checkpoint: str | Path, name: str) -> Path:
-    """``given``, or ``name`` in the run directory of ``checkpoint`` (the directory that holds its
-    step_* checkpoints, or the checkpoint / pretrained directory itself; for a Hub repo id, the
-    working directory: never the Hub cache)."""
-    from .hub import is_hub_id, locate
-
-    if given:
-        return Path(given)
-    if is_hub_id(checkpoint):
-        return Path(name)
-    d = locate(checkpoint)
-    return (d.parent if d.name.startswith("step_") else d) / name
-
-
-@cpu_threads()
-def evaluate_checkpoints(
-    checkpoints: Sequence[str],
-    lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
-    out: str | Path | None = None,
-    *,
-    last: int = 256,
-    windows: int | None = DEFAULT_WINDOWS,
-    chunk: int = 256,
-    warm_state: int = 0,
-    batch_size: int = 8,
-    context: int | None = None,
-    window: int | None = None,
-    data: str | None = None,
-    dataset: str | None = None,
-    text: list[str] | None = None,
-    device: str = "auto",
-    meta: dict[str, Any] | None = None,
-    log: Callable[[str], object] = say,
-) -> dict[str, list[LengthResult]]:
-    """``recurformer eval``: length extrapolation of each checkpoint (on its own val split by
-    default, or ``data``/``dataset``/``text``; ``windows`` evenly spaced windows per length, all of
-    them with None), ``window`` W evaluating a dense model with a sliding window; logs a table,
-    writes ``out`` (JSON with ``meta``; default ``eval.json`` in the first checkpoint's run
-    directory) and its PNG plot. The JSON is rewritten (atomically) as each length finishes, with
-    ``"complete": false`` until the end, so an interrupted eval keeps what it finished; progress
-    shows as a bar on a terminal, as lines through ``log`` elsewhere. Every option is checked
-    before any work."""
-    import math
-
-    from .device import memory_kind, out_of_memory, pick_device
-    from .evaluate import check_lengths, eval_tokens, markdown_table, plot, save_json, window_ends
-    from .files import check_writable
-    from .hub import load, locate
-    from .loggers import Progress
-
-    lengths = list(lengths)
-    check_options(window=window)
-    check_lengths(lengths, last, windows, chunk, warm_state, batch_size, context)
-    dirs = [locate(p) for p in checkpoints]  # a Hub id fetched once, before any work
-    labels = eval_labels(checkpoints, dirs)
-    path_out = default_output(out, checkpoints[0], "eval.json")
-    check_writable(path_out, f"{opt('out')} file")  # before the work, not after it
-    check_writable(path_out.with_suffix(".png"), "plot")
-    dev = pick_device(device)
-    results: dict[str, list[LengthResult]] = {}
-    cache: dict[Any, Any] = {}
-    trained: dict[str, Any] = {}
-    for path, d, label in zip(checkpoints, dirs, labels):
-        loaded = load(d, dev)
-        model, name, tok, config = loaded.model, loaded.name, loaded.tokenizer, loaded.config
-        if window:
-            if not hasattr(model, "set_window"):
-                raise RecurformerError(f"{opt('window')} applies to dense attention models (llama), not {name}")
-            model.set_window(window)
-            label += f" (window {window})"
-        tokens = eval_tokens(tok, config, data=data, dataset=dataset, text=text, cache=cache)
-        span = context or warm_state + max(lengths)
-        every = len(window_ends(len(tokens), span, last)) if len(tokens) > span else 0
-        n = min(every, windows or every)
-        every_one = opt("windows", "None", True)
-        how = (
-            "every window of the evaluation text" if n == every else f"evenly spaced, of {every:,}; {every_one} for all"
-        )
-        log(
-            f"evaluating {label} ({name}) at lengths {lengths}: {n:,} windows ({how}), loss on the last {last} tokens of each, "
-            f"{n * sum(warm_state + L for L in lengths):,} tokens to read"
-        )
-
-        def keep(r: LengthResult, label: str = label, path: str = path) -> None:
-            """Each length as it finishes, into the JSON: an interrupted eval keeps what it finished."""
-            if not math.isfinite(r.loss):
-                kept = f"{path_out} keeps the results before it" if results else "nothing written"
-                raise RecurformerError(
-                    f"{path} gives non-finite logits (loss {r.loss} at length {r.length}) although its weights load; {kept}"
-                )
-            results[label] = [*results.get(label, []), r]
-            save_json(results, path_out, meta or {}, complete=False)
-            log(
-                f"  L={r.length:>6}: loss {r.loss:.4f} [{r.loss_low:.4f}, {r.loss_high:.4f}]  acc {r.accuracy:.3f}  "
-                f"{r.windows} windows, bootstrap over {r.units} {r.unit}  {r.tokens_per_s:,.0f} tok/s  peak {memory_kind(dev)} {r.peak_memory_mb:,.0f} MB"
-            )
-
-        progress = Progress(n * len(lengths), label, "window", log)
-        try:
-            with out_of_memory(*eval_sizes(label, model, batch_size, chunk, lengths)):
-                evaluate_lengths(
-                    model,
-                    tokens,
-                    lengths,
-                    last,
-                    windows,
-                    chunk,
-                    warm_state,
-                    batch_size,
-                    context,
-                    tok.bos_id if tok is not None else None,
-                    progress=progress.update,
-                    done=keep,
-                )
-        except BaseException as e:  # Ctrl-C, a scheduler's SIGTERM, a failure
-            if results and not isinstance(e, RecurformerError):
-                log(f'stopped: {path_out} keeps the lengths finished so far ("complete": false)')
-            raise
-        finally:
-            progress.close()
-        trained[label] = config.get("train", {}).get("seq_len")
-    log("")
-    log(markdown_table(results))
-    save_json(results, path_out, meta or {})
-    png = path_out.with_suffix(".png")
-    plot(results, png, f"loss on the last {last} tokens (nats/token, lower is better)", last, trained, warm_state)
-    log(f"wrote {path_out} and {png}")
-    return results
-
-
 def probe_checkpoints(
     checkpoints: Sequence[str],
     out: str | Path | None = None,
@@ -425,6 +262,8 @@ def probe_checkpoints(
     )
 
     check_probe(task, docs=docs, passage=passage, span=span, chunk=chunk, batch_size=batch_size, warm=warm)
+    from .hub import default_output, eval_labels
+
     path_out = default_output(out, checkpoints[0], "probe.json")
     check_writable(path_out, f"{opt('out')} file")  # before the work, not after it
     check_writable(path_out.with_suffix(".png"), "plot")
@@ -523,6 +362,7 @@ def niah_checkpoint(
     writes ``out`` (JSON; default ``niah.json`` in the checkpoint's run directory) and its heatmap PNG."""
     from .device import pick_device
     from .files import check_writable
+    from .hub import default_output
     from .niah import niah, save, table
 
     path_out = default_output(out, checkpoint, "niah.json")

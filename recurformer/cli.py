@@ -24,11 +24,13 @@ from typing import Any, Callable
 from .config import RecurformerError, parse_overrides, spell
 
 
-def add_options(p: argparse.ArgumentParser, cls: type[Any]) -> None:
+def add_options(p: argparse.ArgumentParser, cls: type[Any]) -> dict[str, Any]:
     """One flag per field of the options dataclass ``cls`` (``config.option``): ``--name-like-this``
     (or the field's ``flag``), its help, its default; a list of numbers is one comma-separated
-    argument, a bool with a True default a ``--x/--no-x`` pair."""
+    argument, a bool with a True default a ``--x/--no-x`` pair; fields of one ``group`` exclude each
+    other (the groups are returned by name, for flags of the command line's own)."""
     hints = typing.get_type_hints(cls)
+    groups: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         extra = dict(f.metadata.get("cli", {}))
         if not extra.pop("cli", True):
@@ -45,7 +47,11 @@ def add_options(p: argparse.ArgumentParser, cls: type[Any]) -> None:
             kw["type"] = tp
         if extra.get("required"):
             kw.pop("default")
-        p.add_argument(flag_of(f), **kw | extra)
+        group = extra.pop("group", None)
+        if group and group not in groups:
+            groups[group] = p.add_mutually_exclusive_group()
+        (groups[group] if group else p).add_argument(flag_of(f), **kw | extra)
+    return groups
 
 
 def _base(tp: Any) -> Any:
@@ -216,31 +222,14 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from .api import evaluate_checkpoints
+    from .evaluate import EvalOptions, evaluate_checkpoints
 
-    try:
-        lengths = [int(x) for x in args.lengths.split(",") if x]
-    except ValueError:
-        raise RecurformerError(f"--lengths must be comma-separated integers, got '{args.lengths}'") from None
-    if not lengths or min(lengths) < 1:
-        raise RecurformerError(f"--lengths must be positive integers, got '{args.lengths}'")
+    options = options_of(EvalOptions, args)
     evaluate_checkpoints(
-        args.checkpoint,
-        lengths,
-        args.json,
-        last=args.last,
-        windows=args.windows,
-        chunk=args.chunk,
-        warm_state=args.warm_state,
-        batch_size=args.batch_size,
-        context=args.context,
-        window=args.window,
-        data=args.data,
-        dataset=args.dataset,
-        text=args.text,
-        device=args.device,
+        options.pop("checkpoint"),
         meta={k: v for k, v in vars(args).items() if k != "func"},
         log=lambda line: print(cli_spelling("eval")(line)),
+        **options,
     )
 
 
@@ -463,13 +452,14 @@ def cmd_readout(args: argparse.Namespace) -> None:
 
 def _options_classes() -> dict[str, type[Any]]:
     """Each command's options dataclass (where it has one): its fields name its flags in errors."""
+    from .evaluate import EvalOptions
     from .generate import GenerateOptions
 
-    return {"generate": GenerateOptions}
+    return {"eval": EvalOptions, "generate": GenerateOptions}
 
 
 ALIASES: dict[str, dict[str, str]] = {  # options the command line spells otherwise than Python
-    "eval": {"out": "--json", "windows=None": "--all"},
+    "eval": {"windows=None": "--all"},
     "probe": {"out": "--json"},
     "readout": {"out": "--json"},
 }
@@ -490,7 +480,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .evaluate import DEFAULT_WINDOWS
+    from .evaluate import EvalOptions
     from .generate import GenerateOptions
     from .models import model_names
     from .probe import TASKS as PROBE_TASKS
@@ -561,45 +551,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Help,
         help="length-extrapolation evaluation (loss on the last tokens at several lengths)",
     )
-    p.add_argument(
-        "--checkpoint", nargs="+", required=True, help="run or checkpoint directories (one line each in the plot)"
-    )
-    p.add_argument("--lengths", default="256,512,1024,2048,4096", help="comma-separated window lengths L")
-    p.add_argument("--last", type=int, default=256, help="score only the last N tokens of each window")
-    which = p.add_mutually_exclusive_group()
-    which.add_argument(
-        "--windows",
-        type=int,
-        default=DEFAULT_WINDOWS,
-        help="windows per length, evenly spaced over the evaluation text (a quick, deterministic look)",
-    )
-    which.add_argument(
+    groups = add_options(p, EvalOptions)
+    groups["windows"].add_argument(
         "--all",
         dest="windows",
         action="store_const",
         const=None,
         help="every window, so the scored blocks tile the whole text after the first --context tokens "
         "(the default run's val split: 743 windows, longer than its training)",
-    )
-    p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows read side by side")
-    p.add_argument("--warm-state", type=int, default=0, metavar="N", help="read N tokens before each window, unscored")
-    p.add_argument("--window", type=int, help="evaluate a dense model with a sliding-window mask of this size")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--data", help="a prepared dataset directory (default: the checkpoint's own)")
-    src.add_argument("--dataset", help="a bundled dataset's val split, encoded with the checkpoint's tokenizer")
-    src.add_argument("--text", nargs="+", help="text files, encoded with the checkpoint's tokenizer")
-    p.add_argument(
-        "--context",
-        type=int,
-        help="windows end where this many tokens fit before them (default: warm-up + the "
-        "longest length); give the same value to compare runs with different lengths on the same tokens",
-    )
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.add_argument(
-        "--json",
-        metavar="FILE",
-        help="output JSON, a PNG plot beside it (default: eval.json in the first checkpoint's run directory)",
     )
 
     p = sub.add_parser("generate", formatter_class=_Help, help="stream text from a checkpoint")

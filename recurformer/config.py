@@ -289,10 +289,12 @@ def parse_range(text: str) -> tuple[float, bool, float | None, bool]:
 
 
 def check_fields(options: Any) -> None:
-    """``check_range`` for every field of the dataclass ``options`` that has a range."""
+    """``check_range`` for every field of the dataclass ``options`` that has a range (each value of a list)."""
     for f in dataclasses.fields(options):
-        if f.metadata.get("bounds"):
-            check_range(f.name, getattr(options, f.name), f.metadata["bounds"])
+        value = getattr(options, f.name)
+        for v in value if isinstance(value, (list, tuple)) else [value]:  # a list: each of its values
+            if f.metadata.get("bounds"):
+                check_range(f.name, v, f.metadata["bounds"])
 
 
 def check_values(cls: type[Any], **values: Any) -> None:

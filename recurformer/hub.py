@@ -17,7 +17,7 @@ import json
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import yaml
@@ -85,6 +85,38 @@ def load(path_or_hub_id: str | Path, device: str | torch.device = "cpu", revisio
     load_model_weights(model, ck["model"], str(ck["dir"]))
     tok = Tokenizer.load(ck["tokenizer_dir"]) if ck["tokenizer_dir"] is not None else None
     return Loaded(model.to(device).eval(), tok, ck["config"], name, ck["dir"])
+
+
+# ----------------------------------------------------------------------------------------------
+# naming what a command read and where it writes
+
+
+def eval_labels(paths: Sequence[str], dirs: Sequence[Path]) -> list[str]:
+    """One unique label per checkpoint (``paths`` as given, ``dirs`` as ``hub.locate`` found
+    them): the run's name (a Hub repo's id), plus the step where two share a run name, plus the
+    full path where even that is not unique."""
+    seen: dict[Any, Any] = {}
+    for p, d in zip(paths, dirs):
+        if d.resolve() in seen:
+            raise RecurformerError(f"checkpoints {p} and {seen[d.resolve()]} are the same checkpoint ({d})")
+        seen[d.resolve()] = p
+    runs = [
+        str(p) if is_hub_id(p) else d.parent.name if d.name.startswith("step_") else d.name for p, d in zip(paths, dirs)
+    ]
+    labels = [f"{r} {d.name}" if runs.count(r) > 1 and d.name.startswith("step_") else r for r, d in zip(runs, dirs)]
+    return [str(d) if labels.count(lab) > 1 else lab for lab, d in zip(labels, dirs)]
+
+
+def default_output(given: str | Path | None, checkpoint: str | Path, name: str) -> Path:
+    """``given``, or ``name`` in the run directory of ``checkpoint`` (the directory that holds its
+    step_* checkpoints, or the checkpoint / pretrained directory itself; for a Hub repo id, the
+    working directory: never the Hub cache)."""
+    if given:
+        return Path(given)
+    if is_hub_id(checkpoint):
+        return Path(name)
+    d = locate(checkpoint)
+    return (d.parent if d.name.startswith("step_") else d) / name
 
 
 def run_config_of(model: Any, config: dict[str, Any] | None = None) -> dict[str, Any]:

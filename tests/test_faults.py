@@ -627,6 +627,7 @@ def test_out_of_memory_in_eval_and_generate_is_one_line(trained, tmp_path, capsy
         raise CUDA_OOM
 
     monkeypatch.setattr(api, "evaluate_lengths", oom)
+    monkeypatch.setattr(importlib.import_module("recurformer.evaluate"), "evaluate_lengths", oom)  # eval's own
     ev = ["eval", "--checkpoint", str(trained), "--lengths", "32,64", "--last", "16", "--windows", "1"]
     assert cli([*ev, "--chunk", "16", "--json", str(tmp_path / "e.json")]) == 2
     err = capsys.readouterr().err
@@ -702,7 +703,7 @@ def test_the_python_api_names_its_own_keywords_in_eval_and_probe_errors(trained,
     ]
     for extra, message in cases:
         with pytest.raises(RecurformerError) as e:
-            api.evaluate_checkpoints([str(trained)], **common, **extra)  # type: ignore[arg-type]
+            importlib.import_module("recurformer.evaluate").evaluate_checkpoints([str(trained)], **common, **extra)  # type: ignore[arg-type]
         assert str(e.value).startswith(message) and "--" not in str(e.value), str(e.value)
     with pytest.raises(RecurformerError) as e:
         api.probe_checkpoints([str(trained)], blocker / "p.json", docs=1, log=lambda s: None)
