@@ -16,7 +16,6 @@ sizes that failed and what to lower."""
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -27,7 +26,7 @@ import torch
 from .config import RecurformerError, check_options, make_options, merge, opt
 from .data import Tokenizer
 from .device import cpu_threads
-from .evaluate import LengthOptions, LengthResult, check_lengths, eval_sizes, evaluate_lengths
+from .evaluate import LengthOptions, LengthResult, eval_sizes, evaluate_lengths
 from .nn import StreamingLM
 from .probe import ProbeResult
 
@@ -129,8 +128,7 @@ def evaluate(
     ``evaluate.paired_differences`` compares two models' results on the same tokens."""
     from .device import out_of_memory
 
-    o = make_options(LengthOptions, options)
-    check_lengths(o)
+    o = make_options(LengthOptions, options)  # evaluate_lengths checks how they fit together
     data = np.asarray(tokens, dtype=np.int64) if tokens is not None else _tokens(tokenizer, dataset, text)
     with out_of_memory(*eval_sizes("the model", model, o.batch_size, o.chunk, o.lengths)):
         return evaluate_lengths(
@@ -147,199 +145,39 @@ def evaluate(
         )
 
 
-def check_probe(
-    task: str,
-    *,
-    docs: int,
-    passage: int,
-    span: int,
-    chunk: int,
-    batch_size: int,
-    warm: tuple[int, int],
-) -> None:
-    """The probe's options checked, for ``probe`` and ``probe_checkpoints`` alike (one-line errors
-    naming them, ``config.opt``)."""
-    from .probe import TASKS
-
-    if task not in TASKS:
-        raise RecurformerError(f"unknown probe task '{task}'; valid tasks: {', '.join(TASKS)}")
-    check_options(docs=docs, batch_size=batch_size, chunk=chunk, passage=passage, span=span, warm_min=warm[0])
-    if warm[0] > warm[1]:
-        raise RecurformerError(f"{opt('warm')} must be (min, max) with min <= max, got {warm}")
-
-
 @cpu_threads()
-def probe(
-    model: StreamingLM,
-    tokenizer: Tokenizer,
-    *,
-    task: str = "repeat",
-    dataset: str | None = None,
-    text: Sequence[str | Path] | None = None,
-    docs: int = 500,
-    passage: int = 128,
-    distances: Sequence[int] = (1, 4, 16, 64, 256, 1024),
-    span: int = 32,
-    warm: tuple[int, int] = (32, 288),
-    chunk: int = 256,
-    batch_size: int = 16,
-    precision: str = "fp32",
-    seed: int = 0,
-    label: str = "model",
-) -> ProbeResult:
-    """The copy (``repeat``) or ``swap`` probe as ``recurformer probe``: per-distance-bin means
-    with bootstrap intervals. ``dataset`` defaults to ``tinystories-repeat`` for ``repeat``."""
+def probe(model: StreamingLM, tokenizer: Tokenizer, *, label: str = "model", **options: Any) -> ProbeResult:
+    """The copy (``repeat``) or ``swap`` probe as ``recurformer probe`` (``options``: the fields of
+    ``probe.ProbeOptions``): per-distance-bin means with bootstrap intervals. ``dataset`` defaults
+    to ``tinystories-repeat`` for ``repeat``."""
     from .models import model_name
-    from .probe import METRICS, make_samples, probe_model, receptive_field
+    from .probe import METRICS, ProbeOptions, check_probe, make_samples, probe_model, receptive_field
 
-    check_probe(task, docs=docs, passage=passage, span=span, chunk=chunk, batch_size=batch_size, warm=warm)
-    if dataset is None and not text:
-        if task != "repeat":
+    o = make_options(ProbeOptions, options)
+    check_probe(o)
+    dataset = o.dataset
+    if dataset is None and not o.text:
+        if o.task != "repeat":
             raise RecurformerError("the swap probe needs dataset=NAME or text=[FILE, ...]")
         dataset = "tinystories-repeat"
-    files = [str(f) for f in text] if text else None
+    files = [str(f) for f in o.text] if o.text else None
     samples = make_samples(
         tokenizer,
-        task,
+        o.task,
         dataset,
         files,
         model.config.vocab_size,
-        docs=docs,
-        passage=passage,
-        distances=distances,
-        span=span,
-        warm=warm,
-        seed=seed,
+        docs=o.docs,
+        passage=o.passage,
+        distances=list(o.distances),
+        span=o.span,
+        warm=tuple(o.warm),  # type: ignore[arg-type]
+        seed=o.seed,
     )
     with torch.no_grad():
-        metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed)
+        metrics = probe_model(model, samples, METRICS[o.task], o.chunk, o.batch_size, o.precision, o.seed)
     facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
     return ProbeResult(label, "", model_name(model.config), receptive_field(model), metrics=metrics, **facts)
-
-
-# ----------------------------------------------------------------------------------------------
-# what ``recurformer eval`` and ``recurformer probe`` run: several checkpoints, one table, JSON + plot
-
-
-def probe_checkpoints(
-    checkpoints: Sequence[str],
-    out: str | Path | None = None,
-    *,
-    task: str = "repeat",
-    dataset: str | None = None,
-    text: list[str] | None = None,
-    docs: int = 500,
-    passage: int = 128,
-    distances: Sequence[int] = (1, 4, 16, 64, 256, 1024),
-    span: int = 32,
-    warm: tuple[int, int] = (32, 288),
-    chunk: int = 256,
-    batch_size: int = 16,
-    precision: str = "fp32",
-    seed: int = 0,
-    device: str = "auto",
-    meta: dict[str, Any] | None = None,
-    log: Callable[[str], object] = print,
-) -> list[ProbeResult]:
-    """``recurformer probe``: the copy or swap probe of each checkpoint on the same documents
-    (``dataset`` defaults to ``tinystories-repeat`` for ``repeat``, else the checkpoint's own);
-    logs the tables, writes ``out`` (JSON with ``meta``; default ``probe.json`` in the first
-    checkpoint's run directory) and its PNG plot; progress as a bar on a terminal, as lines in a log."""
-    from .device import pick_device, slow_bf16_warning
-    from .files import atomic_write, check_writable
-    from .hub import load, locate
-    from .loggers import Progress
-    from .probe import (
-        METRICS,
-        make_samples,
-        markdown_tables,
-        plot,
-        probe_model,
-        receptive_field,
-        run_facts,
-        text_sha256,
-        to_json,
-    )
-
-    check_probe(task, docs=docs, passage=passage, span=span, chunk=chunk, batch_size=batch_size, warm=warm)
-    from .hub import default_output, eval_labels
-
-    path_out = default_output(out, checkpoints[0], "probe.json")
-    check_writable(path_out, f"{opt('out')} file")  # before the work, not after it
-    check_writable(path_out.with_suffix(".png"), "plot")
-    dev = pick_device(device)
-    if warning := slow_bf16_warning(precision, dev):
-        print(warning, file=sys.stderr)
-    dataset = dataset if (dataset or text) else ("tinystories-repeat" if task == "repeat" else None)
-    results = []
-    dirs = [locate(p) for p in checkpoints]
-    for path, d, label in zip(checkpoints, dirs, eval_labels(checkpoints, dirs)):
-        loaded = load(d, dev)
-        model, name, tok, config = loaded.model, loaded.name, loaded.tokenizer, loaded.config
-        if tok is None:
-            raise RecurformerError(f"checkpoint {path} has no tokenizer.json, so it cannot read text")
-        if dataset is None and not text:
-            dataset = config.get("data", {}).get("dataset")
-            if not dataset:
-                raise RecurformerError(
-                    f"checkpoint {path} does not name a bundled dataset; give {opt('dataset')} or {opt('text')}"
-                )
-        samples = make_samples(
-            tok,
-            task,
-            dataset,
-            text,
-            model.config.vocab_size,
-            docs=docs,
-            passage=passage,
-            distances=list(distances),
-            span=span,
-            warm=warm,
-            seed=seed,
-        )
-        R = receptive_field(model)
-        log(
-            f"probing {label} ({name}, receptive field {'unbounded' if R is None else R}) on {len(samples)} documents, task {task}"
-        )
-        rows = sum(len(s.rows) for s in samples)
-        progress = Progress(rows, label, "row", log)
-        try:
-            metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed, progress.update)
-        finally:
-            progress.close()
-        facts = run_facts(loaded.path)
-        results.append(ProbeResult(label, str(loaded.path), name, R, metrics=metrics, **facts))
-        del model
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    log("")
-    log(markdown_tables(results))
-    meta = (meta or {}) | {"dataset_used": dataset, "text_sha256": text_sha256(text)}
-    atomic_write(path_out, lambda p: p.write_text(json.dumps(to_json(results, meta), indent=2) + "\n"))
-    png = path_out.with_suffix(".png")
-    atomic_write(png, lambda p: plot(results, p, f"{task} probe"))
-    log(f"wrote {path_out} and {png}")
-    return results
-
-
-def merge_probes(
-    files: Sequence[str | Path], out: str | Path | None = None, log: Callable[[str], object] = print
-) -> list[ProbeResult]:
-    """``recurformer probe --merge``: one table, JSON and plot (``out``, default
-    ``probe-merged.json`` beside the first file) from earlier probe results run with the same
-    documents and settings."""
-    from .files import atomic_write, check_writable
-    from .probe import markdown_tables, merge, plot, to_json
-
-    path_out = Path(out) if out else Path(files[0]).with_name("probe-merged.json")
-    check_writable(path_out, "output file")
-    check_writable(path_out.with_suffix(".png"), "plot")
-    results, meta = merge([Path(f) for f in files])
-    log(markdown_tables(results))
-    atomic_write(path_out, lambda p: p.write_text(json.dumps(to_json(results, meta), indent=2) + "\n"))
-    atomic_write(path_out.with_suffix(".png"), lambda p: plot(results, p, f"{meta['task']} probe"))
-    log(f"wrote {path_out} and {path_out.with_suffix('.png')}")
-    return results
 
 
 @cpu_threads()

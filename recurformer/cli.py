@@ -77,6 +77,11 @@ def options_of(cls: type[Any], args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _help(cls: type[Any], name: str) -> str:
+    """The help of the option field ``name`` of ``cls``, for a flag the command line adds itself."""
+    return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
+
+
 def flag_of(f: dataclasses.Field) -> str:
     """The command line's flag for the option field ``f``."""
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
@@ -402,34 +407,19 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_probe(args: argparse.Namespace) -> None:
-    from .api import merge_probes, probe_checkpoints
+    from .probe import ProbeCommandOptions, merge_probes, probe_checkpoints
 
     if args.merge:
-        merge_probes(args.merge, args.json)
+        merge_probes(args.merge, args.out)
         return
-    try:
-        distances = [int(x) for x in args.distances.split(",") if x.strip()]
-    except ValueError:
-        raise RecurformerError(f"--distances must be comma-separated integers, got '{args.distances}'") from None
     if args.warm_min > args.warm_max:  # the command line's two flags for Python's warm=(min, max)
         raise RecurformerError(f"need 0 <= --warm-min <= --warm-max, got {args.warm_min} and {args.warm_max}")
+    options = options_of(ProbeCommandOptions, args) | {"warm": (args.warm_min, args.warm_max)}
     probe_checkpoints(
-        args.checkpoint,
-        args.json,
-        task=args.task,
-        dataset=args.dataset,
-        text=args.text,
-        docs=args.docs,
-        passage=args.passage,
-        distances=distances,
-        span=args.span,
-        warm=(args.warm_min, args.warm_max),
-        chunk=args.chunk,
-        batch_size=args.batch_size,
-        precision=args.precision,
-        seed=args.seed,
-        device=args.device,
+        options.pop("checkpoint"),
+        options.pop("out"),
         meta={k: v for k, v in vars(args).items() if k != "func"},
+        **options,
     )
 
 
@@ -454,13 +444,14 @@ def _options_classes() -> dict[str, type[Any]]:
     """Each command's options dataclass (where it has one): its fields name its flags in errors."""
     from .evaluate import EvalOptions
     from .generate import GenerateOptions
+    from .probe import ProbeCommandOptions
 
-    return {"eval": EvalOptions, "generate": GenerateOptions}
+    return {"eval": EvalOptions, "generate": GenerateOptions, "probe": ProbeCommandOptions}
 
 
 ALIASES: dict[str, dict[str, str]] = {  # options the command line spells otherwise than Python
     "eval": {"windows=None": "--all"},
-    "probe": {"out": "--json"},
+    "probe": {"warm": "--warm-min/--warm-max"},
     "readout": {"out": "--json"},
 }
 
@@ -483,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluate import EvalOptions
     from .generate import GenerateOptions
     from .models import model_names
-    from .probe import TASKS as PROBE_TASKS
+    from .probe import ProbeCommandOptions
 
     summary = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")  # the docstring's first paragraph
     ap = argparse.ArgumentParser(prog="recurformer", description=summary)
@@ -628,53 +619,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="how far back the state carries information: copy and swap probes with bootstrap intervals",
     )
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--checkpoint", nargs="+", help="run or checkpoint directories (one line each in the plot)")
+    what.add_argument("--checkpoint", nargs="+", help=_help(ProbeCommandOptions, "checkpoint"))
     what.add_argument(
         "--merge",
         nargs="+",
         metavar="JSON",
         help="instead: one table, JSON and plot from earlier probe results run with the same documents and settings",
     )
-    p.add_argument(
-        "--task",
-        default="repeat",
-        metavar="{" + ",".join(PROBE_TASKS) + "}",  # checked in cmd_probe: one line
-        help="repeat (copy: s1, marker, s2 = s1) or swap (replace the history older than d)",
-    )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--dataset",
-        help="a bundled dataset's val split (default: tinystories-repeat for repeat, the checkpoint's own for swap)",
-    )
-    src.add_argument(
-        "--text", nargs="+", metavar="FILE", help="UTF-8 text files, encoded with the checkpoint's tokenizer"
-    )
-    p.add_argument("--docs", type=int, default=500, help="documents (the bootstrap resamples these)")
-    p.add_argument(
-        "--passage", type=int, default=128, help="repeat on a corpus other than tinystories-repeat: passage length n"
-    )
-    p.add_argument(
-        "--distances", default="1,4,16,64,256,1024", help="swap: replace the history older than each of these"
-    )
-    p.add_argument("--span", type=int, default=32, help="swap: target tokens scored after the history")
+    add_options(p, ProbeCommandOptions)
+    warm_min, warm_max = ProbeCommandOptions().warm
     p.add_argument(
         "--warm-min",
         type=int,
-        default=32,
+        default=warm_min,
         help="fewest tokens of stream text read before each document (a random "
         "prefix length between --warm-min and --warm-max varies the chunk phases)",
     )
-    p.add_argument("--warm-max", type=int, default=288, help="most tokens of stream text read before each document")
-    p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
-    p.add_argument("--batch-size", type=int, default=16, help="documents read side by side")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: CPU/CUDA autocast")
-    p.add_argument("--seed", type=int, default=0, help="which documents and warm-up prefixes, and the bootstrap")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.add_argument(
-        "--json",
-        metavar="FILE",
-        help="output JSON, a PNG plot beside it (default: probe.json in the first "
-        "checkpoint's run directory; with --merge, probe-merged.json beside the first merged file)",
+        "--warm-max", type=int, default=warm_max, help="most tokens of stream text read before each document"
     )
     p = sub.add_parser(
         "niah",

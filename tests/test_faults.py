@@ -692,7 +692,6 @@ def test_a_default_eval_reads_a_sample_says_how_far_it_got_in_a_log_and_keeps_wh
 def test_the_python_api_names_its_own_keywords_in_eval_and_probe_errors(trained, tmp_path) -> None:
     """The same checks as the command line's, in the caller's words: keyword names from Python, never
     a flag the caller did not type."""
-    from recurformer import api
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -706,5 +705,7 @@ def test_the_python_api_names_its_own_keywords_in_eval_and_probe_errors(trained,
             importlib.import_module("recurformer.evaluate").evaluate_checkpoints([str(trained)], **common, **extra)  # type: ignore[arg-type]
         assert str(e.value).startswith(message) and "--" not in str(e.value), str(e.value)
     with pytest.raises(RecurformerError) as e:
-        api.probe_checkpoints([str(trained)], blocker / "p.json", docs=1, log=lambda s: None)
+        importlib.import_module("recurformer.probe").probe_checkpoints(
+            [str(trained)], blocker / "p.json", docs=1, log=lambda s: None
+        )
     assert str(e.value).startswith(f"cannot write out file {blocker / 'p.json'}"), str(e.value)

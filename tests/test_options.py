@@ -106,7 +106,11 @@ def test_python_commands_check_their_options_first(call, kwargs, message, pretra
     import recurformer.api
     import recurformer.generate
 
-    home = {"generate_text": recurformer.generate, "evaluate_checkpoints": sys.modules["recurformer.evaluate"]}
+    home = {
+        "generate_text": recurformer.generate,
+        "evaluate_checkpoints": sys.modules["recurformer.evaluate"],
+        "probe_checkpoints": sys.modules["recurformer.probe"],
+    }
     monkeypatch.chdir(tmp_path)
     missing = str(tmp_path / "no-such-run")
     first = [missing] if call in ("evaluate_checkpoints", "probe_checkpoints") else missing
