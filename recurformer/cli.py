@@ -126,6 +126,7 @@ def _add_set(p: argparse.ArgumentParser) -> None:
 def cmd_info(args: argparse.Namespace) -> None:
     from .config import load_yaml, merge
     from .models import build_model
+    from .statesize import state_size_line
     from .train import merge_config
 
     over = parse_overrides(args.set)  # "dim=288" and "model.dim=288" both accepted
@@ -156,20 +157,7 @@ def cmd_info(args: argparse.Namespace) -> None:
         print(f"  {group}: {count:,}")
     for line in model.info_lines():
         print(line)
-    print(state_size_line(model))
-
-
-def state_size_line(model) -> str:  # type: ignore[no-untyped-def]
-    """The state's size per batch row, measured (``statesize.measure``)."""
-    from .statesize import measure
-
-    size = measure(model)
-    if not size.bounded:
-        return f"state size per row (measured): grows with the text, {size.numbers:,} numbers after {size.after:,} tokens ({size.per_token:,.0f} per token)"
-    return (
-        f"state size per row (measured): {size.numbers:,} numbers ({4 * size.numbers / 2**20:.2f} MiB at fp32), the same at any length "
-        f"(measured after {size.after - size.period:,} and {size.after:,} tokens, past every layer's reach)"
-    )
+    print(state_size_line(model))  # measured (statesize.py)
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
