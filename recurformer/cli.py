@@ -12,13 +12,11 @@ import argparse
 import contextlib
 import dataclasses
 import io
-import json
 import os
 import signal
 import sys
 import threading
 import typing
-from pathlib import Path
 from typing import Any, Callable
 
 from .config import RecurformerError, parse_overrides, spell
@@ -41,7 +39,7 @@ def add_options(p: argparse.ArgumentParser, cls: type[Any]) -> dict[str, Any]:
         if tp is bool:
             kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
         elif typing.get_origin(tp) in (list, tuple):
-            if "nargs" not in extra:  # numbers: one comma-separated argument, parsed by ``options_of``
+            if "nargs" not in extra and "action" not in extra:  # numbers: one comma-separated argument
                 kw["default"] = ",".join(str(v) for v in default) if default is not None else None
         else:
             kw["type"] = tp
@@ -247,95 +245,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_synth(args: argparse.Namespace) -> None:
-    from .config import load_yaml, merge
-    from .data.synthetic import TASKS
-    from .files import atomic_write_text, check_writable
-    from .synth import result_dict, run_synth, split_overrides, summary, synth_config
+    from .synth import SynthCommandOptions, synth_command
 
-    if args.json:
-        check_writable(Path(args.json), "--json file")  # before training, not after it
-    if args.evaluate:
-        return synth_evaluate(args)
-    files: dict[str, dict] = {"model": {}, "task": {}, "synth": {}}
-    for path in args.config or []:  # YAML files with model / task / synth sections, the later and --set winning
-        raw = load_yaml(path)
-        unknown = sorted(set(raw) - set(files))
-        if unknown:
-            raise RecurformerError(
-                f"synth config {path} has section '{unknown[0]}'; valid sections: model, task, synth"
-            )
-        files = {k: merge(v, raw.get(k) or {}) for k, v in files.items()}
-    model_over, task_over, synth_over = (merge(files[k], d) for k, d in zip(files, split_overrides(args.set)))
-    task, model = task_over.pop("name", None), model_over.pop("name", None)
-    task, model = args.task or task, args.model or model  # the command line wins over a config
-    if task is None or model is None:
-        missing = "--task" if task is None else "--model"
-        raise RecurformerError(f"synth needs {missing} (or {missing[2:]}.name in a --config)")
-    if task not in TASKS:
-        raise RecurformerError(f"unknown synth task '{task}' (task.name); one of: {', '.join(sorted(TASKS))}")
-    for key, value in (("steps", args.steps), ("lrs", args.lrs), ("n_train", args.n_train), ("n_test", args.n_test)):
-        if value is not None:
-            synth_over[key] = value
-    if args.save:
-        check_writable(Path(args.save), "--save directory", is_dir=True)
-    r = run_synth(
-        task,
-        model,
-        model_over,
-        task_over,
-        synth_config(synth_over),
-        log=print,
-        device=args.device,
-        progress=sys.stderr.isatty(),
-        save=args.save,
-    )
-    print(summary(r))
-    if args.json:
-        atomic_write_text(args.json, json.dumps(result_dict(r), indent=2) + "\n")
-        print(f"wrote {args.json}")
-
-
-def synth_evaluate(args: argparse.Namespace) -> None:
-    """``synth --evaluate DIR --lengths ...``: a model saved by ``synth --save`` scored at more lengths."""
-    import dataclasses
-
-    from .device import pick_device
-    from .files import atomic_write_text
-    from .hub import load
-    from .synth import score_lengths, split_overrides, synth_config
-
-    if not args.lengths:
-        raise RecurformerError("synth --evaluate needs --lengths, e.g. --lengths 128,256,512")
-    lengths = _int_list(args.lengths, "--lengths")
-    model_over, task_over, synth_over = split_overrides(args.set)
-    if model_over:
-        raise RecurformerError(
-            f"synth --evaluate reads the saved model as it is; --set {next(iter(model_over))}=... does not apply"
-        )
-    loaded = load(args.evaluate, pick_device(args.device))
-    model, name, saved = loaded.model, loaded.name, loaded.config
-    params = dict(saved.get("task") or {})
-    task = params.pop("name", None)
-    if task is None:
-        raise RecurformerError(f"{args.evaluate} holds no synthetic task (task.name): not saved by synth --save")
-    params.update(task_over)
-    rows = args.n_test or 128
-    scores = score_lengths(model, task, params, lengths, rows, synth_config(synth_over))
-    print(f"{args.evaluate}: {name} on {task}, {rows} rows per length")
-    print("| length | exact match | token accuracy |\n|---|---|---|")
-    for L, sc in scores.items():
-        print(f"| {L} | {sc.exact_match:.3f} | {sc.token_accuracy:.3f} |")
-    if args.json:
-        out = {
-            "checkpoint": str(args.evaluate),
-            "model": name,
-            "task": task,
-            "task_params": params,
-            "rows": rows,
-            "by_length": {str(L): dataclasses.asdict(sc) for L, sc in scores.items()},
-        }
-        atomic_write_text(args.json, json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    synth_command(SynthCommandOptions(**options_of(SynthCommandOptions, args)))
 
 
 def cmd_niah(args: argparse.Namespace) -> None:
@@ -433,8 +345,14 @@ def _options_classes() -> dict[str, type[Any]]:
     from .evaluate import EvalOptions
     from .generate import GenerateOptions
     from .probe import ProbeCommandOptions
+    from .synth import SynthCommandOptions
 
-    return {"eval": EvalOptions, "generate": GenerateOptions, "probe": ProbeCommandOptions}
+    return {
+        "eval": EvalOptions,
+        "generate": GenerateOptions,
+        "probe": ProbeCommandOptions,
+        "synth": SynthCommandOptions,
+    }
 
 
 ALIASES: dict[str, dict[str, str]] = {  # options the command line spells otherwise than Python
@@ -463,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .generate import GenerateOptions
     from .models import model_names
     from .probe import ProbeCommandOptions
+    from .synth import SynthCommandOptions
 
     summary = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")  # the docstring's first paragraph
     ap = argparse.ArgumentParser(prog="recurformer", description=summary)
@@ -544,42 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, GenerateOptions)
     p.add_argument("--stats", action="store_true", help="print tokens/s and peak memory")
 
-    from .data.synthetic import TASKS
-
     p = sub.add_parser(
         "synth",
         formatter_class=_Help,
         help="train a small model on a synthetic diagnostic task and report its accuracy",
     )
-    p.add_argument(
-        "--task",
-        choices=sorted(TASKS),
-        help="the diagnostic task (MAD tasks, copy, delayed copy, passkey); or task.name in a --config",
-    )
-    p.add_argument("--model", help=f"one of: {', '.join(model_names())}; or model.name in a --config")
-    p.add_argument(
-        "--config",
-        action="append",
-        metavar="FILE",
-        help="YAML with model/task/synth sections (repeatable; --set wins); a config that names its task and "
-        "model (task.name, model.name) is a whole experiment: `recurformer synth --config FILE`",
-    )
-    _add_set(p)
-    p.add_argument("--steps", type=int, help="optimizer steps per learning rate (default 500)")
-    p.add_argument("--lrs", help="comma-separated learning rates to sweep (default 5e-4,1e-3,3e-3)")
-    p.add_argument("--n-train", type=int, help="training examples (default: the task's MAD baseline)")
-    p.add_argument("--n-test", type=int, help="test examples (default 1280)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.add_argument("--json", help="write the full result as JSON here")
-    p.add_argument(
-        "--save", metavar="DIR", help="save the selected model (pretrained layout) for `recurformer readout`"
-    )
-    p.add_argument(
-        "--evaluate",
-        metavar="DIR",
-        help="instead of training, score a model saved by --save on its task at --lengths (--n-test rows each, default 128)",
-    )
-    p.add_argument("--lengths", help="with --evaluate: comma-separated task lengths, e.g. 128,256,512")
+    add_options(p, SynthCommandOptions)
 
     p = sub.add_parser(
         "readout",
