@@ -38,6 +38,8 @@ def add_options(p: argparse.ArgumentParser, cls: type[Any]) -> dict[str, Any]:
         tp = _base(hints[f.name])
         if tp is bool:
             kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        elif typing.get_origin(tp) is typing.Literal:
+            kw["choices"] = list(typing.get_args(tp))
         elif typing.get_origin(tp) in (list, tuple):
             if "nargs" not in extra and "action" not in extra:  # numbers: one comma-separated argument
                 kw["default"] = ",".join(str(v) for v in default) if default is not None else None
@@ -159,29 +161,23 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from .config import check_options
-    from .data import prepare
-    from .train import DataConfig
+    from .config import check_values
+    from .data import DataConfig, prepare
 
-    if not args.dataset and not args.text:
+    if not args.dataset and not args.text_files:
         raise RecurformerError("give --dataset NAME or --text FILE ...")
-    if args.tokenizer == "bpe":
-        check_options(vocab_size=args.vocab_size)
-    dc = DataConfig(
-        dataset=args.dataset,
-        text_files=args.text or [],
-        text_field=args.text_field,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-    )
-    out = args.out or dc.resolved_dir()  # where `train` with the same data section looks
+    options = options_of(DataConfig, args)
+    if options["tokenizer"] == "bpe":
+        check_values(DataConfig, vocab_size=options["vocab_size"])  # as the flag, not as data.vocab_size
+    dc = DataConfig(**options)
+    out = dc.resolved_dir()  # --out, or where `train` with the same data section looks
     meta = prepare(
         out,
-        dataset=args.dataset,
-        text_files=args.text or None,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        text_field=args.text_field,
+        dataset=dc.dataset,
+        text_files=dc.text_files or None,
+        tokenizer=dc.tokenizer,
+        vocab_size=dc.vocab_size,
+        text_field=dc.text_field,
     )
     print(f"prepared {out}: " + ", ".join(f"{k}={v}" for k, v in meta.items() if not isinstance(v, (dict, list))))
 
@@ -377,6 +373,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .data import DataConfig
     from .evaluate import EvalOptions
     from .generate import GenerateOptions
     from .models import model_names
@@ -393,28 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
 
     p = sub.add_parser("prepare", formatter_class=_Help, help="tokenize a corpus into train/val token files")
-    p.add_argument(
-        "--dataset",
-        help="tinystories-sample, tinystories-repeat, tinystories-cased, warpeace, books, tinystories (hub)",
-    )
-    p.add_argument(
-        "--text",
-        nargs="+",
-        metavar="FILE",
-        help="your own corpus instead of a dataset: text files, JSONL, "
-        "Parquet or datasets directories (save_to_disk), streamed",
-    )
-    p.add_argument(
-        "--text-field", default="text", help="the field / column holding the text in JSONL, Parquet and datasets inputs"
-    )
-    p.add_argument(
-        "--tokenizer",
-        choices=["bpe", "byte"],
-        default="bpe",
-        help="byte-level BPE (learned on the train split) or raw bytes",
-    )
-    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size, special tokens included")
-    p.add_argument("--out", help="output directory (default: prepared/<dataset>-<tokenizer><vocab>)")
+    add_options(p, DataConfig)
 
     p = sub.add_parser("train", formatter_class=_Help, help="train a model (stateful TBPTT) from a YAML config")
     p.add_argument("--config", help="YAML file with model/data/train sections (see configs/)")

@@ -221,7 +221,6 @@ RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
     "warm_min": (0, True, None, False),
     "length": (1, True, None, False),
     "distance": (1, True, None, False),
-    "vocab_size": (258, True, 2**20, True),
     "segments": (1, True, None, False),
     "rows": (1, True, None, False),
     "segment": (1, True, None, False),
@@ -297,11 +296,12 @@ def check_fields(options: Any) -> None:
                 check_range(f.name, v, f.metadata["bounds"])
 
 
-def check_values(cls: type[Any], **values: Any) -> None:
-    """``check_range`` for ``values`` by the ranges of the fields of the same names of ``cls``."""
-    bounds = {f.name: f.metadata.get("bounds") for f in dataclasses.fields(cls)}
+def check_values(cls: type[Any], section: str | None = None, **values: Any) -> None:
+    """``check_range`` for ``values`` by the ranges of the fields of the same names of ``cls``;
+    ``section`` names them as config keys (``"data"`` gives ``config key 'data.vocab_size'``)."""
+    bounds = {f.name: f.metadata["bounds"] for f in dataclasses.fields(cls) if f.metadata.get("bounds")}
     for name, value in values.items():
-        check_range(name, value, bounds[name])  # type: ignore[arg-type]
+        check_range(name, value, bounds[name], f"config key '{section}.{name}'" if section else "")
 
 
 def make_options(cls: type[T], values: dict[str, Any]) -> T:
