@@ -15,7 +15,6 @@ sizes that failed and what to lower."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .config import RecurformerError, check_options, make_options, merge, opt
+from .config import RecurformerError, make_options, merge
 from .data import Tokenizer
 from .device import cpu_threads
 from .evaluate import LengthOptions, LengthResult, eval_sizes, evaluate_lengths
@@ -32,7 +31,6 @@ from .probe import ProbeResult
 
 if TYPE_CHECKING:
     from .niah import Cell
-    from .readout import Readout
 
 
 @dataclass
@@ -231,60 +229,6 @@ def niah_checkpoint(
     save(cells, path_out, meta)
     log(f"wrote {path_out} and {path_out.with_suffix('.png')}")
     return cells
-
-
-@cpu_threads()
-def readout_checkpoint(
-    checkpoint: str | Path,
-    *,
-    task: str | None = None,
-    task_values: dict[str, Any] | None = None,
-    segment: int | None = None,
-    segments: int = 4,
-    rows: int = 16,
-    seed: int = 0,
-    out: str | Path | None = None,
-    log: Callable[[str], object] = print,
-) -> Readout:
-    """``recurformer readout``: does a model read its memory, and does a later loss reach it
-    (``readout.readout``) on ``rows`` rows of a synthetic ``task`` (with ``task_values``) or of the
-    checkpoint's validation text; logs the table, writes ``out`` (JSON) when given."""
-    from .data import eval_windows
-    from .data.synthetic import get_task, make_split
-    from .evaluate import eval_tokens
-    from .files import atomic_write, check_writable
-    from .hub import load
-    from .readout import default_segment, readout, table
-
-    check_options(segments=segments, rows=rows, segment=segment)
-    if out:
-        check_writable(Path(out), f"{opt('out')} file")
-    loaded = load(checkpoint)
-    model, tok, config = loaded.model, loaded.tokenizer, loaded.config
-    segment = segment or default_segment(model)
-    need = (segments + 1) * segment
-    if task:
-        params = get_task(task).params(task_values or {})
-        if int(params["vocab_size"]) != model.config.vocab_size:
-            raise RecurformerError(
-                f"task {task} has vocab_size {params['vocab_size']}, the model {model.config.vocab_size}; set task.vocab_size"
-            )
-        data = make_split(task, rows, seed, params)
-        x, y = data.inputs, data.targets
-        if x.shape[1] < need:
-            raise RecurformerError(
-                f"task rows have {x.shape[1]} tokens, the read-out needs {need} ({segments + 1} segments of {segment}); lengthen the task"
-            )
-    else:
-        w = eval_windows(eval_tokens(tok, config), need, rows, seed=seed)
-        x, y = w[:, :-1], w[:, 1:]
-    r = readout(model, x, y, segment, segments)
-    log(f"{checkpoint}: {type(model).__name__}, {x.shape[0]} rows of {x.shape[1]} tokens")
-    log(table(r, [layer.kind for layer in model.layers]))
-    if out:
-        atomic_write(Path(out), lambda p: p.write_text(json.dumps(r.to_json(), indent=2) + "\n"))
-        log(f"wrote {out}")
-    return r
 
 
 def export(

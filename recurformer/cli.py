@@ -320,20 +320,12 @@ def cmd_probe(args: argparse.Namespace) -> None:
 
 
 def cmd_readout(args: argparse.Namespace) -> None:
-    from .api import readout_checkpoint
+    from .readout import ReadoutOptions, readout_checkpoint
     from .synth import split_overrides
 
     _, task_values, _ = split_overrides(args.set) if args.task else ({}, {}, {})
-    readout_checkpoint(
-        args.checkpoint,
-        task=args.task,
-        task_values=task_values,
-        segment=args.segment,
-        segments=args.segments,
-        rows=args.rows,
-        seed=args.seed,
-        out=args.json,
-    )
+    options = options_of(ReadoutOptions, args)
+    readout_checkpoint(options.pop("checkpoint"), task_values=task_values, **options)
 
 
 def _options_classes() -> dict[str, type[Any]]:
@@ -354,7 +346,6 @@ def _options_classes() -> dict[str, type[Any]]:
 ALIASES: dict[str, dict[str, str]] = {  # options the command line spells otherwise than Python
     "eval": {"windows=None": "--all"},
     "probe": {"warm": "--warm-min/--warm-max"},
-    "readout": {"out": "--json"},
 }
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
@@ -378,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .generate import GenerateOptions
     from .models import model_names
     from .probe import ProbeCommandOptions
+    from .readout import ReadoutOptions
     from .synth import SynthCommandOptions
 
     summary = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")  # the docstring's first paragraph
@@ -451,20 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Help,
         help="does a model read its memory, and does a later loss reach it: attention share and gradient norms",
     )
-    p.add_argument(
-        "--checkpoint", required=True, help="a run, checkpoint or pretrained directory (e.g. from synth --save)"
-    )
-    p.add_argument("--task", help="read synthetic task rows (see synth) instead of the checkpoint's validation text")
+    add_options(p, ReadoutOptions)
     _add_set(p)
-    p.add_argument(
-        "--segment", type=int, help="tokens per segment (default: the model's chunk / segment / block length)"
-    )
-    p.add_argument(
-        "--segments", type=int, default=4, help="K: gradient norms from the losses of segments 1..K (default 4)"
-    )
-    p.add_argument("--rows", type=int, default=16, help="rows to read (default 16)")
-    p.add_argument("--seed", type=int, default=0, help="which rows are read")
-    p.add_argument("--json", help="write the read-out as JSON here")
 
     p = sub.add_parser(
         "probe",

@@ -110,6 +110,7 @@ def test_python_commands_check_their_options_first(call, kwargs, message, pretra
         "generate_text": recurformer.generate,
         "evaluate_checkpoints": sys.modules["recurformer.evaluate"],
         "probe_checkpoints": sys.modules["recurformer.probe"],
+        "readout_checkpoint": sys.modules["recurformer.readout"],
     }
     monkeypatch.chdir(tmp_path)
     missing = str(tmp_path / "no-such-run")
