@@ -9,7 +9,7 @@
     recurformer.export(run.dir, "my-model")                            # Hub layout + model card
 
 Every function raises ``RecurformerError`` (a one-line message) on bad input, as the CLI does,
-naming the options as Python keywords (the CLI's calls pass ``style="cli"`` for its flags);
+naming the options as Python keywords (``config.opt``; the command line names its flags);
 running out of memory in training, evaluation or generation is such a message too, naming the
 sizes that failed and what to lower."""
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -28,9 +28,6 @@ from .device import cpu_threads
 from .evaluate import LengthOptions, LengthResult, eval_sizes, evaluate_lengths
 from .nn import StreamingLM
 from .probe import ProbeResult
-
-if TYPE_CHECKING:
-    from .niah import Cell
 
 
 @dataclass
@@ -63,20 +60,18 @@ def train(
     resume: str | Path | None = None,
     progress: bool = True,
     overwrite: bool = False,
-    style: str = "python",
     **overrides: Any,
 ) -> Run:
     """Train as ``recurformer train`` does. ``config``: a YAML path, a bundled config name
     (``"tinystories-cpu"``) or a dict with model/data/train sections; ``overrides`` as sections
     (``model={"dim": 64}``) or dotted keys (``**{"train.steps": 10}``); ``resume``: a run or
     checkpoint directory to continue exactly (written into that run's directory unless
-    ``train.out_dir`` is given); ``overwrite``: replace a run already in ``train.out_dir``.
-    ``style`` names the options in errors (``"cli"``: ``--resume``)."""
+    ``train.out_dir`` is given); ``overwrite``: replace a run already in ``train.out_dir``."""
     from . import checkpoint as ckpt
     from .train import train_main
 
     resumed = str(resume) if resume is not None else None
-    trainer, metrics = train_main(config, _overrides(overrides), resumed, overwrite, progress, style)
+    trainer, metrics = train_main(config, _overrides(overrides), resumed, overwrite, progress, "python")
     try:
         last = ckpt.resolve(trainer.out_dir)
     except RecurformerError:
@@ -176,59 +171,6 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, label: str = "model", **o
         metrics = probe_model(model, samples, METRICS[o.task], o.chunk, o.batch_size, o.precision, o.seed)
     facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
     return ProbeResult(label, "", model_name(model.config), receptive_field(model), metrics=metrics, **facts)
-
-
-@cpu_threads()
-def niah_checkpoint(
-    checkpoint: str | Path,
-    lengths: Sequence[int] = (256, 512, 1024, 2048),
-    depths: Sequence[float] = (0, 25, 50, 75, 100),
-    out: str | Path | None = None,
-    *,
-    trials: int = 4,
-    chunk: int = 256,
-    text: list[str] | None = None,
-    via: str = "recurformer",
-    seed: int = 0,
-    device: str = "auto",
-    log: Callable[[str], object] = print,
-) -> list[Cell]:
-    """``recurformer niah``: needle in a haystack over depths x lengths for a checkpoint, read by
-    recurformer or (``via="transformers"``) through ``AutoModelForCausalLM``; logs the table and
-    writes ``out`` (JSON; default ``niah.json`` in the checkpoint's run directory) and its heatmap PNG."""
-    from .device import pick_device
-    from .files import check_writable
-    from .hub import default_output
-    from .niah import niah, save, table
-
-    path_out = default_output(out, checkpoint, "niah.json")
-    check_writable(path_out, "output JSON")
-    check_writable(path_out.with_suffix(".png"), "heatmap")
-    dev = pick_device(device)
-    model: Any
-    if via == "transformers":
-        from .hf import RecurformerForCausalLM
-
-        _, tok = load(checkpoint)
-        model = RecurformerForCausalLM.from_pretrained(checkpoint).to(dev)
-    else:
-        model, tok = load(checkpoint, str(dev))
-    if tok is None:
-        raise RecurformerError(f"{checkpoint} has no tokenizer.json: the haystack is text")
-    cells = niah(model, tok, lengths, depths, trials, chunk, text, seed)
-    log(table(cells))
-    meta = {
-        "checkpoint": str(checkpoint),
-        "via": via,
-        "trials": trials,
-        "chunk": chunk,
-        "seed": seed,
-        "haystack": text or "bundled books (val)",
-        "label": Path(checkpoint).name,
-    }
-    save(cells, path_out, meta)
-    log(f"wrote {path_out} and {path_out.with_suffix('.png')}")
-    return cells
 
 
 def export(

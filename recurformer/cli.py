@@ -183,7 +183,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from .api import train
+    from .device import cpu_threads
+    from .train import train_main
 
     if not args.config and not args.resume:
         raise RecurformerError("give --config FILE (see configs/) or --resume DIR")
@@ -193,9 +194,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         + ([f"train.device={args.device}"] if args.device else [])
         + ([f"data.text_field={args.text_field}"] if args.text_field else [])
     )
-    last = train(
-        args.config, resume=args.resume, overwrite=args.overwrite, style="cli", **parse_overrides(sets)
-    ).metrics
+    with cpu_threads():  # the errors of a run name the command line's flags (train.py's default)
+        _, last = train_main(args.config, parse_overrides(sets), args.resume, args.overwrite)
     if last:  # the run's mean speed first; the last log interval's rate named as such
         names = {"tok_per_s": "last_interval_tok_per_s"}
         last = {k: last[k] for k in ("step", "loss", "val_loss", "mean_tok_per_s", "mfu") if k in last} | last
@@ -247,38 +247,10 @@ def cmd_synth(args: argparse.Namespace) -> None:
 
 
 def cmd_niah(args: argparse.Namespace) -> None:
-    from .api import niah_checkpoint
+    from .niah import NiahOptions, niah_checkpoint
 
-    lengths, depths = _int_list(args.lengths, "--lengths"), _float_list(args.depths, "--depths")
-    niah_checkpoint(
-        args.checkpoint,
-        lengths,
-        depths,
-        args.json,
-        trials=args.trials,
-        chunk=args.chunk,
-        text=args.text,
-        via=args.via,
-        seed=args.seed,
-        device=args.device,
-    )
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        out = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise RecurformerError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not out or min(out) < 1:
-        raise RecurformerError(f"{flag} must be positive integers, got {text!r}")
-    return out
-
-
-def _float_list(text: str, flag: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise RecurformerError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    options = options_of(NiahOptions, args)
+    niah_checkpoint(options.pop("checkpoint"), **options)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -368,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluate import EvalOptions
     from .generate import GenerateOptions
     from .models import model_names
+    from .niah import NiahOptions
     from .probe import ProbeCommandOptions
     from .readout import ReadoutOptions
     from .synth import SynthCommandOptions
@@ -477,25 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="needle in a haystack: a passkey at depth d%% of a context of length L, retrieved at the end "
         "(exact match and answer log-likelihood; a depth x length heatmap)",
     )
-    p.add_argument("--checkpoint", required=True, help="a run, checkpoint or pretrained directory")
-    p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths in tokens")
-    p.add_argument("--depths", default="0,25,50,75,100", help="needle depths in percent of the haystack")
-    p.add_argument("--trials", type=int, default=4, help="prompts per cell (random passkeys and haystack offsets)")
-    p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
-    p.add_argument(
-        "--text", nargs="+", metavar="FILE", help="haystack text files (default: the bundled books, val split)"
-    )
-    p.add_argument(
-        "--via",
-        choices=["recurformer", "transformers"],
-        default="recurformer",
-        help="transformers: load and run the model through AutoModelForCausalLM (needs recurformer[hf])",
-    )
-    p.add_argument("--seed", type=int, default=0, help="passkeys and haystack offsets")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.add_argument(
-        "--json", help="output JSON, the heatmap PNG beside it (default: niah.json in the checkpoint's run directory)"
-    )
+    add_options(p, NiahOptions)
     p = sub.add_parser(
         "lm-eval",
         add_help=False,

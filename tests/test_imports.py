@@ -37,11 +37,11 @@ FLOORS: list[list[str]] = [
     # 6: the model around a stack of layers
     ["nn"],
     # 7: what reads a model; Llama, which other architectures build on
-    ["layers", "evaluate", "probe", "models.llama", "hf", "lm_eval", "niah", "curriculum", "capture"],
+    ["layers", "evaluate", "probe", "models.llama", "hf", "lm_eval", "curriculum", "capture"],
     # 8: the architectures (``models.*`` files not named elsewhere live on this floor too)
     [],
     ["models", "reference"],
-    ["statesize", "readout"],  # measure a built model: its state; whether it reads its memory (a command)
+    ["statesize", "readout", "niah"],  # measure a built model: its state; whether it reads its memory (a command)
     ["synth", "train"],
     ["api"],
     ["__init__"],  # the package's public names
