@@ -302,16 +302,22 @@ def cmd_readout(args: argparse.Namespace) -> None:
 
 def _options_classes() -> dict[str, type[Any]]:
     """Each command's options dataclass (where it has one): its fields name its flags in errors."""
+    from .data import DataConfig
     from .evaluate import EvalOptions
     from .generate import GenerateOptions
+    from .niah import NiahOptions
     from .probe import ProbeCommandOptions
+    from .readout import ReadoutOptions
     from .synth import SynthCommandOptions
 
     return {
+        "prepare": DataConfig,
         "eval": EvalOptions,
         "generate": GenerateOptions,
-        "probe": ProbeCommandOptions,
         "synth": SynthCommandOptions,
+        "probe": ProbeCommandOptions,
+        "readout": ReadoutOptions,
+        "niah": NiahOptions,
     }
 
 
