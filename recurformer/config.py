@@ -192,8 +192,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-# Numeric options, checked once for the command line, the Python API and config files alike:
-# name -> (lowest, is the lowest allowed, highest or None, is the highest allowed).
+# The train section's numeric keys (a command's options carry their ranges in their fields,
+# ``option``): name -> (lowest, is the lowest allowed, highest or None, is the highest allowed).
 RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
     "lr": (0.0, False, None, False),
     "min_lr": (0.0, True, None, False),
@@ -204,26 +204,6 @@ RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
     "warmup": (0, True, None, False),
     "eval_batches": (1, True, None, False),
     "keep_last": (0, True, None, False),
-    "max_new_tokens": (0, True, None, False),
-    "temperature": (0.0, True, None, False),
-    "top_k": (1, True, None, False),
-    "top_p": (0.0, False, 1.0, True),
-    "last": (1, True, None, False),
-    "windows": (1, True, None, False),
-    "chunk": (1, True, None, False),
-    "batch_size": (1, True, None, False),
-    "window": (1, True, None, False),
-    "context": (1, True, None, False),
-    "warm_state": (0, True, None, False),
-    "docs": (1, True, None, False),
-    "passage": (1, True, None, False),
-    "span": (1, True, None, False),
-    "warm_min": (0, True, None, False),
-    "length": (1, True, None, False),
-    "distance": (1, True, None, False),
-    "segments": (1, True, None, False),
-    "rows": (1, True, None, False),
-    "segment": (1, True, None, False),
 }
 
 
@@ -248,11 +228,11 @@ def check_range(name: str, value: Any, bounds: tuple[float, bool, float | None, 
         raise RecurformerError(f"{label or opt(name)} must be {_range_text(low, low_ok, high, high_ok)}, got {value!r}")
 
 
-def check_options(section: str | None = None, **values: Any) -> None:
-    """``check_range`` for each of ``values`` by its bounds in ``RANGES``; ``section`` names them
-    as config keys (``"train"`` gives ``config key 'train.lr'``), else they are options (``opt``)."""
+def check_options(section: str, **values: Any) -> None:
+    """``check_range`` for each of ``values`` by its bounds in ``RANGES``, named as config keys of
+    ``section`` (``"train"`` gives ``config key 'train.lr'``)."""
     for name, value in values.items():
-        check_range(name, value, RANGES[name], f"config key '{section}.{name}'" if section else "")
+        check_range(name, value, RANGES[name], f"config key '{section}.{name}'")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,11 +294,6 @@ def make_options(cls: type[T], values: dict[str, Any]) -> T:
     obj = cls(**values)
     check_fields(obj)
     return obj
-
-
-def defaults(cls: type[Any]) -> dict[str, Any]:
-    """The defaults of an options dataclass, by field name."""
-    return {f.name: getattr(cls(), f.name) for f in dataclasses.fields(cls)}
 
 
 # An option named in a message: its name (and value) between markers, spelled when the message
