@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .config import RecurformerError, make_options, merge
+from .config import RecurformerError, make_options, merge, opt
 from .data import Tokenizer
 from .device import cpu_threads
 from .evaluate import LengthOptions, LengthResult, eval_sizes, evaluate_lengths
@@ -173,19 +173,26 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, label: str = "model", **o
     return ProbeResult(label, "", model_name(model.config), receptive_field(model), metrics=metrics, **facts)
 
 
-def export(
-    checkpoint: str | Path,
-    out: str | Path,
-    push_to_hub: str | None = None,
-    *,
-    overwrite: bool = False,
-) -> Path:
+def export(checkpoint: str | Path, out: str | Path, push_to_hub: str | None = None, **options: Any) -> Path:
     """A run or checkpoint -> a pretrained directory (weights, config, tokenizer, model card),
-    uploaded to the Hub repo ``push_to_hub`` when given. ``out`` never holds a run; anything there
-    but an earlier export of the same run is replaced only with ``overwrite`` (``hub.claim_export_dir``)."""
+    uploaded to the Hub repo ``push_to_hub`` when given; ``options``: the fields of
+    ``hub.ExportOptions`` (``format="transformers"``: also readable by ``AutoModelForCausalLM``,
+    ``overwrite``). ``out`` never holds a run; anything there but an earlier export of the same run
+    is replaced only with ``overwrite`` (``hub.claim_export_dir``)."""
     from . import hub
 
-    path = hub.export(checkpoint, out, overwrite)
-    if push_to_hub:
-        hub.upload(path, push_to_hub)
+    given = {"checkpoint": str(checkpoint), "out": str(out), "push_to_hub": push_to_hub}
+    o = make_options(hub.ExportOptions, given | options)
+    if o.format == "transformers":
+        if o.push_to_hub:
+            raise RecurformerError(
+                f"{opt('push_to_hub')} goes with {opt('format', 'recurformer')}; upload a transformers "
+                "directory with `hf upload`"
+            )
+        from .hf import export as export_transformers
+
+        return export_transformers(o.checkpoint, o.out, o.overwrite)
+    path = hub.export(o.checkpoint, o.out, o.overwrite)
+    if o.push_to_hub:
+        hub.upload(path, o.push_to_hub)
     return path

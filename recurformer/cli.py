@@ -255,17 +255,10 @@ def cmd_niah(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     from .api import export
+    from .hub import ExportOptions
 
-    if args.format == "transformers":
-        if args.push_to_hub:
-            raise RecurformerError(
-                "--push-to-hub goes with --format recurformer; upload a transformers directory with `hf upload`"
-            )
-        from .hf import export as export_transformers
-
-        out = export_transformers(args.checkpoint, args.out, args.overwrite)
-    else:
-        out = export(args.checkpoint, args.out, args.push_to_hub, overwrite=args.overwrite)
+    options = options_of(ExportOptions, args)
+    out = export(options.pop("checkpoint"), options.pop("out"), **options)
     print(
         f"wrote {out} ("
         + ", ".join(sorted(f.name for f in out.iterdir()))
@@ -305,12 +298,14 @@ def _options_classes() -> dict[str, type[Any]]:
     from .data import DataConfig
     from .evaluate import EvalOptions
     from .generate import GenerateOptions
+    from .hub import ExportOptions
     from .niah import NiahOptions
     from .probe import ProbeCommandOptions
     from .readout import ReadoutOptions
     from .synth import SynthCommandOptions
 
     return {
+        "export": ExportOptions,
         "prepare": DataConfig,
         "eval": EvalOptions,
         "generate": GenerateOptions,
@@ -345,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .data import DataConfig
     from .evaluate import EvalOptions
     from .generate import GenerateOptions
+    from .hub import ExportOptions
     from .models import model_names
     from .niah import NiahOptions
     from .probe import ProbeCommandOptions
@@ -467,26 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "export", formatter_class=_Help, help="write a run's checkpoint in Hugging Face Hub layout with a model card"
     )
-    p.add_argument("--checkpoint", required=True, help="a run or checkpoint directory")
-    p.add_argument(
-        "--out",
-        required=True,
-        help="the directory to write (model.safetensors, config.json, tokenizer.json, README.md)",
-    )
-    p.add_argument(
-        "--push-to-hub", metavar="REPO_ID", help="also upload it to this Hub repo (needs a network and a token)"
-    )
-    p.add_argument(
-        "--format",
-        choices=["recurformer", "transformers"],
-        default="recurformer",
-        help="transformers: also readable by AutoModelForCausalLM / AutoTokenizer (needs recurformer[hf])",
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="write into --out although it holds other files or another run's export (never a run: refused)",
-    )
+    add_options(p, ExportOptions)
     return ap
 
 

@@ -333,7 +333,7 @@ def with_bos(path: Path, tokenizer: Tokenizer) -> None:
     hf.save(str(path))
 
 
-def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
+def export(checkpoint: str | Path, out: str | Path, overwrite: bool) -> Path:
     """A run, checkpoint or pretrained directory -> a directory that ``AutoModelForCausalLM`` /
     ``AutoTokenizer`` and ``recurformer.load`` all read: ``config.json``, ``model.safetensors``,
     ``generation_config.json`` (stops at EOS), ``tokenizer.json`` + ``tokenizer_config.json``

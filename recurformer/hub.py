@@ -17,7 +17,7 @@ import json
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 import yaml
@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from .checkpoint import load_checkpoint, load_model_weights, metrics, resolve, run_contents, train_json
 from .compat import FORMAT
-from .config import RecurformerError, opt
+from .config import RecurformerError, opt, option
 from .data import Tokenizer
 from .files import move_files
 from .registry import build_model, description, model_name
@@ -323,7 +323,26 @@ def upload(
     return str(info.commit_url)
 
 
-def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False) -> Path:
+@dataclass
+class ExportOptions:
+    """``recurformer export`` (``recurformer.export``): which run, where, in which layout."""
+
+    checkpoint: str = option(None, "a run or checkpoint directory", required=True)
+    out: str = option(
+        None, "the directory to write (model.safetensors, config.json, tokenizer.json, README.md)", required=True
+    )
+    push_to_hub: str | None = option(
+        None, "also upload it to this Hub repo (needs a network and a token)", metavar="REPO_ID"
+    )
+    format: Literal["recurformer", "transformers"] = option(
+        "recurformer", "transformers: also readable by AutoModelForCausalLM / AutoTokenizer (needs recurformer[hf])"
+    )
+    overwrite: bool = option(
+        False, "write into --out although it holds other files or another run's export (never a run: refused)"
+    )
+
+
+def export(checkpoint: str | Path, out: str | Path, overwrite: bool) -> Path:
     """A run or checkpoint directory -> a pretrained directory with its model card (the results
     row is the run's last logged metrics up to the checkpoint's step). ``out`` must not hold a run,
     nor, unless ``overwrite``, anything but an earlier export of the same run (``claim_export_dir``)."""

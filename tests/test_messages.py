@@ -55,6 +55,10 @@ CLI = [
     ),
     (["prepare", "--tokenizer", "byte"], "give --dataset NAME or --text FILE ..."),
     (["synth", "--evaluate", MISSING], "synth --evaluate needs --lengths, e.g. --lengths 128,256,512"),
+    (
+        ["export", "--checkpoint", MISSING, "--out", "x", "--format", "transformers", "--push-to-hub", "a/b"],
+        "--push-to-hub goes with --format recurformer; upload a transformers directory with `hf upload`",
+    ),
 ]
 
 
@@ -82,6 +86,13 @@ PYTHON = [
     ("readout", "readout_checkpoint", (MISSING,), {"rows": 0}, "rows must be >= 1, got 0"),
     ("niah", "niah_checkpoint", (MISSING,), {"trials": 0}, "trials must be >= 1, got 0"),
     ("niah", "niah_checkpoint", (MISSING,), {"chunks": 8}, "unknown option 'chunks' (did you mean 'chunk'?)"),
+    (
+        "api",
+        "export",
+        (MISSING, "x", "a/b"),
+        {"format": "transformers"},
+        "push_to_hub goes with format='recurformer'; upload a transformers directory with `hf upload`",
+    ),
 ]
 
 
