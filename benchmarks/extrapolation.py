@@ -1,6 +1,6 @@
 """Tables 1 and 2 of Liang, *Block-wise Recurrent Transformer* (§5.1, §5.2) at CPU scale: train every configuration at length 256 on the same
 data with the same token budget (configs/repro/base.yaml), then evaluate loss on the last 256
-tokens at lengths 256..16384 (``api.evaluate_checkpoints``, what ``recurformer eval`` runs).
+tokens at lengths 256..16384 (``evaluate.evaluate_checkpoints``, what ``recurformer eval`` runs).
 
 Table 1 rows: Memory Attention (full stateful training), cold and warm start, Llama/RoPE, the same
 Llama evaluated with a 256 window, a trained sliding-window model, plus Transformer-XL and
@@ -58,7 +58,7 @@ RUNS: dict[str, list[str]] = {
     "transformer_xl": ["model.name=transformer_xl", "model.segment_len=32"],
     "block_recurrent": ["model.name=block_recurrent", "model.block_size=32"],
 }
-# (row label, run, extra options of api.evaluate_checkpoints); the reference row first: the paired
+# (row label, run, extra options of evaluate.evaluate_checkpoints); the reference row first: the paired
 # differences of each table are taken from it
 TABLE1: list[tuple[str, str, dict[str, int]]] = [
     ("Memory Attention", "memory_attention", {}),
@@ -213,8 +213,7 @@ def load_results(path: Path, what: dict) -> list[LengthResult] | None:
 def cmd_eval(args: argparse.Namespace) -> None:
     import torch
 
-    from recurformer.api import evaluate_checkpoints
-    from recurformer.evaluate import markdown_table, plot, save_json
+    from recurformer.evaluate import evaluate_checkpoints, markdown_table, plot, save_json
 
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out) if args.out else ROOT / "out" / repro_name(args.scale)

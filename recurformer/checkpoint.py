@@ -261,19 +261,32 @@ def clear_run(out_dir: Path, keep_until: int | None = None) -> None:
                 target.unlink(missing_ok=True)
 
 
-def copy_metrics(source: Path, target: Path, until: int) -> None:
-    """Write the rows of ``source`` (a metrics.jsonl) up to step ``until`` to ``target``,
-    atomically; a torn last line (a killed write) is dropped."""
+def metrics(run_dir: Path, until: int | None = None) -> list[dict[str, Any]]:
+    """The rows of a run's ``metrics.jsonl``, in order, up to step ``until`` (all without it);
+    a torn line (a killed write) is skipped; none when the run has no metrics file."""
+    path = run_dir / "metrics.jsonl"
     rows = []
-    if source.is_file():
-        for line in source.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and row.get("step", until + 1) <= until:
-                rows.append(line)
-    atomic_write_text(target, "".join(r + "\n" for r in rows), "metrics file")
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and (until is None or row.get("step", 0) <= until):
+            rows.append(row)
+    return rows
+
+
+def train_json(ck: Path) -> dict[str, Any] | None:
+    """A training checkpoint's ``train_state.json`` (``step``, ``tokens_seen``, ...); None for a
+    pretrained directory, which has none."""
+    return _load_json(ck / "train_state.json") if (ck / "train_state.json").is_file() else None
+
+
+def copy_metrics(source: Path, target: Path, until: int) -> None:
+    """Write the rows of the run ``source`` up to step ``until`` to ``target`` (a metrics.jsonl),
+    atomically; a torn last line (a killed write) is dropped."""
+    text = "".join(json.dumps(row) + "\n" for row in metrics(source, until))
+    atomic_write_text(target, text, "metrics file")
 
 
 def spelled(style: str, key: str, value: str = "") -> str:
@@ -363,4 +376,4 @@ def open_run_dir(out: Path, resumed_run: Path | None, step: int) -> None:
     except OSError as e:
         raise RecurformerError(f"cannot write run directory {out}: {e.strerror or e}") from None
     if resumed_run is not None:
-        copy_metrics(resumed_run / "metrics.jsonl", out / "metrics.jsonl", step)
+        copy_metrics(resumed_run, out / "metrics.jsonl", step)

@@ -10,16 +10,111 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
-import json
 import os
 import signal
 import sys
 import threading
-from pathlib import Path
+import typing
 from typing import Any, Callable
 
-from .config import RecurformerError, parse_overrides
+from .config import RecurformerError, parse_overrides, spell
+
+
+def add_options(p: argparse.ArgumentParser, cls: type[Any]) -> dict[str, Any]:
+    """One flag per field of the options dataclass ``cls`` (``config.option``): ``--name-like-this``
+    (or the field's ``flag``), its help, its default; a list of numbers is one comma-separated
+    argument, a bool with a True default a ``--x/--no-x`` pair; fields of one ``group`` exclude each
+    other (the groups are returned by name, for flags of the command line's own)."""
+    hints = typing.get_type_hints(cls)
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        extra = dict(f.metadata.get("cli", {}))
+        if not extra.pop("cli", True):
+            continue
+        default: Any = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": f.metadata.get("help", "")}
+        tp = _base(hints[f.name])
+        if tp is bool:
+            kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        elif typing.get_origin(tp) is typing.Literal:
+            kw["choices"] = list(typing.get_args(tp))
+        elif typing.get_origin(tp) in (list, tuple):
+            if "nargs" not in extra and "action" not in extra:  # numbers: one comma-separated argument
+                kw["default"] = ",".join(str(v) for v in default) if default is not None else None
+        else:
+            kw["type"] = tp
+        if extra.get("required"):
+            kw.pop("default")
+        group = extra.pop("group", None)
+        if group and group not in groups:
+            groups[group] = p.add_mutually_exclusive_group()
+        (groups[group] if group else p).add_argument(flag_of(f), **kw | extra)
+    return groups
+
+
+def _base(tp: Any) -> Any:
+    """``X | None`` -> ``X``."""
+    return (
+        next((a for a in typing.get_args(tp) if a is not type(None)), tp) if type(None) in typing.get_args(tp) else tp
+    )
+
+
+def options_of(cls: type[Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The values of ``cls``'s fields among the parsed ``args``, comma-separated lists parsed
+    (one line naming the flag when one is not a list of numbers)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        tp = _base(hints[f.name])
+        if isinstance(value, str) and typing.get_origin(tp) in (list, tuple):
+            value = _numbers(value, flag_of(f), typing.get_args(tp)[0], bool(f.metadata.get("bounds")))
+        out[f.name] = value
+    return out
+
+
+def _help(cls: type[Any], name: str) -> str:
+    """The help of the option field ``name`` of ``cls``, for a flag the command line adds itself."""
+    return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    """The command line's flag for the option field ``f``."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _numbers(text: str, flag: str, kind: type, positive: bool) -> list[Any]:
+    """``"256,512"`` -> ``[256, 512]``: integers (positive ones where the option has a range) or numbers."""
+    what = "integers" if kind is int else "numbers"
+    try:
+        out = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise RecurformerError(f"{flag} must be comma-separated {what}, got {text!r}") from None
+    if positive and (not out or min(out) < 1):
+        raise RecurformerError(f"{flag} must be positive {what}, got {text!r}")
+    return out
+
+
+def cli_spelling(command: str) -> Callable[[str], str]:
+    """A message's options (``config.opt``) spelled as ``command``'s flags: ``--top-p``,
+    ``--resume DIR``, ``--overwrite``, ``--set train.out_dir=DIR``."""
+    cls = _options_classes().get(command)
+    flags = {f.name: flag_of(f) for f in dataclasses.fields(cls)} if cls else {}
+    flags |= ALIASES.get(command, {})
+
+    def flag(name: str, value: Any, literal: bool) -> str:
+        if "." in name:
+            return f"--set {name}={value}"
+        if value is not None and f"{name}={value}" in flags:
+            return flags[f"{name}={value}"]
+        spelled = flags.get(name, "--" + name.replace("_", "-"))
+        return spelled if value is None or value is True else f"{spelled} {value}"
+
+    return lambda text: spell(text, flag)
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -31,6 +126,7 @@ def _add_set(p: argparse.ArgumentParser) -> None:
 def cmd_info(args: argparse.Namespace) -> None:
     from .config import load_yaml, merge
     from .models import build_model
+    from .statesize import state_size_line
     from .train import merge_config
 
     over = parse_overrides(args.set)  # "dim=288" and "model.dim=288" both accepted
@@ -61,52 +157,34 @@ def cmd_info(args: argparse.Namespace) -> None:
         print(f"  {group}: {count:,}")
     for line in model.info_lines():
         print(line)
-    print(state_size_line(model))
-
-
-def state_size_line(model) -> str:  # type: ignore[no-untyped-def]
-    """The state's size per batch row, measured (``statesize.measure``)."""
-    from .statesize import measure
-
-    size = measure(model)
-    if not size.bounded:
-        return f"state size per row (measured): grows with the text, {size.numbers:,} numbers after {size.after:,} tokens ({size.per_token:,.0f} per token)"
-    return (
-        f"state size per row (measured): {size.numbers:,} numbers ({4 * size.numbers / 2**20:.2f} MiB at fp32), the same at any length "
-        f"(measured after {size.after - size.period:,} and {size.after:,} tokens, past every layer's reach)"
-    )
+    print(state_size_line(model))  # measured (statesize.py)
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from .config import check_options
-    from .data import prepare
-    from .train import DataConfig
+    from .config import check_values
+    from .data import DataConfig, prepare
 
-    if not args.dataset and not args.text:
+    if not args.dataset and not args.text_files:
         raise RecurformerError("give --dataset NAME or --text FILE ...")
-    if args.tokenizer == "bpe":
-        check_options("cli", vocab_size=args.vocab_size)
-    dc = DataConfig(
-        dataset=args.dataset,
-        text_files=args.text or [],
-        text_field=args.text_field,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-    )
-    out = args.out or dc.resolved_dir()  # where `train` with the same data section looks
+    options = options_of(DataConfig, args)
+    if options["tokenizer"] == "bpe":
+        check_values(DataConfig, vocab_size=options["vocab_size"])  # as the flag, not as data.vocab_size
+    dc = DataConfig(**options)
+    out = dc.resolved_dir()  # --out, or where `train` with the same data section looks
     meta = prepare(
         out,
-        dataset=args.dataset,
-        text_files=args.text or None,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        text_field=args.text_field,
+        dataset=dc.dataset,
+        text_files=dc.text_files or None,
+        tokenizer=dc.tokenizer,
+        vocab_size=dc.vocab_size,
+        text_field=dc.text_field,
     )
     print(f"prepared {out}: " + ", ".join(f"{k}={v}" for k, v in meta.items() if not isinstance(v, (dict, list))))
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from .api import train
+    from .device import cpu_threads
+    from .train import train_main
 
     if not args.config and not args.resume:
         raise RecurformerError("give --config FILE (see configs/) or --resume DIR")
@@ -116,9 +194,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         + ([f"train.device={args.device}"] if args.device else [])
         + ([f"data.text_field={args.text_field}"] if args.text_field else [])
     )
-    last = train(
-        args.config, resume=args.resume, overwrite=args.overwrite, style="cli", **parse_overrides(sets)
-    ).metrics
+    with cpu_threads():  # the errors of a run name the command line's flags (train.py's default)
+        _, last = train_main(args.config, parse_overrides(sets), args.resume, args.overwrite)
     if last:  # the run's mean speed first; the last log interval's rate named as such
         names = {"tok_per_s": "last_interval_tok_per_s"}
         last = {k: last[k] for k in ("step", "loss", "val_loss", "mean_tok_per_s", "mfu") if k in last} | last
@@ -132,52 +209,27 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from .api import evaluate_checkpoints
+    from .evaluate import EvalOptions, evaluate_checkpoints
 
-    try:
-        lengths = [int(x) for x in args.lengths.split(",") if x]
-    except ValueError:
-        raise RecurformerError(f"--lengths must be comma-separated integers, got '{args.lengths}'") from None
-    if not lengths or min(lengths) < 1:
-        raise RecurformerError(f"--lengths must be positive integers, got '{args.lengths}'")
+    options = options_of(EvalOptions, args)
     evaluate_checkpoints(
-        args.checkpoint,
-        lengths,
-        args.json,
-        last=args.last,
-        windows=args.windows,
-        chunk=args.chunk,
-        warm_state=args.warm_state,
-        batch_size=args.batch_size,
-        context=args.context,
-        window=args.window,
-        data=args.data,
-        dataset=args.dataset,
-        text=args.text,
-        device=args.device,
+        options.pop("checkpoint"),
         meta={k: v for k, v in vars(args).items() if k != "func"},
-        style="cli",
+        log=lambda line: print(cli_spelling("eval")(line)),
+        **options,
     )
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from .api import generate_text
+    from .generate import GenerateOptions, generate_text
 
+    options = options_of(GenerateOptions, args)
     g = generate_text(
-        args.checkpoint,
-        args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop_at_eos=args.stop_at_eos,
-        load_state=args.load_state,
-        save_state=args.save_state,
-        device=args.device,
+        options.pop("checkpoint"),
+        options.pop("prompt"),
         on_text=lambda t: print(t, end="", flush=True),
         note=lambda t: print(t, file=sys.stderr),
-        style="cli",
+        **options,
     )
     print()
     if args.stats:
@@ -189,144 +241,24 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_synth(args: argparse.Namespace) -> None:
-    from .config import load_yaml, merge
-    from .data.synthetic import TASKS
-    from .files import atomic_write_text, check_writable
-    from .synth import result_dict, run_synth, split_overrides, summary, synth_config
+    from .synth import SynthCommandOptions, synth_command
 
-    if args.json:
-        check_writable(Path(args.json), "--json file")  # before training, not after it
-    if args.evaluate:
-        return synth_evaluate(args)
-    files: dict[str, dict] = {"model": {}, "task": {}, "synth": {}}
-    for path in args.config or []:  # YAML files with model / task / synth sections, the later and --set winning
-        raw = load_yaml(path)
-        unknown = sorted(set(raw) - set(files))
-        if unknown:
-            raise RecurformerError(
-                f"synth config {path} has section '{unknown[0]}'; valid sections: model, task, synth"
-            )
-        files = {k: merge(v, raw.get(k) or {}) for k, v in files.items()}
-    model_over, task_over, synth_over = (merge(files[k], d) for k, d in zip(files, split_overrides(args.set)))
-    task, model = task_over.pop("name", None), model_over.pop("name", None)
-    task, model = args.task or task, args.model or model  # the command line wins over a config
-    if task is None or model is None:
-        missing = "--task" if task is None else "--model"
-        raise RecurformerError(f"synth needs {missing} (or {missing[2:]}.name in a --config)")
-    if task not in TASKS:
-        raise RecurformerError(f"unknown synth task '{task}' (task.name); one of: {', '.join(sorted(TASKS))}")
-    for key, value in (("steps", args.steps), ("lrs", args.lrs), ("n_train", args.n_train), ("n_test", args.n_test)):
-        if value is not None:
-            synth_over[key] = value
-    if args.save:
-        check_writable(Path(args.save), "--save directory", is_dir=True)
-    r = run_synth(
-        task,
-        model,
-        model_over,
-        task_over,
-        synth_config(synth_over),
-        log=print,
-        device=args.device,
-        progress=sys.stderr.isatty(),
-        save=args.save,
-    )
-    print(summary(r))
-    if args.json:
-        atomic_write_text(args.json, json.dumps(result_dict(r), indent=2) + "\n")
-        print(f"wrote {args.json}")
-
-
-def synth_evaluate(args: argparse.Namespace) -> None:
-    """``synth --evaluate DIR --lengths ...``: a model saved by ``synth --save`` scored at more lengths."""
-    import dataclasses
-
-    from .device import pick_device
-    from .files import atomic_write_text
-    from .hub import load_model
-    from .synth import score_lengths, split_overrides, synth_config
-
-    if not args.lengths:
-        raise RecurformerError("synth --evaluate needs --lengths, e.g. --lengths 128,256,512")
-    lengths = _int_list(args.lengths, "--lengths")
-    model_over, task_over, synth_over = split_overrides(args.set)
-    if model_over:
-        raise RecurformerError(
-            f"synth --evaluate reads the saved model as it is; --set {next(iter(model_over))}=... does not apply"
-        )
-    model, name, _, saved = load_model(args.evaluate, pick_device(args.device))
-    params = dict(saved.get("task") or {})
-    task = params.pop("name", None)
-    if task is None:
-        raise RecurformerError(f"{args.evaluate} holds no synthetic task (task.name): not saved by synth --save")
-    params.update(task_over)
-    rows = args.n_test or 128
-    scores = score_lengths(model, task, params, lengths, rows, synth_config(synth_over))
-    print(f"{args.evaluate}: {name} on {task}, {rows} rows per length")
-    print("| length | exact match | token accuracy |\n|---|---|---|")
-    for L, sc in scores.items():
-        print(f"| {L} | {sc.exact_match:.3f} | {sc.token_accuracy:.3f} |")
-    if args.json:
-        out = {
-            "checkpoint": str(args.evaluate),
-            "model": name,
-            "task": task,
-            "task_params": params,
-            "rows": rows,
-            "by_length": {str(L): dataclasses.asdict(sc) for L, sc in scores.items()},
-        }
-        atomic_write_text(args.json, json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    synth_command(SynthCommandOptions(**options_of(SynthCommandOptions, args)))
 
 
 def cmd_niah(args: argparse.Namespace) -> None:
-    from .api import niah_checkpoint
+    from .niah import NiahOptions, niah_checkpoint
 
-    lengths, depths = _int_list(args.lengths, "--lengths"), _float_list(args.depths, "--depths")
-    niah_checkpoint(
-        args.checkpoint,
-        lengths,
-        depths,
-        args.json,
-        trials=args.trials,
-        chunk=args.chunk,
-        text=args.text,
-        via=args.via,
-        seed=args.seed,
-        device=args.device,
-    )
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        out = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise RecurformerError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not out or min(out) < 1:
-        raise RecurformerError(f"{flag} must be positive integers, got {text!r}")
-    return out
-
-
-def _float_list(text: str, flag: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise RecurformerError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    options = options_of(NiahOptions, args)
+    niah_checkpoint(options.pop("checkpoint"), **options)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
     from .api import export
+    from .hub import ExportOptions
 
-    if args.format == "transformers":
-        if args.push_to_hub:
-            raise RecurformerError(
-                "--push-to-hub goes with --format recurformer; upload a transformers directory with `hf upload`"
-            )
-        from .hf import export as export_transformers
-
-        out = export_transformers(args.checkpoint, args.out, args.overwrite, style="cli")
-    else:
-        out = export(args.checkpoint, args.out, args.push_to_hub, overwrite=args.overwrite, style="cli")
+    options = options_of(ExportOptions, args)
+    out = export(options.pop("checkpoint"), options.pop("out"), **options)
     print(
         f"wrote {out} ("
         + ", ".join(sorted(f.name for f in out.iterdir()))
@@ -336,53 +268,58 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_probe(args: argparse.Namespace) -> None:
-    from .api import merge_probes, probe_checkpoints
+    from .probe import ProbeCommandOptions, merge_probes, probe_checkpoints
 
     if args.merge:
-        merge_probes(args.merge, args.json)
+        merge_probes(args.merge, args.out)
         return
-    try:
-        distances = [int(x) for x in args.distances.split(",") if x.strip()]
-    except ValueError:
-        raise RecurformerError(f"--distances must be comma-separated integers, got '{args.distances}'") from None
+    if args.warm_min > args.warm_max:  # the command line's two flags for Python's warm=(min, max)
+        raise RecurformerError(f"need 0 <= --warm-min <= --warm-max, got {args.warm_min} and {args.warm_max}")
+    options = options_of(ProbeCommandOptions, args) | {"warm": (args.warm_min, args.warm_max)}
     probe_checkpoints(
-        args.checkpoint,
-        args.json,
-        task=args.task,
-        dataset=args.dataset,
-        text=args.text,
-        docs=args.docs,
-        passage=args.passage,
-        distances=distances,
-        span=args.span,
-        warm=(args.warm_min, args.warm_max),
-        chunk=args.chunk,
-        batch_size=args.batch_size,
-        precision=args.precision,
-        seed=args.seed,
-        device=args.device,
+        options.pop("checkpoint"),
+        options.pop("out"),
         meta={k: v for k, v in vars(args).items() if k != "func"},
-        style="cli",
+        **options,
     )
 
 
 def cmd_readout(args: argparse.Namespace) -> None:
-    from .api import readout_checkpoint
+    from .readout import ReadoutOptions, readout_checkpoint
     from .synth import split_overrides
 
     _, task_values, _ = split_overrides(args.set) if args.task else ({}, {}, {})
-    readout_checkpoint(
-        args.checkpoint,
-        task=args.task,
-        task_values=task_values,
-        segment=args.segment,
-        segments=args.segments,
-        rows=args.rows,
-        seed=args.seed,
-        out=args.json,
-        style="cli",
-    )
+    options = options_of(ReadoutOptions, args)
+    readout_checkpoint(options.pop("checkpoint"), task_values=task_values, **options)
 
+
+def _options_classes() -> dict[str, type[Any]]:
+    """Each command's options dataclass (where it has one): its fields name its flags in errors."""
+    from .data import DataConfig
+    from .evaluate import EvalOptions
+    from .generate import GenerateOptions
+    from .hub import ExportOptions
+    from .niah import NiahOptions
+    from .probe import ProbeCommandOptions
+    from .readout import ReadoutOptions
+    from .synth import SynthCommandOptions
+
+    return {
+        "export": ExportOptions,
+        "prepare": DataConfig,
+        "eval": EvalOptions,
+        "generate": GenerateOptions,
+        "synth": SynthCommandOptions,
+        "probe": ProbeCommandOptions,
+        "readout": ReadoutOptions,
+        "niah": NiahOptions,
+    }
+
+
+ALIASES: dict[str, dict[str, str]] = {  # options the command line spells otherwise than Python
+    "eval": {"windows=None": "--all"},
+    "probe": {"warm": "--warm-min/--warm-max"},
+}
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "info": cmd_info,
@@ -400,9 +337,15 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .evaluate import DEFAULT_WINDOWS
+    from .data import DataConfig
+    from .evaluate import EvalOptions
+    from .generate import GenerateOptions
+    from .hub import ExportOptions
     from .models import model_names
-    from .probe import TASKS as PROBE_TASKS
+    from .niah import NiahOptions
+    from .probe import ProbeCommandOptions
+    from .readout import ReadoutOptions
+    from .synth import SynthCommandOptions
 
     summary = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")  # the docstring's first paragraph
     ap = argparse.ArgumentParser(prog="recurformer", description=summary)
@@ -414,28 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(p)
 
     p = sub.add_parser("prepare", formatter_class=_Help, help="tokenize a corpus into train/val token files")
-    p.add_argument(
-        "--dataset",
-        help="tinystories-sample, tinystories-repeat, tinystories-cased, warpeace, books, tinystories (hub)",
-    )
-    p.add_argument(
-        "--text",
-        nargs="+",
-        metavar="FILE",
-        help="your own corpus instead of a dataset: text files, JSONL, "
-        "Parquet or datasets directories (save_to_disk), streamed",
-    )
-    p.add_argument(
-        "--text-field", default="text", help="the field / column holding the text in JSONL, Parquet and datasets inputs"
-    )
-    p.add_argument(
-        "--tokenizer",
-        choices=["bpe", "byte"],
-        default="bpe",
-        help="byte-level BPE (learned on the train split) or raw bytes",
-    )
-    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size, special tokens included")
-    p.add_argument("--out", help="output directory (default: prepared/<dataset>-<tokenizer><vocab>)")
+    add_options(p, DataConfig)
 
     p = sub.add_parser("train", formatter_class=_Help, help="train a model (stateful TBPTT) from a YAML config")
     p.add_argument("--config", help="YAML file with model/data/train sections (see configs/)")
@@ -470,19 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Help,
         help="length-extrapolation evaluation (loss on the last tokens at several lengths)",
     )
-    p.add_argument(
-        "--checkpoint", nargs="+", required=True, help="run or checkpoint directories (one line each in the plot)"
-    )
-    p.add_argument("--lengths", default="256,512,1024,2048,4096", help="comma-separated window lengths L")
-    p.add_argument("--last", type=int, default=256, help="score only the last N tokens of each window")
-    which = p.add_mutually_exclusive_group()
-    which.add_argument(
-        "--windows",
-        type=int,
-        default=DEFAULT_WINDOWS,
-        help="windows per length, evenly spaced over the evaluation text (a quick, deterministic look)",
-    )
-    which.add_argument(
+    groups = add_options(p, EvalOptions)
+    groups["windows"].add_argument(
         "--all",
         dest="windows",
         action="store_const",
@@ -490,103 +401,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="every window, so the scored blocks tile the whole text after the first --context tokens "
         "(the default run's val split: 743 windows, longer than its training)",
     )
-    p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows read side by side")
-    p.add_argument("--warm-state", type=int, default=0, metavar="N", help="read N tokens before each window, unscored")
-    p.add_argument("--window", type=int, help="evaluate a dense model with a sliding-window mask of this size")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--data", help="a prepared dataset directory (default: the checkpoint's own)")
-    src.add_argument("--dataset", help="a bundled dataset's val split, encoded with the checkpoint's tokenizer")
-    src.add_argument("--text", nargs="+", help="text files, encoded with the checkpoint's tokenizer")
-    p.add_argument(
-        "--context",
-        type=int,
-        help="windows end where this many tokens fit before them (default: warm-up + the "
-        "longest length); give the same value to compare runs with different lengths on the same tokens",
-    )
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.add_argument(
-        "--json",
-        metavar="FILE",
-        help="output JSON, a PNG plot beside it (default: eval.json in the first checkpoint's run directory)",
-    )
 
     p = sub.add_parser("generate", formatter_class=_Help, help="stream text from a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="a run, checkpoint or pretrained directory, or a Hub repo id")
-    p.add_argument("--prompt", default="", help="text to continue (lower-cased for a lower-case tokenizer)")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
-    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens only (default: all)")
-    p.add_argument(
-        "--top-p",
-        type=float,
-        help="sample from the smallest set of tokens whose probability reaches p, in (0, 1] (default: all)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument(
-        "--stop-at-eos", action=argparse.BooleanOptionalAction, default=True, help="stop at the end of a document"
-    )
-    p.add_argument("--save-state", metavar="FILE", help="save the generation state (safetensors) to continue later")
-    p.add_argument("--load-state", metavar="FILE", help="continue a saved generation (the prompt is appended)")
+    add_options(p, GenerateOptions)
     p.add_argument("--stats", action="store_true", help="print tokens/s and peak memory")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-
-    from .data.synthetic import TASKS
 
     p = sub.add_parser(
         "synth",
         formatter_class=_Help,
         help="train a small model on a synthetic diagnostic task and report its accuracy",
     )
-    p.add_argument(
-        "--task",
-        choices=sorted(TASKS),
-        help="the diagnostic task (MAD tasks, copy, delayed copy, passkey); or task.name in a --config",
-    )
-    p.add_argument("--model", help=f"one of: {', '.join(model_names())}; or model.name in a --config")
-    p.add_argument(
-        "--config",
-        action="append",
-        metavar="FILE",
-        help="YAML with model/task/synth sections (repeatable; --set wins); a config that names its task and "
-        "model (task.name, model.name) is a whole experiment: `recurformer synth --config FILE`",
-    )
-    _add_set(p)
-    p.add_argument("--steps", type=int, help="optimizer steps per learning rate (default 500)")
-    p.add_argument("--lrs", help="comma-separated learning rates to sweep (default 5e-4,1e-3,3e-3)")
-    p.add_argument("--n-train", type=int, help="training examples (default: the task's MAD baseline)")
-    p.add_argument("--n-test", type=int, help="test examples (default 1280)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.add_argument("--json", help="write the full result as JSON here")
-    p.add_argument(
-        "--save", metavar="DIR", help="save the selected model (pretrained layout) for `recurformer readout`"
-    )
-    p.add_argument(
-        "--evaluate",
-        metavar="DIR",
-        help="instead of training, score a model saved by --save on its task at --lengths (--n-test rows each, default 128)",
-    )
-    p.add_argument("--lengths", help="with --evaluate: comma-separated task lengths, e.g. 128,256,512")
+    add_options(p, SynthCommandOptions)
 
     p = sub.add_parser(
         "readout",
         formatter_class=_Help,
         help="does a model read its memory, and does a later loss reach it: attention share and gradient norms",
     )
-    p.add_argument(
-        "--checkpoint", required=True, help="a run, checkpoint or pretrained directory (e.g. from synth --save)"
-    )
-    p.add_argument("--task", help="read synthetic task rows (see synth) instead of the checkpoint's validation text")
+    add_options(p, ReadoutOptions)
     _add_set(p)
-    p.add_argument(
-        "--segment", type=int, help="tokens per segment (default: the model's chunk / segment / block length)"
-    )
-    p.add_argument(
-        "--segments", type=int, default=4, help="K: gradient norms from the losses of segments 1..K (default 4)"
-    )
-    p.add_argument("--rows", type=int, default=16, help="rows to read (default 16)")
-    p.add_argument("--seed", type=int, default=0, help="which rows are read")
-    p.add_argument("--json", help="write the read-out as JSON here")
 
     p = sub.add_parser(
         "probe",
@@ -594,53 +427,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="how far back the state carries information: copy and swap probes with bootstrap intervals",
     )
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--checkpoint", nargs="+", help="run or checkpoint directories (one line each in the plot)")
+    what.add_argument("--checkpoint", nargs="+", help=_help(ProbeCommandOptions, "checkpoint"))
     what.add_argument(
         "--merge",
         nargs="+",
         metavar="JSON",
         help="instead: one table, JSON and plot from earlier probe results run with the same documents and settings",
     )
-    p.add_argument(
-        "--task",
-        default="repeat",
-        metavar="{" + ",".join(PROBE_TASKS) + "}",  # checked in cmd_probe: one line
-        help="repeat (copy: s1, marker, s2 = s1) or swap (replace the history older than d)",
-    )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--dataset",
-        help="a bundled dataset's val split (default: tinystories-repeat for repeat, the checkpoint's own for swap)",
-    )
-    src.add_argument(
-        "--text", nargs="+", metavar="FILE", help="UTF-8 text files, encoded with the checkpoint's tokenizer"
-    )
-    p.add_argument("--docs", type=int, default=500, help="documents (the bootstrap resamples these)")
-    p.add_argument(
-        "--passage", type=int, default=128, help="repeat on a corpus other than tinystories-repeat: passage length n"
-    )
-    p.add_argument(
-        "--distances", default="1,4,16,64,256,1024", help="swap: replace the history older than each of these"
-    )
-    p.add_argument("--span", type=int, default=32, help="swap: target tokens scored after the history")
+    add_options(p, ProbeCommandOptions)
+    warm_min, warm_max = ProbeCommandOptions().warm
     p.add_argument(
         "--warm-min",
         type=int,
-        default=32,
+        default=warm_min,
         help="fewest tokens of stream text read before each document (a random "
         "prefix length between --warm-min and --warm-max varies the chunk phases)",
     )
-    p.add_argument("--warm-max", type=int, default=288, help="most tokens of stream text read before each document")
-    p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
-    p.add_argument("--batch-size", type=int, default=16, help="documents read side by side")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: CPU/CUDA autocast")
-    p.add_argument("--seed", type=int, default=0, help="which documents and warm-up prefixes, and the bootstrap")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.add_argument(
-        "--json",
-        metavar="FILE",
-        help="output JSON, a PNG plot beside it (default: probe.json in the first "
-        "checkpoint's run directory; with --merge, probe-merged.json beside the first merged file)",
+        "--warm-max", type=int, default=warm_max, help="most tokens of stream text read before each document"
     )
     p = sub.add_parser(
         "niah",
@@ -648,25 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="needle in a haystack: a passkey at depth d%% of a context of length L, retrieved at the end "
         "(exact match and answer log-likelihood; a depth x length heatmap)",
     )
-    p.add_argument("--checkpoint", required=True, help="a run, checkpoint or pretrained directory")
-    p.add_argument("--lengths", default="256,512,1024,2048", help="context lengths in tokens")
-    p.add_argument("--depths", default="0,25,50,75,100", help="needle depths in percent of the haystack")
-    p.add_argument("--trials", type=int, default=4, help="prompts per cell (random passkeys and haystack offsets)")
-    p.add_argument("--chunk", type=int, default=256, help="tokens per model call (the state carries the rest)")
-    p.add_argument(
-        "--text", nargs="+", metavar="FILE", help="haystack text files (default: the bundled books, val split)"
-    )
-    p.add_argument(
-        "--via",
-        choices=["recurformer", "transformers"],
-        default="recurformer",
-        help="transformers: load and run the model through AutoModelForCausalLM (needs recurformer[hf])",
-    )
-    p.add_argument("--seed", type=int, default=0, help="passkeys and haystack offsets")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.add_argument(
-        "--json", help="output JSON, the heatmap PNG beside it (default: niah.json in the checkpoint's run directory)"
-    )
+    add_options(p, NiahOptions)
     p = sub.add_parser(
         "lm-eval",
         add_help=False,
@@ -677,26 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "export", formatter_class=_Help, help="write a run's checkpoint in Hugging Face Hub layout with a model card"
     )
-    p.add_argument("--checkpoint", required=True, help="a run or checkpoint directory")
-    p.add_argument(
-        "--out",
-        required=True,
-        help="the directory to write (model.safetensors, config.json, tokenizer.json, README.md)",
-    )
-    p.add_argument(
-        "--push-to-hub", metavar="REPO_ID", help="also upload it to this Hub repo (needs a network and a token)"
-    )
-    p.add_argument(
-        "--format",
-        choices=["recurformer", "transformers"],
-        default="recurformer",
-        help="transformers: also readable by AutoModelForCausalLM / AutoTokenizer (needs recurformer[hf])",
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="write into --out although it holds other files or another run's export (never a run: refused)",
-    )
+    add_options(p, ExportOptions)
     return ap
 
 
@@ -747,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         COMMANDS[args.command](args)
     except RecurformerError as e:
-        print(f"recurformer: error: {e}", file=sys.stderr)
+        print(f"recurformer: error: {cli_spelling(args.command)(ValueError.__str__(e))}", file=sys.stderr)
         return 2
     except TrainingInterrupted as e:
         print(f"recurformer: {e}", file=sys.stderr)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
+import re
 import types
 import typing
 from importlib import resources
@@ -16,7 +18,12 @@ import yaml
 
 
 class RecurformerError(ValueError):
-    """A user-facing error: the CLI prints its message on one line, without a traceback."""
+    """A user-facing error: the CLI prints its message on one line, without a traceback. An
+    option named in the message (``opt``) reads as a Python keyword (``top_p``) here, and as its
+    flag (``--top-p``) where the command line prints it (``spell``)."""
+
+    def __str__(self) -> str:
+        return spell(super().__str__())
 
 
 T = TypeVar("T")
@@ -185,8 +192,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-# Numeric options, checked once for the command line, the Python API and config files alike:
-# name -> (lowest, is the lowest allowed, highest or None, is the highest allowed).
+# The train section's numeric keys (a command's options carry their ranges in their fields,
+# ``option``): name -> (lowest, is the lowest allowed, highest or None, is the highest allowed).
 RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
     "lr": (0.0, False, None, False),
     "min_lr": (0.0, True, None, False),
@@ -197,27 +204,6 @@ RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
     "warmup": (0, True, None, False),
     "eval_batches": (1, True, None, False),
     "keep_last": (0, True, None, False),
-    "max_new_tokens": (0, True, None, False),
-    "temperature": (0.0, True, None, False),
-    "top_k": (1, True, None, False),
-    "top_p": (0.0, False, 1.0, True),
-    "last": (1, True, None, False),
-    "windows": (1, True, None, False),
-    "chunk": (1, True, None, False),
-    "batch_size": (1, True, None, False),
-    "window": (1, True, None, False),
-    "context": (1, True, None, False),
-    "warm_state": (0, True, None, False),
-    "docs": (1, True, None, False),
-    "passage": (1, True, None, False),
-    "span": (1, True, None, False),
-    "warm_min": (0, True, None, False),
-    "length": (1, True, None, False),
-    "distance": (1, True, None, False),
-    "vocab_size": (258, True, 2**20, True),
-    "segments": (1, True, None, False),
-    "rows": (1, True, None, False),
-    "segment": (1, True, None, False),
 }
 
 
@@ -228,28 +214,118 @@ def _range_text(low: float, low_ok: bool, high: float | None, high_ok: bool) -> 
     return f"in {'[' if low_ok else '('}{num(low)}, {num(high)}{']' if high_ok else ')'}"
 
 
-def check_options(style: str = "python", **values: Any) -> None:
-    """Raise ``RecurformerError`` naming the first option of ``values`` outside its range in
-    ``RANGES`` (None = not given). ``style`` names it as the caller knows it: ``"cli"`` gives
-    ``--top-p``, ``"python"`` gives ``top_p``, and any other string is a config section
-    (``"train"`` gives ``config key 'train.lr'``)."""
+def check_range(name: str, value: Any, bounds: tuple[float, bool, float | None, bool], label: str = "") -> None:
+    """One line naming the option ``name`` (``opt``; or ``label``) when ``value`` lies outside
+    ``bounds`` (lowest, is the lowest allowed, highest or None, is the highest allowed); None is
+    not given."""
+    if value is None:
+        return
+    low, low_ok, high, high_ok = bounds
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    ok = ok and (value >= low if low_ok else value > low)
+    ok = ok and (high is None or (value <= high if high_ok else value < high))
+    if not ok:
+        raise RecurformerError(f"{label or opt(name)} must be {_range_text(low, low_ok, high, high_ok)}, got {value!r}")
+
+
+def check_options(section: str, **values: Any) -> None:
+    """``check_range`` for each of ``values`` by its bounds in ``RANGES``, named as config keys of
+    ``section`` (``"train"`` gives ``config key 'train.lr'``)."""
     for name, value in values.items():
-        if value is None:
-            continue
-        low, low_ok, high, high_ok = RANGES[name]
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-        ok = ok and (value >= low if low_ok else value > low)
-        ok = ok and (high is None or (value <= high if high_ok else value < high))
-        if not ok:
-            raise RecurformerError(
-                f"{option_name(name, style)} must be {_range_text(low, low_ok, high, high_ok)}, got {value!r}"
-            )
+        check_range(name, value, RANGES[name], f"config key '{section}.{name}'")
 
 
-def option_name(name: str, style: str = "python") -> str:
-    """How the option ``name`` is spelled for ``style`` (see ``check_options``)."""
-    if style == "cli":
-        return "--" + name.replace("_", "-")
-    if style == "python":
+# ----------------------------------------------------------------------------------------------
+# command options: each command's options are a dataclass beside the function that runs it; its
+# fields (``option``) carry the help, the range and the flag the command line generates from them
+
+
+def option(
+    default: Any = None,
+    help: str = "",
+    *,
+    range: str | None = None,
+    flag: str | None = None,
+    **cli: Any,
+) -> Any:
+    """A command's option as a dataclass field: its ``default`` (a list is copied per instance),
+    its ``help``, the ``range`` its value must lie in (``">= 1"``, ``"> 0"``, ``"(0, 1]"``,
+    ``"[258, 1048576]"``), its ``flag`` where the command line does not spell it ``--name-like-this``,
+    and further ``argparse`` settings (``metavar``, ``nargs``, ``choices``, ``cli=False``: Python only)."""
+    meta = {"help": help, "bounds": parse_range(range) if range else None, "flag": flag, "cli": cli}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def parse_range(text: str) -> tuple[float, bool, float | None, bool]:
+    """``">= 1"`` -> (1, True, None, False); ``"(0, 1]"`` -> (0, False, 1, True)."""
+    if text[0] in "[(":
+        low, high = (float(v) for v in text[1:-1].split(","))
+        return low, text[0] == "[", high, text[-1] == "]"
+    op, value = text.split()
+    return float(value), op == ">=", None, False
+
+
+def check_fields(options: Any) -> None:
+    """``check_range`` for every field of the dataclass ``options`` that has a range (each value of a list)."""
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        for v in value if isinstance(value, (list, tuple)) else [value]:  # a list: each of its values
+            if f.metadata.get("bounds"):
+                check_range(f.name, v, f.metadata["bounds"])
+
+
+def check_values(cls: type[Any], section: str | None = None, **values: Any) -> None:
+    """``check_range`` for ``values`` by the ranges of the fields of the same names of ``cls``;
+    ``section`` names them as config keys (``"data"`` gives ``config key 'data.vocab_size'``)."""
+    bounds = {f.name: f.metadata["bounds"] for f in dataclasses.fields(cls) if f.metadata.get("bounds")}
+    for name, value in values.items():
+        check_range(name, value, bounds[name], f"config key '{section}.{name}'" if section else "")
+
+
+def make_options(cls: type[T], values: dict[str, Any]) -> T:
+    """The options dataclass ``cls`` from keyword ``values``, each range checked; an unknown
+    keyword is one line naming the closest option."""
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    for key in values:
+        if key not in names:
+            raise RecurformerError(f"unknown option '{key}'{suggest(key, names)}")
+    obj = cls(**values)
+    check_fields(obj)
+    return obj
+
+
+# An option named in a message: its name (and value) between markers, spelled when the message
+# is shown, as a Python keyword (``spell``) or as the command line's flag (``cli.spell_flags``).
+_MARK = re.compile("\x00(.*?)\x00")
+
+
+def opt(name: str, value: Any = None, literal: bool = False) -> str:
+    """The option ``name`` (``"top_p"``, a config key ``"train.out_dir"``) inside a message, with
+    ``value`` where the message shows one (True: a switch); ``literal``: the value is a
+    placeholder (``DIR``), never quoted. Python: ``top_p``, ``resume='runs/x'``, ``overwrite=True``,
+    ``train={"out_dir": DIR}``; command line: ``--top-p``, ``--resume runs/x``, ``--overwrite``,
+    ``--set train.out_dir=DIR``."""
+    return "\x00" + json.dumps([name, value, literal]) + "\x00"
+
+
+def spell(text: str, flag: Any = None) -> str:
+    """``text`` with each ``opt`` in it spelled by ``flag(name, value, literal)`` (default: as a
+    Python keyword)."""
+    return _MARK.sub(lambda m: (flag or python_keyword)(*json.loads(m.group(1))), text)
+
+
+def say(text: str) -> None:
+    """Print a line of a command's log, its options (``opt``) spelled as Python keywords: the
+    default ``log`` of the Python API's commands (the command line passes its own)."""
+    print(spell(text))
+
+
+def python_keyword(name: str, value: Any, literal: bool) -> str:
+    """An option as a Python call writes it (see ``opt``)."""
+    shown = value if literal or not isinstance(value, str) else repr(value)
+    section, _, key = name.rpartition(".")
+    if value is None:
         return name
-    return f"config key '{style}.{name}'"
+    return f'{section}={{"{key}": {shown}}}' if section else f"{name}={shown}"

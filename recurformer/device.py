@@ -18,12 +18,13 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import openmp
-from .config import RecurformerError
+from .config import RecurformerError, option
 
 
 def pick_device(name: str) -> torch.device:
@@ -233,3 +234,8 @@ def cpu_threads() -> Iterator[int]:
     finally:
         if use < n:
             torch.set_num_threads(n)
+
+
+def device_option() -> Any:
+    """A command's ``device`` option (``config.option``)."""
+    return option("auto", "auto (CUDA when present), cpu, cuda or cuda:N")

@@ -21,15 +21,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import RecurformerError, check_options, option_name
+from .config import RecurformerError, check_fields, make_options, opt, option, say
 from .data.tokenizer import Tokenizer
-from .device import peak_memory_mb, reset_peak_memory, synchronize
+from .device import cpu_threads, device_option, peak_memory_mb, reset_peak_memory, synchronize
 from .files import atomic_write
 from .nn import NonFiniteLogits, StreamingLM
 
@@ -196,35 +196,69 @@ def ratio_interval(sums: np.ndarray, counts: np.ndarray, weights: np.ndarray) ->
     return float(low), float(high)
 
 
-def check_lengths(
-    lengths: list[int],
-    last: int,
-    windows: int | None,
-    chunk: int,
-    warm: int,
-    batch_size: int,
-    context: int | None,
-    style: str = "python",
-) -> int:
-    """The options of ``evaluate_lengths`` checked (one-line errors naming them as ``style`` does,
-    see ``config.check_options``); returns the context the windows end after."""
-    check_options(
-        style, last=last, windows=windows, chunk=chunk, warm_state=warm, batch_size=batch_size, context=context
+@dataclass
+class LengthOptions:
+    """How ``evaluate_lengths`` reads: the lengths, the scored tokens, the windows and the calls
+    (``recurformer.evaluate`` and ``recurformer eval``)."""
+
+    lengths: list[int] = option([256, 512, 1024, 2048, 4096], "comma-separated window lengths L", range=">= 1")
+    last: int = option(256, "score only the last N tokens of each window", range=">= 1")
+    windows: int | None = option(
+        DEFAULT_WINDOWS,
+        "windows per length, evenly spaced over the evaluation text (a quick, deterministic look)",
+        range=">= 1",
+        group="windows",
     )
-    if not lengths:
-        raise RecurformerError(f"{option_name('lengths', style)} is empty")
-    for L in lengths:
-        check_options(style, length=L)
-        if L < last:
-            raise RecurformerError(
-                f"{option_name('lengths', style)}: {L} is shorter than {option_name('last', style)} {last}"
-            )
-    span = warm + max(lengths)
-    context = span if context is None else context
+    chunk: int = option(256, "tokens per model call (the state carries the rest)", range=">= 1")
+    batch_size: int = option(8, "windows read side by side", range=">= 1")
+    warm_state: int = option(0, "read N tokens before each window, unscored", range=">= 0", metavar="N")
+    context: int | None = option(
+        None,
+        "windows end where this many tokens fit before them (default: warm-up + the longest length); give the "
+        "same value to compare runs with different lengths on the same tokens",
+        range=">= 1",
+    )
+
+
+@dataclass
+class EvalOptions(LengthOptions):
+    """``recurformer eval`` (``evaluate_checkpoints``): ``LengthOptions`` for each checkpoint, on
+    its own val split or the text given, and where the results go."""
+
+    checkpoint: list[str] = option(
+        None, "run or checkpoint directories or Hub repo ids (one line each in the plot)", nargs="+", required=True
+    )
+    window: int | None = option(None, "evaluate a dense model with a sliding-window mask of this size", range=">= 1")
+    data: str | None = option(None, "a prepared dataset directory (default: the checkpoint's own)", group="source")
+    dataset: str | None = option(
+        None, "a bundled dataset's val split, encoded with the checkpoint's tokenizer", group="source"
+    )
+    text: list[str] | None = option(
+        None, "text files, encoded with the checkpoint's tokenizer", nargs="+", group="source"
+    )
+    device: str = device_option()
+    out: str | None = option(
+        None,
+        "output JSON, a PNG plot beside it (default: eval.json in the first checkpoint's run directory; a Hub "
+        "repo id's: the working directory)",
+        flag="--json",
+        metavar="FILE",
+    )
+
+
+def check_lengths(o: LengthOptions) -> int:
+    """The options of ``evaluate_lengths`` checked (one-line errors naming them, ``config.opt``);
+    returns the context the windows end after."""
+    check_fields(o)
+    if not o.lengths:
+        raise RecurformerError(f"{opt('lengths')} is empty")
+    for L in o.lengths:
+        if L < o.last:
+            raise RecurformerError(f"{opt('lengths')}: {L} is shorter than {opt('last')} {o.last}")
+    span = o.warm_state + max(o.lengths)
+    context = span if o.context is None else o.context
     if context < span:
-        raise RecurformerError(
-            f"{option_name('context', style)} {context} is shorter than warm-up + the longest length ({span})"
-        )
+        raise RecurformerError(f"{opt('context')} {context} is shorter than warm-up + the longest length ({span})")
     return context
 
 
@@ -239,20 +273,18 @@ def evaluate_lengths(
     batch_size: int = 8,
     context: int | None = None,
     bos: int | None = None,
-    style: str = "python",
     progress: Callable[[int], object] | None = None,
     done: Callable[[LengthResult], object] | None = None,
 ) -> list[LengthResult]:
     """Loss on the last ``last`` tokens of windows of each length in ``lengths``, after reading
     ``warm`` unscored tokens first. ``context`` (default: warm + the longest length) fixes where
     the windows end (``window_ends``); ``bos`` marks the documents the bootstrap resamples (None:
-    each window is a unit). ``style`` names the options in errors (``"cli"``: ``--last``);
-    ``progress(n)`` is called after each batch of n windows read, ``done(result)`` after each length."""
+    each window is a unit); ``progress(n)`` is called after each batch of n windows read, ``done(result)`` after each length."""
     if int(tokens.max()) >= model.config.vocab_size:
         raise RecurformerError(
             f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}"
         )
-    context = check_lengths(lengths, last, windows, chunk, warm, batch_size, context, style)
+    context = check_lengths(LengthOptions(lengths, last, windows, chunk, batch_size, warm, context))
     ends = window_ends(len(tokens), context, last, windows)
     targets = ends[:, None] - last + np.arange(last)  # stream positions of the scored tokens
     by_window = np.repeat(np.arange(len(ends)), last)
@@ -300,6 +332,130 @@ def evaluate_lengths(
         if done is not None:
             done(out[-1])
     return out
+
+
+def eval_sizes(label: str, model: StreamingLM, batch_size: int, chunk: int, lengths: Sequence[int]) -> tuple[str, str]:
+    """What an evaluation holds in memory (the model, windows side by side, tokens per call, the
+    longest window) and what to lower, for ``device.out_of_memory``."""
+    from .registry import model_name
+
+    doing = (
+        f"evaluating {label} ({model_name(model.config)}, {model.num_params():,} parameters): batch_size "
+        f"{batch_size} windows side by side, chunk {chunk} tokens per call, lengths up to {max(lengths)}"
+    )
+    return doing, f"lower {opt('batch_size')} or {opt('chunk')} (a state that grows with the text: {opt('lengths')})"
+
+
+@cpu_threads()
+def evaluate_checkpoints(
+    checkpoints: Sequence[str],
+    lengths: Sequence[int] | None = None,
+    out: str | Path | None = None,
+    *,
+    meta: dict[str, Any] | None = None,
+    log: Callable[[str], object] = say,
+    **options: Any,
+) -> dict[str, list[LengthResult]]:
+    """``recurformer eval``: length extrapolation of each checkpoint at ``lengths`` (default:
+    ``EvalOptions``'s; ``options``: its other fields), on its own val split by
+    default, or ``data``/``dataset``/``text``; ``windows`` evenly spaced windows per length, all of
+    them with None), ``window`` W evaluating a dense model with a sliding window; logs a table,
+    writes ``out`` (JSON with ``meta``; default ``eval.json`` in the first checkpoint's run
+    directory) and its PNG plot. The JSON is rewritten (atomically) as each length finishes, with
+    ``"complete": false`` until the end, so an interrupted eval keeps what it finished; progress
+    shows as a bar on a terminal, as lines through ``log`` elsewhere. Every option is checked
+    before any work."""
+    from .device import memory_kind, out_of_memory, pick_device
+    from .files import check_writable
+    from .hub import default_output, eval_labels, load, locate
+    from .loggers import Progress
+
+    given = {"checkpoint": list(checkpoints), "out": out} | ({"lengths": list(lengths)} if lengths is not None else {})
+    o = make_options(EvalOptions, given | options)
+    check_lengths(o)
+    lengths, last, windows, chunk, warm_state, batch_size, context = (
+        o.lengths,
+        o.last,
+        o.windows,
+        o.chunk,
+        o.warm_state,
+        o.batch_size,
+        o.context,
+    )
+    window, data, dataset, text = o.window, o.data, o.dataset, o.text
+    dirs = [locate(p) for p in checkpoints]  # a Hub id fetched once, before any work
+    labels = eval_labels(checkpoints, dirs)
+    path_out = default_output(out, checkpoints[0], "eval.json")
+    check_writable(path_out, f"{opt('out')} file")  # before the work, not after it
+    check_writable(path_out.with_suffix(".png"), "plot")
+    dev = pick_device(o.device)
+    results: dict[str, list[LengthResult]] = {}
+    cache: dict[Any, Any] = {}
+    trained: dict[str, Any] = {}
+    for path, d, label in zip(checkpoints, dirs, labels):
+        loaded = load(d, dev)
+        model, name, tok, config = loaded.model, loaded.name, loaded.tokenizer, loaded.config
+        if window:
+            if not hasattr(model, "set_window"):
+                raise RecurformerError(f"{opt('window')} applies to dense attention models (llama), not {name}")
+            model.set_window(window)
+            label += f" (window {window})"
+        tokens = eval_tokens(tok, config, data=data, dataset=dataset, text=text, cache=cache)
+        span = context or warm_state + max(lengths)
+        every = len(window_ends(len(tokens), span, last)) if len(tokens) > span else 0
+        n = min(every, windows or every)
+        every_one = opt("windows", "None", True)
+        how = (
+            "every window of the evaluation text" if n == every else f"evenly spaced, of {every:,}; {every_one} for all"
+        )
+        log(
+            f"evaluating {label} ({name}) at lengths {lengths}: {n:,} windows ({how}), loss on the last {last} tokens of each, "
+            f"{n * sum(warm_state + L for L in lengths):,} tokens to read"
+        )
+
+        def keep(r: LengthResult, label: str = label) -> None:
+            """Each length as it finishes, into the JSON: an interrupted eval keeps what it finished."""
+            results[label] = [*results.get(label, []), r]
+            save_json(results, path_out, meta or {}, complete=False)
+            log(
+                f"  L={r.length:>6}: loss {r.loss:.4f} [{r.loss_low:.4f}, {r.loss_high:.4f}]  acc {r.accuracy:.3f}  "
+                f"{r.windows} windows, bootstrap over {r.units} {r.unit}  {r.tokens_per_s:,.0f} tok/s  peak {memory_kind(dev)} {r.peak_memory_mb:,.0f} MB"
+            )
+
+        progress = Progress(n * len(lengths), label, "window", log)
+        try:
+            with out_of_memory(*eval_sizes(label, model, batch_size, chunk, lengths)):
+                evaluate_lengths(
+                    model,
+                    tokens,
+                    lengths,
+                    last,
+                    windows,
+                    chunk,
+                    warm_state,
+                    batch_size,
+                    context,
+                    tok.bos_id if tok is not None else None,
+                    progress=progress.update,
+                    done=keep,
+                )
+        except NonFiniteLogits as e:
+            kept = f"{path_out} keeps the results before it" if results else "nothing written"
+            raise RecurformerError(f"{path} gives {e} although its weights load; {kept}") from None
+        except BaseException as e:  # Ctrl-C, a scheduler's SIGTERM, a failure
+            if results and not isinstance(e, RecurformerError):
+                log(f'stopped: {path_out} keeps the lengths finished so far ("complete": false)')
+            raise
+        finally:
+            progress.close()
+        trained[label] = config.get("train", {}).get("seq_len")
+    log("")
+    log(markdown_table(results))
+    save_json(results, path_out, meta or {})
+    png = path_out.with_suffix(".png")
+    plot(results, png, f"loss on the last {last} tokens (nats/token, lower is better)", last, trained, warm_state)
+    log(f"wrote {path_out} and {png}")
+    return results
 
 
 def paired_differences(model: list[LengthResult], reference: list[LengthResult]) -> list[PairedDifference]:

@@ -10,18 +10,41 @@ and continued later with exactly the result of one uninterrupted run."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from .config import RecurformerError, check_options
+from .config import RecurformerError, check_values, make_options, opt, option
+from .device import cpu_threads, device_option
 from .files import atomic_write
 from .state import State, StreamingModel
+
+
+@dataclass
+class GenerateOptions:
+    """``recurformer generate`` (``generate_text``): what to continue and how to sample."""
+
+    checkpoint: str = option(None, "a run, checkpoint or pretrained directory, or a Hub repo id", required=True)
+    prompt: str = option("", "text to continue (lower-cased for a lower-case tokenizer)")
+    max_new_tokens: int = option(200, "tokens to generate at most", range=">= 0")
+    temperature: float = option(0.8, "sampling temperature; 0 = greedy", range=">= 0")
+    top_k: int | None = option(None, "sample from the k most likely tokens only (default: all)", range=">= 1")
+    top_p: float | None = option(
+        None,
+        "sample from the smallest set of tokens whose probability reaches p, in (0, 1] (default: all)",
+        range="(0, 1]",
+    )
+    seed: int = option(0, "sampling seed")
+    stop_at_eos: bool = option(True, "stop at the end of a document")
+    save_state: str | None = option(None, "save the generation state (safetensors) to continue later", metavar="FILE")
+    load_state: str | None = option(None, "continue a saved generation (the prompt is appended)", metavar="FILE")
+    device: str = device_option()
 
 
 @dataclass
@@ -63,7 +86,7 @@ def sample(
     logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator
 ) -> Tensor:
     """[B, V] -> [B]. ``temperature == 0`` is greedy (argmax)."""
-    check_options(temperature=temperature, top_k=top_k, top_p=top_p)
+    check_values(GenerateOptions, temperature=temperature, top_k=top_k, top_p=top_p)
     if temperature == 0:
         return logits.argmax(-1)
     probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
@@ -99,7 +122,7 @@ def stream(
     """Yield new tokens [B] one step at a time. Rows that produced a stop token yield -1 from then
     on; the iterator ends when every row has stopped or after ``max_new_tokens``. ``session``
     continues an earlier generation (and is updated in place)."""
-    check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    check_values(GenerateOptions, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     was_training = model.training
     model.eval()
     try:
@@ -177,6 +200,87 @@ def load_session(path: str | Path, model: StreamingModel, model_name: str) -> Se
     g.set_state(tensors["generator"])
     logits = tensors.get("logits")
     return Session(state=state, logits=None if logits is None else logits.to(device), generator=g)
+
+
+@dataclass
+class Generated:
+    """What ``generate_text`` produced, with its speed and peak memory."""
+
+    text: str  # the continuation (without the prompt)
+    tokens: int
+    seconds: float
+    peak_memory_mb: float
+    memory_kind: str  # what the peak counts ('GPU memory', 'RSS', ...)
+
+
+@cpu_threads()
+def generate_text(
+    checkpoint: str | Path,
+    prompt: str = "",
+    *,
+    on_text: Callable[[str], object] | None = None,
+    note: Callable[[str], object] = print,
+    **options: Any,
+) -> Generated:
+    """``recurformer generate``: continue ``prompt`` with a checkpoint's model (``options``: the
+    fields of ``GenerateOptions``), streaming the text (the prompt first) to ``on_text`` as whole
+    characters arrive; ``load_state`` continues a saved generation (the prompt is appended),
+    ``save_state`` saves it to continue later. Running out of memory is one line naming the
+    model, the prompt's length and what to lower."""
+    from .device import memory_kind, out_of_memory, peak_memory_mb, pick_device, reset_peak_memory, synchronize
+    from .files import check_writable
+    from .hub import load
+
+    o = make_options(GenerateOptions, {"checkpoint": str(checkpoint), "prompt": prompt, **options})
+    if o.save_state:
+        check_writable(Path(o.save_state), f"{opt('save_state')} file")  # before generating, not after
+    dev = pick_device(o.device)
+    where = opt("device", "cpu")
+    with out_of_memory(
+        f"loading {o.checkpoint} onto {dev}", f"the model does not fit there: use another device ({where})"
+    ):
+        loaded = load(o.checkpoint, dev)
+    model, name, tok = loaded.model, loaded.name, loaded.tokenizer
+    if tok is None:
+        raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
+    prompt = o.prompt
+    if tok.lowercase and prompt != prompt.lower():
+        note("[this model's tokenizer was learned from lower-case text: the prompt is lower-cased]")
+        prompt = prompt.lower()
+    ids = ([] if o.load_state else [tok.bos_id]) + tok.encode(prompt)
+    doing = (
+        f"generating with {name} ({model.num_params():,} parameters) on {dev} from a prompt of {len(ids)} "
+        f"tokens, at most {o.max_new_tokens} new ones"
+    )
+    emit = on_text or (lambda t: None)
+    with out_of_memory(doing, f"lower the prompt's length or {opt('max_new_tokens')}"):
+        session = load_session(o.load_state, model, name) if o.load_state else new_session(model, 1, o.seed)
+        tokens = torch.tensor([ids], dtype=torch.long) if ids else None
+        stops = [tok.eos_id, tok.bos_id] if o.stop_at_eos else []
+        emit(prompt)
+        out: list[int] = []
+        shown = ""
+        reset_peak_memory(dev)
+        t0 = time.perf_counter()
+        for step in stream(
+            model, tokens, o.max_new_tokens, o.temperature, o.top_k, o.top_p, session=session, stop_tokens=stops
+        ):
+            t = int(step[0])
+            if t < 0:
+                break
+            out.append(t)
+            text = tok.decode(out)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                emit(text[len(shown) :])
+                shown = text
+        synchronize(dev)
+        dt = time.perf_counter() - t0
+        text = tok.decode(out)
+        emit(text[len(shown) :])
+        if o.save_state:
+            save_session(session, o.save_state, name)
+            note(f"[saved the generation state to {o.save_state}]")
+    return Generated(text, len(out), dt, peak_memory_mb(dev), memory_kind(dev))
 
 
 class GenerationMixin:

@@ -333,7 +333,7 @@ def with_bos(path: Path, tokenizer: Tokenizer) -> None:
     hf.save(str(path))
 
 
-def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, style: str = "python") -> Path:
+def export(checkpoint: str | Path, out: str | Path, overwrite: bool) -> Path:
     """A run, checkpoint or pretrained directory -> a directory that ``AutoModelForCausalLM`` /
     ``AutoTokenizer`` and ``recurformer.load`` all read: ``config.json``, ``model.safetensors``,
     ``generation_config.json`` (stops at EOS), ``tokenizer.json`` + ``tokenizer_config.json``
@@ -341,12 +341,13 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, sty
     a tokenizer learned from lower-case text lower-cases its input, as ``recurformer generate``
     does) and the model card. Every file is written whole or not at all; ``out`` is claimed as
     ``hub.export`` claims it (no run; else an earlier export of the same run, or ``overwrite``)."""
-    from .hub import claim_export_dir, from_pretrained, model_card, run_config_of, shareable
+    from .hub import claim_export_dir, load, model_card, run_config_of, shareable
 
-    model, tok, config = from_pretrained(checkpoint)
+    loaded = load(checkpoint)
+    model, tok, config = loaded.model, loaded.tokenizer, loaded.config
     dest = Path(out)
     cfg = shareable(run_config_of(model, config))
-    claim_export_dir(dest, cfg, overwrite, style)
+    claim_export_dir(dest, cfg, overwrite)
     lower = tok is not None and tok.lowercase
     if tok is not None and lower:
         tok = tok.lowercasing()

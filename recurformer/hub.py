@@ -1,5 +1,5 @@
 """Hugging Face Hub conventions, through ``huggingface_hub``: ``save_pretrained(dir)``,
-``from_pretrained(dir_or_repo_id)``, ``push_to_hub(repo_id)``, and a model card.
+``load(dir_or_repo_id)``, ``push_to_hub(repo_id)``, and a model card.
 
 A pretrained directory is a checkpoint directory without the training state, plus a card:
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Sequence
 
 import torch
 import yaml
@@ -25,9 +25,9 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 from safetensors.torch import save_file
 
-from .checkpoint import load_checkpoint, load_model_weights, resolve, run_contents, spelled
+from .checkpoint import load_checkpoint, load_model_weights, metrics, resolve, run_contents, train_json
 from .compat import FORMAT
-from .config import RecurformerError
+from .config import RecurformerError, opt, option
 from .data import Tokenizer
 from .files import move_files
 from .registry import build_model, description, model_name
@@ -37,12 +37,46 @@ FILES = ["model.safetensors", "config.json", "tokenizer.json", CARD]
 EXPORT_FILES = [*FILES, "generation_config.json", "tokenizer_config.json"]  # --format transformers adds two
 
 
-def load_model(
-    path: str | Path, device: str | torch.device = "cpu"
-) -> tuple[Any, str, Tokenizer | None, dict[str, Any]]:
-    """(model in eval mode, model name, tokenizer or None, run config dict) from a checkpoint, a
-    run directory (its newest checkpoint) or a pretrained directory."""
-    ck = load_checkpoint(path)
+@dataclass(frozen=True)
+class Loaded:
+    """A model read from a run, a checkpoint, a pretrained directory or the Hub (``load``)."""
+
+    model: Any  # the StreamingLM, in eval mode, on the device asked for
+    tokenizer: Tokenizer | None  # None where the directory has no tokenizer.json
+    config: dict[str, Any]  # the run config: model (with its name), data and train sections
+    name: str  # the architecture's registered name (model.name)
+    path: Path  # the directory read: a run's newest checkpoint, or a Hub repo's cached snapshot
+
+
+def is_hub_id(path_or_hub_id: str | Path) -> bool:
+    """Whether ``path_or_hub_id`` names a Hub repo (``owner/name``) rather than a local directory."""
+    s = str(path_or_hub_id)
+    return not Path(s).exists() and s.count("/") == 1 and not s.startswith((".", "/")) and not s.endswith("/")
+
+
+def locate(path_or_hub_id: str | Path, revision: str | None = None) -> Path:
+    """The checkpoint or pretrained directory that ``path_or_hub_id`` names: a local directory
+    (``checkpoint.resolve``: a run is its newest checkpoint), or else a Hub repo id, fetched (or
+    found in the cache) by ``snapshot_download``."""
+    if not is_hub_id(path_or_hub_id):
+        if not Path(path_or_hub_id).exists():
+            raise RecurformerError(
+                f"checkpoint not found: {path_or_hub_id} (neither a local directory nor a Hub repo id owner/name)"
+            )
+        return resolve(path_or_hub_id)
+    try:
+        return resolve(snapshot_download(str(path_or_hub_id), revision=revision, allow_patterns=FILES))
+    except (HfHubHTTPError, LocalEntryNotFoundError, HFValidationError, OSError) as e:
+        raise RecurformerError(
+            f"{path_or_hub_id} is no local directory, and getting it from the Hub failed: {str(e).splitlines()[0]}"
+        ) from None
+
+
+def load(path_or_hub_id: str | Path, device: str | torch.device = "cpu", revision: str | None = None) -> Loaded:
+    """The model (in eval mode on ``device``), tokenizer and run config saved in a run (its newest
+    checkpoint), a checkpoint, a pretrained directory or a Hub repo (``locate``): the one loader
+    every command, ``recurformer.load`` and ``StreamingLM.from_pretrained`` use."""
+    ck = load_checkpoint(locate(path_or_hub_id, revision))
     mcfg = dict(ck["config"].get("model", {}))
     name = mcfg.pop("name", None)
     if name is None:
@@ -50,7 +84,39 @@ def load_model(
     model = build_model(name, mcfg)
     load_model_weights(model, ck["model"], str(ck["dir"]))
     tok = Tokenizer.load(ck["tokenizer_dir"]) if ck["tokenizer_dir"] is not None else None
-    return model.to(device).eval(), name, tok, ck["config"]
+    return Loaded(model.to(device).eval(), tok, ck["config"], name, ck["dir"])
+
+
+# ----------------------------------------------------------------------------------------------
+# naming what a command read and where it writes
+
+
+def eval_labels(paths: Sequence[str], dirs: Sequence[Path]) -> list[str]:
+    """One unique label per checkpoint (``paths`` as given, ``dirs`` as ``hub.locate`` found
+    them): the run's name (a Hub repo's id), plus the step where two share a run name, plus the
+    full path where even that is not unique."""
+    seen: dict[Any, Any] = {}
+    for p, d in zip(paths, dirs):
+        if d.resolve() in seen:
+            raise RecurformerError(f"checkpoints {p} and {seen[d.resolve()]} are the same checkpoint ({d})")
+        seen[d.resolve()] = p
+    runs = [
+        str(p) if is_hub_id(p) else d.parent.name if d.name.startswith("step_") else d.name for p, d in zip(paths, dirs)
+    ]
+    labels = [f"{r} {d.name}" if runs.count(r) > 1 and d.name.startswith("step_") else r for r, d in zip(runs, dirs)]
+    return [str(d) if labels.count(lab) > 1 else lab for lab, d in zip(labels, dirs)]
+
+
+def default_output(given: str | Path | None, checkpoint: str | Path, name: str) -> Path:
+    """``given``, or ``name`` in the run directory of ``checkpoint`` (the directory that holds its
+    step_* checkpoints, or the checkpoint / pretrained directory itself; for a Hub repo id, the
+    working directory: never the Hub cache)."""
+    if given:
+        return Path(given)
+    if is_hub_id(checkpoint):
+        return Path(name)
+    d = locate(checkpoint)
+    return (d.parent if d.name.startswith("step_") else d) / name
 
 
 def run_config_of(model: Any, config: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -77,17 +143,8 @@ def shareable(config: dict[str, Any]) -> dict[str, Any]:
 def results_row(run_dir: Path, step: int | None = None) -> dict[str, Any]:
     """The last logged metrics of a run (``metrics.jsonl``) up to ``step``: train loss, val loss,
     tokens. Empty when the run has no metrics file."""
-    path = run_dir / "metrics.jsonl"
     row: dict[str, Any] = {}
-    if not path.is_file():
-        return row
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash
-        if step is not None and rec.get("step", 0) > step:
-            break
+    for rec in metrics(run_dir, step):
         row.update({k: v for k, v in rec.items() if k in ("step", "loss", "val_loss", "tokens")})
     return row
 
@@ -199,8 +256,8 @@ def refuse_run_dir(out: Path) -> None:
         )
 
 
-def claim_export_dir(out: Path, config: dict[str, Any], overwrite: bool, style: str = "python") -> None:
-    """Refuse (one line, options spelled for ``style``) to export into ``out`` when it holds a run
+def claim_export_dir(out: Path, config: dict[str, Any], overwrite: bool) -> None:
+    """Refuse (one line) to export into ``out`` when it holds a run
     (``refuse_run_dir``, whatever ``overwrite`` says), or, unless ``overwrite``, anything but an
     earlier export of the same run: files an export writes only, with a ``config.json`` of the same
     model (and data and training, where it records them) as ``config``, the one to be written.
@@ -214,7 +271,7 @@ def claim_export_dir(out: Path, config: dict[str, Any], overwrite: bool, style: 
         what = "the export of another model or run (its config.json differs)"
     if what:
         raise RecurformerError(
-            f"{out} holds {what}; export into another directory, or pass {spelled(style, 'overwrite')} to write the "
+            f"{out} holds {what}; export into another directory, or pass {opt('overwrite', True)} to write the "
             f"export's files there"
         )
 
@@ -231,25 +288,6 @@ def _same_run(path: Path, config: dict[str, Any]) -> bool:
     return (
         isinstance(old, dict) and old.get("model") == new.get("model") and all(old[k] == new.get(k) for k in sections)
     )
-
-
-def from_pretrained(
-    dir_or_repo_id: str | Path, device: str = "cpu", revision: str | None = None
-) -> tuple[Any, Tokenizer | None, dict[str, Any]]:
-    """(model in eval mode, tokenizer or None, config) from a local directory (a pretrained
-    directory, a checkpoint or a run) or else a Hub repo id (downloaded and cached)."""
-    path = Path(dir_or_repo_id)
-    if not path.exists():
-        if str(dir_or_repo_id).count("/") != 1 or str(dir_or_repo_id).startswith((".", "/")):
-            raise RecurformerError(f"{dir_or_repo_id} is neither a local directory nor a Hub repo id (owner/name)")
-        try:
-            path = Path(snapshot_download(str(dir_or_repo_id), revision=revision, allow_patterns=FILES))
-        except (HfHubHTTPError, LocalEntryNotFoundError, HFValidationError, OSError) as e:
-            raise RecurformerError(
-                f"{dir_or_repo_id} is no local directory, and getting it from the Hub failed: {str(e).splitlines()[0]}"
-            ) from None
-    model, _, tok, config = load_model(path, device)
-    return model, tok, config
 
 
 def push_to_hub(
@@ -285,17 +323,36 @@ def upload(
     return str(info.commit_url)
 
 
-def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, style: str = "python") -> Path:
+@dataclass
+class ExportOptions:
+    """``recurformer export`` (``recurformer.export``): which run, where, in which layout."""
+
+    checkpoint: str = option(None, "a run or checkpoint directory", required=True)
+    out: str = option(
+        None, "the directory to write (model.safetensors, config.json, tokenizer.json, README.md)", required=True
+    )
+    push_to_hub: str | None = option(
+        None, "also upload it to this Hub repo (needs a network and a token)", metavar="REPO_ID"
+    )
+    format: Literal["recurformer", "transformers"] = option(
+        "recurformer", "transformers: also readable by AutoModelForCausalLM / AutoTokenizer (needs recurformer[hf])"
+    )
+    overwrite: bool = option(
+        False, "write into --out although it holds other files or another run's export (never a run: refused)"
+    )
+
+
+def export(checkpoint: str | Path, out: str | Path, overwrite: bool) -> Path:
     """A run or checkpoint directory -> a pretrained directory with its model card (the results
     row is the run's last logged metrics up to the checkpoint's step). ``out`` must not hold a run,
     nor, unless ``overwrite``, anything but an earlier export of the same run (``claim_export_dir``)."""
-    ck = resolve(checkpoint)
-    model, _, tok, config = load_model(ck)
-    claim_export_dir(Path(out), shareable(run_config_of(model, config)), overwrite, style)
-    if not (ck / "train_state.json").is_file():  # not a training checkpoint: no run to take results from
-        return save_pretrained(model, out, tok, config)
-    step = json.loads((ck / "train_state.json").read_text()).get("step")
-    return save_pretrained(model, out, tok, config, results_row(ck.parent, step))
+    loaded = load(checkpoint)
+    claim_export_dir(Path(out), shareable(run_config_of(loaded.model, loaded.config)), overwrite)
+    state = train_json(loaded.path)
+    if state is None:  # not a training checkpoint: no run to take results from
+        return save_pretrained(loaded.model, out, loaded.tokenizer, loaded.config)
+    results = results_row(loaded.path.parent, state.get("step"))
+    return save_pretrained(loaded.model, out, loaded.tokenizer, loaded.config, results)
 
 
 class HubMixin:
@@ -309,7 +366,7 @@ class HubMixin:
     @classmethod
     def from_pretrained(cls, dir_or_repo_id: str | Path, **kwargs: Any) -> Any:
         """The model saved in a local directory (pretrained, checkpoint or run) or a Hub repo."""
-        model = from_pretrained(dir_or_repo_id, **kwargs)[0]
+        model = load(dir_or_repo_id, **kwargs).model
         if not isinstance(model, cls):
             raise RecurformerError(f"{dir_or_repo_id} holds a {type(model).__name__}, not a {cls.__name__}")
         return model

@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - the message is the point
 
 from .device import pick_device
 from .generate import sample
-from .hub import from_pretrained
+from .hub import load
 
 
 def _positive_int(value: Any, key: str) -> int:
@@ -76,7 +76,8 @@ class RecurformerLM(TemplateLM):
         if pretrained is None:
             raise RecurformerError("recurformer model_args need pretrained=<run, checkpoint or pretrained directory>")
         self._device = pick_device(str(device) if device else "auto")
-        self.model, tok, _ = from_pretrained(pretrained, str(self.device))
+        loaded = load(pretrained, self.device)
+        self.model, tok = loaded.model, loaded.tokenizer
         if tok is None:
             raise RecurformerError(f"{pretrained} has no tokenizer.json: lm-eval scores text")
         self.tokenizer_ = tok

@@ -30,8 +30,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .config import RecurformerError
+from .config import RecurformerError, make_options, option
 from .data.tokenizer import Tokenizer
+from .device import cpu_threads, device_option
 from .files import atomic_write
 from .nn import StreamingLM
 
@@ -211,3 +212,82 @@ def save(cells: Sequence[Cell], path: Path, meta: dict[str, Any]) -> None:
 
 
 __all__ = ["Cell", "NEEDLE", "QUESTION", "figure", "make_prompt", "niah", "plot", "save", "table"]
+
+
+@dataclass
+class NiahOptions:
+    """``recurformer niah`` (``niah_checkpoint``): the grid of depths x lengths and how it is read."""
+
+    checkpoint: str = option(None, "a run, checkpoint or pretrained directory, or a Hub repo id", required=True)
+    lengths: list[int] = option([256, 512, 1024, 2048], "context lengths in tokens", range=">= 1")
+    depths: list[float] = option([0, 25, 50, 75, 100], "needle depths in percent of the haystack")
+    trials: int = option(4, "prompts per cell (random passkeys and haystack offsets)", range=">= 1")
+    chunk: int = option(256, "tokens per model call (the state carries the rest)", range=">= 1")
+    text: list[str] | None = option(
+        None, "haystack text files (default: the bundled books, val split)", nargs="+", metavar="FILE"
+    )
+    via: str = option(
+        "recurformer",
+        "transformers: load and run the model through AutoModelForCausalLM (needs recurformer[hf])",
+        choices=["recurformer", "transformers"],
+    )
+    seed: int = option(0, "passkeys and haystack offsets")
+    device: str = device_option()
+    out: str | None = option(
+        None,
+        "output JSON, the heatmap PNG beside it (default: niah.json in the checkpoint's run directory)",
+        flag="--json",
+    )
+
+
+@cpu_threads()
+def niah_checkpoint(
+    checkpoint: str | Path,
+    lengths: Sequence[int] | None = None,
+    depths: Sequence[float] | None = None,
+    out: str | Path | None = None,
+    *,
+    log: Callable[[str], object] = print,
+    **options: Any,
+) -> list[Cell]:
+    """``recurformer niah``: needle in a haystack over ``depths`` x ``lengths`` (default:
+    ``NiahOptions``'s; ``options``: its other fields) for a checkpoint, read by recurformer or
+    (``via="transformers"``) through ``AutoModelForCausalLM``; logs the table and writes ``out``
+    (JSON; default ``niah.json`` in the checkpoint's run directory) and its heatmap PNG."""
+    from .device import pick_device
+    from .files import check_writable
+    from .hub import default_output, load
+
+    given: dict[str, Any] = {"checkpoint": str(checkpoint), "out": out}
+    given |= {k: list(v) for k, v in (("lengths", lengths), ("depths", depths)) if v is not None}
+    o = make_options(NiahOptions, given | options)
+    lengths, depths, trials, chunk, text, via, seed = o.lengths, o.depths, o.trials, o.chunk, o.text, o.via, o.seed
+    path_out = default_output(out, checkpoint, "niah.json")
+    check_writable(path_out, "output JSON")
+    check_writable(path_out.with_suffix(".png"), "heatmap")
+    dev = pick_device(o.device)
+    model: Any
+    if via == "transformers":
+        from .hf import RecurformerForCausalLM
+
+        tok = load(checkpoint).tokenizer
+        model = RecurformerForCausalLM.from_pretrained(checkpoint).to(dev)
+    else:
+        loaded = load(checkpoint, dev)
+        model, tok = loaded.model, loaded.tokenizer
+    if tok is None:
+        raise RecurformerError(f"{checkpoint} has no tokenizer.json: the haystack is text")
+    cells = niah(model, tok, lengths, depths, trials, chunk, text, seed)
+    log(table(cells))
+    meta = {
+        "checkpoint": str(checkpoint),
+        "via": via,
+        "trials": trials,
+        "chunk": chunk,
+        "seed": seed,
+        "haystack": text or "bundled books (val)",
+        "label": Path(checkpoint).name,
+    }
+    save(cells, path_out, meta)
+    log(f"wrote {path_out} and {path_out.with_suffix('.png')}")
+    return cells

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -37,9 +38,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import RecurformerError
+from .checkpoint import metrics, train_json
+from .config import RecurformerError, check_fields, make_options, opt, option
 from .data.prepare import EOT, REPEAT_PROMPT, load_documents
 from .data.tokenizer import Tokenizer
+from .device import device_option
 from .nn import StreamingLM
 
 TASKS = ("repeat", "swap")
@@ -56,6 +59,69 @@ READING = {
 
 # ----------------------------------------------------------------------------------------------
 # receptive fields
+
+
+@dataclass
+class ProbeOptions:
+    """The copy (``repeat``) or ``swap`` probe: which documents, which distances, how they are read
+    (``recurformer.probe`` and ``recurformer probe``)."""
+
+    task: str = option(
+        "repeat",
+        "repeat (copy: s1, marker, s2 = s1) or swap (replace the history older than d)",
+        metavar="{" + ",".join(TASKS) + "}",
+    )  # checked in check_probe: one line
+    dataset: str | None = option(
+        None,
+        "a bundled dataset's val split (default: tinystories-repeat for repeat, the checkpoint's own for swap)",
+        group="source",
+    )
+    text: list[str] | None = option(
+        None, "UTF-8 text files, encoded with the checkpoint's tokenizer", nargs="+", metavar="FILE", group="source"
+    )
+    docs: int = option(500, "documents (the bootstrap resamples these)", range=">= 1")
+    passage: int = option(128, "repeat on a corpus other than tinystories-repeat: passage length n", range=">= 1")
+    distances: list[int] = option([1, 4, 16, 64, 256, 1024], "swap: replace the history older than each of these")
+    span: int = option(32, "swap: target tokens scored after the history", range=">= 1")
+    warm: tuple[int, int] = option(
+        (32, 288),
+        "fewest and most tokens of stream text read before each document (a random prefix length between them "
+        "varies the chunk phases)",
+        range=">= 0",
+        cli=False,  # the command line's --warm-min and --warm-max
+    )
+    chunk: int = option(256, "tokens per model call (the state carries the rest)", range=">= 1")
+    batch_size: int = option(16, "documents read side by side", range=">= 1")
+    precision: str = option("fp32", "bf16: CPU/CUDA autocast", choices=["fp32", "bf16"])
+    seed: int = option(0, "which documents and warm-up prefixes, and the bootstrap")
+
+
+@dataclass
+class ProbeCommandOptions(ProbeOptions):
+    """``recurformer probe`` (``probe_checkpoints``): ``ProbeOptions`` for each checkpoint, and
+    where the results go."""
+
+    checkpoint: list[str] = option(
+        None, "run or checkpoint directories or Hub repo ids (one line each in the plot)", cli=False
+    )  # the command line's, beside --merge
+    device: str = device_option()
+    out: str | None = option(
+        None,
+        "output JSON, a PNG plot beside it (default: probe.json in the first checkpoint's run directory; with "
+        "--merge, probe-merged.json beside the first merged file)",
+        flag="--json",
+        metavar="FILE",
+    )
+
+
+def check_probe(o: ProbeOptions) -> None:
+    """The probe's options checked, for ``recurformer.probe`` and ``probe_checkpoints`` alike
+    (one-line errors naming them, ``config.opt``)."""
+    if o.task not in TASKS:
+        raise RecurformerError(f"unknown probe task '{o.task}'; valid tasks: {', '.join(TASKS)}")
+    check_fields(o)
+    if o.warm[0] > o.warm[1]:
+        raise RecurformerError(f"{opt('warm')} must be (min, max) with min <= max, got {tuple(o.warm)}")
 
 
 def receptive_field(model: StreamingLM) -> int | None:
@@ -449,18 +515,11 @@ class ProbeResult:
 def run_facts(ckpt_dir: Path) -> dict[str, Any]:
     """Step and tokens of a checkpoint, and its run's validation loss and training speed so far."""
     facts: dict[str, Any] = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
-    try:
-        tj = json.loads((ckpt_dir / "train_state.json").read_text())
-        facts["step"], facts["tokens_seen"] = tj.get("step"), tj.get("tokens_seen")
-    except (OSError, json.JSONDecodeError):
+    state = train_json(ckpt_dir)
+    if state is None:  # a pretrained directory: no run
         return facts
-    try:
-        rows = [
-            json.loads(line) for line in (ckpt_dir.parent / "metrics.jsonl").read_text().splitlines() if line.strip()
-        ]
-    except (OSError, json.JSONDecodeError):
-        return facts
-    rows = [r for r in rows if r.get("step", 0) <= facts["step"]]
+    facts["step"], facts["tokens_seen"] = state.get("step"), state.get("tokens_seen")
+    rows = metrics(ckpt_dir.parent, facts["step"])
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     speeds = [r["tok_per_s"] for r in rows if "tok_per_s" in r]
     facts["val_loss"] = vals[-1] if vals else None
@@ -491,6 +550,112 @@ def probe_model(
 
 # ----------------------------------------------------------------------------------------------
 # reports
+
+
+def probe_checkpoints(
+    checkpoints: Sequence[str],
+    out: str | Path | None = None,
+    *,
+    meta: dict[str, Any] | None = None,
+    log: Callable[[str], object] = print,
+    **options: Any,
+) -> list[ProbeResult]:
+    """``recurformer probe``: the copy or swap probe of each checkpoint (``options``: the fields of
+    ``ProbeOptions``, ``device``) on the same documents
+    (``dataset`` defaults to ``tinystories-repeat`` for ``repeat``, else the checkpoint's own);
+    logs the tables, writes ``out`` (JSON with ``meta``; default ``probe.json`` in the first
+    checkpoint's run directory) and its PNG plot; progress as a bar on a terminal, as lines in a log."""
+    from .device import pick_device, slow_bf16_warning
+    from .files import atomic_write, check_writable
+    from .hub import default_output, eval_labels, load, locate
+    from .loggers import Progress
+
+    o = make_options(ProbeCommandOptions, {"checkpoint": list(checkpoints), "out": out, **options})
+    check_probe(o)
+    task, dataset, text, precision, chunk, batch_size, seed = (
+        o.task,
+        o.dataset,
+        o.text,
+        o.precision,
+        o.chunk,
+        o.batch_size,
+        o.seed,
+    )
+    path_out = default_output(out, checkpoints[0], "probe.json")
+    check_writable(path_out, f"{opt('out')} file")  # before the work, not after it
+    check_writable(path_out.with_suffix(".png"), "plot")
+    dev = pick_device(o.device)
+    if warning := slow_bf16_warning(precision, dev):
+        print(warning, file=sys.stderr)
+    dataset = dataset if (dataset or text) else ("tinystories-repeat" if task == "repeat" else None)
+    results = []
+    dirs = [locate(p) for p in checkpoints]
+    for path, d, label in zip(checkpoints, dirs, eval_labels(checkpoints, dirs)):
+        loaded = load(d, dev)
+        model, name, tok, config = loaded.model, loaded.name, loaded.tokenizer, loaded.config
+        if tok is None:
+            raise RecurformerError(f"checkpoint {path} has no tokenizer.json, so it cannot read text")
+        if dataset is None and not text:
+            dataset = config.get("data", {}).get("dataset")
+            if not dataset:
+                raise RecurformerError(
+                    f"checkpoint {path} does not name a bundled dataset; give {opt('dataset')} or {opt('text')}"
+                )
+        samples = make_samples(
+            tok,
+            task,
+            dataset,
+            text,
+            model.config.vocab_size,
+            docs=o.docs,
+            passage=o.passage,
+            distances=list(o.distances),
+            span=o.span,
+            warm=tuple(o.warm),  # type: ignore[arg-type]
+            seed=seed,
+        )
+        R = receptive_field(model)
+        log(
+            f"probing {label} ({name}, receptive field {'unbounded' if R is None else R}) on {len(samples)} documents, task {task}"
+        )
+        rows = sum(len(s.rows) for s in samples)
+        progress = Progress(rows, label, "row", log)
+        try:
+            metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed, progress.update)
+        finally:
+            progress.close()
+        facts = run_facts(loaded.path)
+        results.append(ProbeResult(label, str(loaded.path), name, R, metrics=metrics, **facts))
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    log("")
+    log(markdown_tables(results))
+    meta = (meta or {}) | {"dataset_used": dataset, "text_sha256": text_sha256(text)}
+    atomic_write(path_out, lambda p: p.write_text(json.dumps(to_json(results, meta), indent=2) + "\n"))
+    png = path_out.with_suffix(".png")
+    atomic_write(png, lambda p: plot(results, p, f"{task} probe"))
+    log(f"wrote {path_out} and {png}")
+    return results
+
+
+def merge_probes(
+    files: Sequence[str | Path], out: str | Path | None = None, log: Callable[[str], object] = print
+) -> list[ProbeResult]:
+    """``recurformer probe --merge``: one table, JSON and plot (``out``, default
+    ``probe-merged.json`` beside the first file) from earlier probe results run with the same
+    documents and settings."""
+    from .files import atomic_write, check_writable
+
+    path_out = Path(out) if out else Path(files[0]).with_name("probe-merged.json")
+    check_writable(path_out, "output file")
+    check_writable(path_out.with_suffix(".png"), "plot")
+    results, meta = merge([Path(f) for f in files])
+    log(markdown_tables(results))
+    atomic_write(path_out, lambda p: p.write_text(json.dumps(to_json(results, meta), indent=2) + "\n"))
+    atomic_write(path_out.with_suffix(".png"), lambda p: plot(results, p, f"{meta['task']} probe"))
+    log(f"wrote {path_out} and {path_out.with_suffix('.png')}")
+    return results
 
 
 def _cell(b: BinStat) -> str:

@@ -18,16 +18,19 @@ never *reads* its memory (the tokens put no attention on it), and one that never
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import tap
-from .config import RecurformerError
+from .config import RecurformerError, make_options, opt, option
+from .device import cpu_threads
 from .nn import IGNORE_INDEX, StreamingLM
 
 
@@ -146,3 +149,70 @@ def table(r: Readout, kinds: list[str]) -> str:
 
 
 __all__ = ["Readout", "default_segment", "memory_share", "readout", "state_gradient", "table"]
+
+
+@dataclass
+class ReadoutOptions:
+    """``recurformer readout`` (``readout_checkpoint``): which model, which rows, how many segments."""
+
+    checkpoint: str = option(
+        None, "a run, checkpoint or pretrained directory (e.g. from synth --save), or a Hub repo id", required=True
+    )
+    task: str | None = option(None, "read synthetic task rows (see synth) instead of the checkpoint's validation text")
+    segment: int | None = option(
+        None, "tokens per segment (default: the model's chunk / segment / block length)", range=">= 1"
+    )
+    segments: int = option(4, "K: gradient norms from the losses of segments 1..K", range=">= 1")
+    rows: int = option(16, "rows to read", range=">= 1")
+    seed: int = option(0, "which rows are read")
+    out: str | None = option(None, "write the read-out as JSON here", flag="--json")
+
+
+@cpu_threads()
+def readout_checkpoint(
+    checkpoint: str | Path,
+    *,
+    task_values: dict[str, Any] | None = None,
+    log: Callable[[str], object] = print,
+    **options: Any,
+) -> Readout:
+    """``recurformer readout``: does a model read its memory, and does a later loss reach it
+    (``readout``) on ``rows`` rows of a synthetic ``task`` (with ``task_values``) or of the
+    checkpoint's validation text (``options``: the fields of ``ReadoutOptions``); logs the table,
+    writes ``out`` (JSON) when given."""
+    from .data import eval_windows
+    from .data.synthetic import get_task, make_split
+    from .evaluate import eval_tokens
+    from .files import atomic_write, check_writable
+    from .hub import load
+
+    o = make_options(ReadoutOptions, {"checkpoint": str(checkpoint), **options})
+    task, segment, segments, rows, seed, out = o.task, o.segment, o.segments, o.rows, o.seed, o.out
+    if out:
+        check_writable(Path(out), f"{opt('out')} file")
+    loaded = load(checkpoint)
+    model, tok, config = loaded.model, loaded.tokenizer, loaded.config
+    segment = segment or default_segment(model)
+    need = (segments + 1) * segment
+    if task:
+        params = get_task(task).params(task_values or {})
+        if int(params["vocab_size"]) != model.config.vocab_size:
+            raise RecurformerError(
+                f"task {task} has vocab_size {params['vocab_size']}, the model {model.config.vocab_size}; set task.vocab_size"
+            )
+        data = make_split(task, rows, seed, params)
+        x, y = data.inputs, data.targets
+        if x.shape[1] < need:
+            raise RecurformerError(
+                f"task rows have {x.shape[1]} tokens, the read-out needs {need} ({segments + 1} segments of {segment}); lengthen the task"
+            )
+    else:
+        w = eval_windows(eval_tokens(tok, config), need, rows, seed=seed)
+        x, y = w[:, :-1], w[:, 1:]
+    r = readout(model, x, y, segment, segments)
+    log(f"{checkpoint}: {type(model).__name__}, {x.shape[0]} rows of {x.shape[1]} tokens")
+    log(table(r, [layer.kind for layer in model.layers]))
+    if out:
+        atomic_write(Path(out), lambda p: p.write_text(json.dumps(r.to_json(), indent=2) + "\n"))
+        log(f"wrote {out}")
+    return r

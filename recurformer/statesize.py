@@ -51,3 +51,14 @@ def measure(model: StreamingLM) -> StateSize:
             state = probe(torch.zeros(1, n, dtype=torch.long), state=state).state
             sizes.append(sum(t.numel() for t in state.to_flat().values() if t.is_floating_point()))
     return StateSize(sizes[1], (sizes[1] - sizes[0]) / P, c + 2 * P - 1, P)
+
+
+def state_size_line(model: StreamingLM) -> str:
+    """The state's size per batch row, measured (``statesize.measure``)."""
+    size = measure(model)
+    if not size.bounded:
+        return f"state size per row (measured): grows with the text, {size.numbers:,} numbers after {size.after:,} tokens ({size.per_token:,.0f} per token)"
+    return (
+        f"state size per row (measured): {size.numbers:,} numbers ({4 * size.numbers / 2**20:.2f} MiB at fp32), the same at any length "
+        f"(measured after {size.after - size.period:,} and {size.after:,} tokens, past every layer's reach)"
+    )

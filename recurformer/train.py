@@ -39,62 +39,13 @@ from . import checkpoint as ckpt
 from . import loggers
 from .config import RecurformerError, check_options, from_dict, load_yaml, merge, parse_overrides, suggest
 from .curriculum import Schedule, check_state_init_share, initial_state, schedule_from
+from .data import DataConfig
 from .device import autocast_context, configure, out_of_memory, pick_device, resolve_precision, to_device
 from .flops import reference_peak, train_flops_per_token
 from .models import build_model, make_config, model_names
 from .nn import State, StreamingLM, check_compile
 from .optim import lr_at, make_optimizer, optimizer_from_flat, optimizer_to_flat
 from .registry import config_keys
-
-DEFAULT_DATASET = "tinystories-sample"
-
-
-@dataclass
-class DataConfig:
-    """At most one of ``dataset`` (a bundled dataset name) and ``text_files`` is in force; with
-    neither, ``dataset`` is the bundled TinyStories sample, unless ``dir`` names prepared data.
-    ``text_field`` is the field / column of JSONL, Parquet and ``datasets`` inputs that holds the
-    text (``prepare --text-field``)."""
-
-    dataset: str | None = None
-    text_files: list[str] = field(default_factory=list)
-    text_field: str = "text"
-    tokenizer: Literal["bpe", "byte"] = "bpe"
-    vocab_size: int = 4096
-    dir: str | None = None  # prepared data directory (default: prepared/<dataset>-<tokenizer><vocab>)
-
-    def __post_init__(self) -> None:
-        if self.dataset and self.text_files:
-            raise RecurformerError(
-                f"config sets both data.dataset ({self.dataset}) and data.text_files ({', '.join(self.text_files)}); keep one"
-            )
-        if not self.dataset and not self.text_files and not self.dir:
-            self.dataset = DEFAULT_DATASET
-        if self.tokenizer == "bpe":
-            check_options("data", vocab_size=self.vocab_size)
-
-    def source_key(self) -> str | None:
-        """A hash of what the prepared data is made of (dataset name or text file contents and
-        field, tokenizer kind, vocabulary size), as ``prepare`` records it in meta.json; None when
-        only ``dir`` is given."""
-        from .data.prepare import source_key
-
-        if not self.dataset and not self.text_files:
-            return None
-        return source_key(
-            self.dataset, self.text_files or None, self.tokenizer, self.vocab_size, text_field=self.text_field
-        )
-
-    def resolved_dir(self) -> Path:
-        """``data.dir``, or ``prepared/<dataset>-<tokenizer><vocab>`` for a bundled dataset and
-        ``prepared/text-<content hash>-<tokenizer><vocab>`` for text files."""
-        if self.dir:
-            return Path(self.dir)
-        name = (
-            self.dataset or f"text-{(self.source_key() or '')[:12]}"
-        )  # text_files: __post_init__ leaves no third case
-        return Path("prepared") / f"{name}-{self.tokenizer}{self.vocab_size if self.tokenizer == 'bpe' else ''}"
-
 
 SCHEDULED = ("seq_len", "truncation")  # the train keys a schedule may change
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from recurformer.hub import load_model
+from recurformer.hub import load
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ckpt_v1"
 # the models that the format-1 code had (the RMT came later, with format 2)
@@ -18,7 +18,8 @@ FORMAT1 = ("block_recurrent", "llama", "memory_attention", "recurrent_transforme
 
 @pytest.mark.parametrize("name", FORMAT1)
 def test_format1_checkpoint_loads_and_computes_the_same(name) -> None:
-    model, got_name, _, _ = load_model(FIXTURES / name)
+    loaded = load(FIXTURES / name)
+    model, got_name = loaded.model, loaded.name
     assert got_name == name
     model = model.double()
     exp = load_file(FIXTURES / name / "expected.safetensors")

@@ -627,6 +627,7 @@ def test_out_of_memory_in_eval_and_generate_is_one_line(trained, tmp_path, capsy
         raise CUDA_OOM
 
     monkeypatch.setattr(api, "evaluate_lengths", oom)
+    monkeypatch.setattr(importlib.import_module("recurformer.evaluate"), "evaluate_lengths", oom)  # eval's own
     ev = ["eval", "--checkpoint", str(trained), "--lengths", "32,64", "--last", "16", "--windows", "1"]
     assert cli([*ev, "--chunk", "16", "--json", str(tmp_path / "e.json")]) == 2
     err = capsys.readouterr().err
@@ -643,10 +644,10 @@ def test_out_of_memory_in_eval_and_generate_is_one_line(trained, tmp_path, capsy
     assert cli(["generate", "--checkpoint", str(trained), "--prompt", "the cat", "--max-new-tokens", "5"]) == 2
     assert last_error(capsys).startswith("recurformer: error: out of memory generating with memory_attention (")
     with pytest.raises(RecurformerError, match=r"from a prompt of 8 tokens, at most 5 new ones .*max_new_tokens$"):
-        recurformer.api.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
+        recurformer.generate.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
     monkeypatch.setattr(gen, "stream", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="^shape mismatch$"):  # not every RuntimeError is out of memory
-        recurformer.api.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
+        recurformer.generate.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
 
 
 def test_a_default_eval_reads_a_sample_says_how_far_it_got_in_a_log_and_keeps_what_it_finished(
@@ -691,7 +692,6 @@ def test_a_default_eval_reads_a_sample_says_how_far_it_got_in_a_log_and_keeps_wh
 def test_the_python_api_names_its_own_keywords_in_eval_and_probe_errors(trained, tmp_path) -> None:
     """The same checks as the command line's, in the caller's words: keyword names from Python, never
     a flag the caller did not type."""
-    from recurformer import api
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -702,8 +702,10 @@ def test_the_python_api_names_its_own_keywords_in_eval_and_probe_errors(trained,
     ]
     for extra, message in cases:
         with pytest.raises(RecurformerError) as e:
-            api.evaluate_checkpoints([str(trained)], **common, **extra)  # type: ignore[arg-type]
+            importlib.import_module("recurformer.evaluate").evaluate_checkpoints([str(trained)], **common, **extra)  # type: ignore[arg-type]
         assert str(e.value).startswith(message) and "--" not in str(e.value), str(e.value)
     with pytest.raises(RecurformerError) as e:
-        api.probe_checkpoints([str(trained)], blocker / "p.json", docs=1, log=lambda s: None)
+        importlib.import_module("recurformer.probe").probe_checkpoints(
+            [str(trained)], blocker / "p.json", docs=1, log=lambda s: None
+        )
     assert str(e.value).startswith(f"cannot write out file {blocker / 'p.json'}"), str(e.value)

@@ -101,13 +101,22 @@ def test_python_evaluate_names_its_own_arguments() -> None:
 def test_python_commands_check_their_options_first(call, kwargs, message, pretrained, tmp_path, monkeypatch) -> None:
     """What the CLI commands run, called from Python: the options are named as Python arguments and
     checked before any checkpoint is read or anything is written (the checkpoint does not exist)."""
-    from recurformer import api
+    import sys
 
+    import recurformer.api
+    import recurformer.generate
+
+    home = {
+        "generate_text": recurformer.generate,
+        "evaluate_checkpoints": sys.modules["recurformer.evaluate"],
+        "probe_checkpoints": sys.modules["recurformer.probe"],
+        "readout_checkpoint": sys.modules["recurformer.readout"],
+    }
     monkeypatch.chdir(tmp_path)
     missing = str(tmp_path / "no-such-run")
     first = [missing] if call in ("evaluate_checkpoints", "probe_checkpoints") else missing
     with pytest.raises(RecurformerError, match=f"^{re.escape(message)}$"):
-        getattr(api, call)(first, **kwargs)
+        getattr(home.get(call, recurformer.api), call)(first, **kwargs)
     assert files(tmp_path) == set()
 
 

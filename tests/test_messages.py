@@ -1,0 +1,135 @@
+"""Every command's bad option, from the command line and from Python: one line, naming the option as
+the user typed it (``--top-p`` there, ``top_p`` here), the same check behind both (each command's
+options dataclass, ``config.option``), before any checkpoint is read or anything is written."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import numpy as np
+import pytest
+from helpers import TEST_CONFIGS
+
+import recurformer
+from recurformer import RecurformerError, build_model
+from recurformer.cli import main as cli_main
+from recurformer.data import Tokenizer
+
+MISSING = "no-such-run"  # options are checked before the checkpoint is looked for
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):  # type: ignore[no-untyped-def]
+    model = build_model("memory_attention", {**TEST_CONFIGS["memory_attention"][0], "vocab_size": 260}).eval()
+    return model.save_pretrained(tmp_path_factory.mktemp("m") / "pre", tokenizer=Tokenizer.byte())
+
+
+CLI = [
+    (["generate", "--checkpoint", MISSING, "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+    (["generate", "--checkpoint", MISSING, "--top-k", "0"], "--top-k must be >= 1, got 0"),
+    (["eval", "--checkpoint", MISSING, "--windows", "0"], "--windows must be >= 1, got 0"),
+    (["eval", "--checkpoint", MISSING, "--lengths", "0"], "--lengths must be positive integers, got '0'"),
+    (["eval", "--checkpoint", MISSING, "--lengths", "a"], "--lengths must be comma-separated integers, got 'a'"),
+    (["eval", "--checkpoint", MISSING, "--lengths", "100"], "--lengths: 100 is shorter than --last 256"),
+    (["eval", "--checkpoint", MISSING, "--window", "0"], "--window must be >= 1, got 0"),
+    (["probe", "--checkpoint", MISSING, "--docs", "0"], "--docs must be >= 1, got 0"),
+    (["probe", "--checkpoint", MISSING, "--task", "nope"], "unknown probe task 'nope'; valid tasks: repeat, swap"),
+    (
+        ["probe", "--checkpoint", MISSING, "--warm-min", "9", "--warm-max", "3"],
+        "need 0 <= --warm-min <= --warm-max, got 9 and 3",
+    ),
+    (["probe", "--checkpoint", MISSING, "--warm-min", "-1"], "--warm-min/--warm-max must be >= 0, got -1"),
+    (
+        ["probe", "--checkpoint", MISSING, "--distances", "4,x"],
+        "--distances must be comma-separated integers, got '4,x'",
+    ),
+    (["readout", "--checkpoint", MISSING, "--segments", "0"], "--segments must be >= 1, got 0"),
+    (["readout", "--checkpoint", MISSING, "--rows", "0"], "--rows must be >= 1, got 0"),
+    (["niah", "--checkpoint", MISSING, "--trials", "0"], "--trials must be >= 1, got 0"),
+    (["niah", "--checkpoint", MISSING, "--lengths", "0"], "--lengths must be positive integers, got '0'"),
+    (["niah", "--checkpoint", MISSING, "--depths", "a"], "--depths must be comma-separated numbers, got 'a'"),
+    (
+        ["prepare", "--dataset", "tinystories-sample", "--vocab-size", "10"],
+        "--vocab-size must be in [258, 1048576], got 10",
+    ),
+    (["prepare", "--tokenizer", "byte"], "give --dataset NAME or --text FILE ..."),
+    (["synth", "--evaluate", MISSING], "synth --evaluate needs --lengths, e.g. --lengths 128,256,512"),
+    (
+        ["export", "--checkpoint", MISSING, "--out", "x", "--format", "transformers", "--push-to-hub", "a/b"],
+        "--push-to-hub goes with --format recurformer; upload a transformers directory with `hf upload`",
+    ),
+]
+
+
+@pytest.mark.parametrize("argv, message", CLI, ids=[" ".join(a[:1] + a[3:]) for a, _ in CLI])
+def test_cli_bad_option_is_one_line_naming_the_flag(argv, message, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"recurformer: error: {message}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def command(module: str, name: str):  # type: ignore[no-untyped-def]
+    """A command as Python calls it: the function beside its options, in its own module."""
+    return getattr(importlib.import_module(f"recurformer.{module}"), name)
+
+
+PYTHON = [
+    ("generate", "generate_text", (MISSING,), {"top_p": 2}, "top_p must be in (0, 1], got 2"),
+    ("generate", "generate_text", (MISSING,), {"top_q": 0.5}, "unknown option 'top_q' (did you mean 'top_p'?)"),
+    ("evaluate", "evaluate_checkpoints", ([MISSING],), {"windows": 0}, "windows must be >= 1, got 0"),
+    ("evaluate", "evaluate_checkpoints", ([MISSING],), {"lengths": [0]}, "lengths must be >= 1, got 0"),
+    ("probe", "probe_checkpoints", ([MISSING],), {"warm": (-1, 5)}, "warm must be >= 0, got -1"),
+    ("probe", "probe_checkpoints", ([MISSING],), {"passage": 0}, "passage must be >= 1, got 0"),
+    ("readout", "readout_checkpoint", (MISSING,), {"rows": 0}, "rows must be >= 1, got 0"),
+    ("niah", "niah_checkpoint", (MISSING,), {"trials": 0}, "trials must be >= 1, got 0"),
+    ("niah", "niah_checkpoint", (MISSING,), {"chunks": 8}, "unknown option 'chunks' (did you mean 'chunk'?)"),
+    (
+        "api",
+        "export",
+        (MISSING, "x", "a/b"),
+        {"format": "transformers"},
+        "push_to_hub goes with format='recurformer'; upload a transformers directory with `hf upload`",
+    ),
+]
+
+
+@pytest.mark.parametrize("module, name, args, kwargs, message", PYTHON, ids=[f"{p[1]} {p[3]}" for p in PYTHON])
+def test_python_bad_option_is_one_line_naming_the_keyword(module, name, args, kwargs, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecurformerError, match=f"^{re.escape(message)}$"):
+        command(module, name)(*args, **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_facade_names_its_keywords(pretrained) -> None:
+    model, tok = recurformer.load(pretrained)
+    tokens = np.zeros(600, dtype=np.int64)
+    with pytest.raises(RecurformerError, match=r"^chunk must be >= 1, got 0$"):
+        recurformer.evaluate(model, tokens=tokens, lengths=[256], chunk=0)
+    with pytest.raises(RecurformerError, match=r"^unknown option 'lenghts' \(did you mean 'lengths'\?\)$"):
+        recurformer.evaluate(model, tokens=tokens, lenghts=[256])
+    with pytest.raises(RecurformerError, match=r"^docs must be >= 1, got 0$"):
+        recurformer.probe(model, tok, docs=0)
+
+
+def test_an_option_in_the_middle_of_a_message_is_spelled_for_its_reader(pretrained, tmp_path, capsys) -> None:
+    """A message that names an option mid-sentence (``config.opt``): a flag with its value on the
+    command line, a keyword with a Python value from Python."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    argv = ["eval", "--checkpoint", str(pretrained), "--lengths", "32", "--last", "16", "--chunk", "16"]
+    assert cli_main([*argv, "--json", str(blocker / "e.json")]) == 2
+    assert capsys.readouterr().err == (
+        f"recurformer: error: cannot write --json file {blocker / 'e.json'}: {blocker} is not a directory\n"
+    )
+    with pytest.raises(RecurformerError, match=r"^cannot write out file "):
+        command("evaluate", "evaluate_checkpoints")([str(pretrained)], [32], blocker / "e.json", last=16, chunk=16)
+    assert cli_main(["readout", "--checkpoint", str(pretrained), "--json", str(blocker / "r.json")]) == 2
+    assert capsys.readouterr().err.startswith("recurformer: error: cannot write --json file ")
+    with pytest.raises(RecurformerError, match=r"^cannot write save_state file "):
+        command("generate", "generate_text")(pretrained, "a", save_state=blocker / "s")
+    assert cli_main(["generate", "--checkpoint", str(pretrained), "--save-state", str(blocker / "s")]) == 2
+    assert capsys.readouterr().err.startswith("recurformer: error: cannot write --save-state file ")
