@@ -68,9 +68,15 @@ def phi_literal(x: torch.Tensor, nu: int = 3) -> torch.Tensor:
     return torch.stack([r[i] * r[(i - j) % n] for j in range(1, nu + 1) for i in range(n)])
 
 
+def feature_literal(x: torch.Tensor) -> torch.Tensor:
+    """ARMT's feature of one vector (the authors' code): DPFP divided by its Euclidean length."""
+    f = phi_literal(x)
+    return f / torch.sqrt(sum(a * a for a in f))
+
+
 def read_literal(assoc: Associative, x: torch.Tensor, A: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """ARMT's read (Rodkin et al. 2024, §3) of one row x [D]: phi(W_q x) A / (z . phi(W_q x) + eps)."""
-    q = phi_literal(assoc.wq.weight @ x)
+    q = feature_literal(assoc.wq.weight @ x)
     return sum(q[f] * A[f] for f in range(len(q))) / (sum(z[f] * q[f] for f in range(len(q))) + assoc.eps)
 
 
@@ -79,11 +85,11 @@ def write_literal(assoc: Associative, m: torch.Tensor, A: torch.Tensor, z: torch
     A and z of before the segment; returns (A, z, the gammas)."""
     A_new, z_new, gammas = A, z, []
     for mi in m:
-        k = phi_literal(assoc.wk.weight @ mi)
+        k = feature_literal(assoc.wk.weight @ mi)
         v = assoc.wv.weight @ mi
         beta = torch.sigmoid(assoc.wb.weight[0] @ mi + assoc.wb.bias[0])
         vbar = (k @ A) / (z @ k + assoc.eps)
-        gamma = torch.clamp(1 - (z @ k) / (k @ k + assoc.eps), 0, 1).detach()
+        gamma = torch.clamp(1 - (z @ k) / (k @ k), 0, 1).detach()
         A_new = A_new + beta * torch.outer(k, v - vbar)
         z_new = z_new + gamma * k
         gammas.append(float(gamma))
@@ -313,6 +319,31 @@ def test_associative_model_matches_the_reference(extra) -> None:
             state = out.state
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_associative_read_is_whole_at_initialisation(monkeypatch) -> None:
+    """At the library's initialisation (float32, no randomised parameters), after one segment every
+    layer's read returns what the memory holds: a memory that stored one value v under every key
+    the write slots wrote (A = z v^T, as a first write with beta = 1 and every v_i = v gives) is
+    read back by every row of the next segment as >= 0.99 v. Without the authors' L2-normalised
+    features, z . phi(q) sits far below eps there and the read returns ~1% of v."""
+    torch.manual_seed(0)
+    S, D = 8, 128
+    model = build_model("rmt", dict(ARMT, dim=D, n_layers=2, segment_len=S, memory_size=4, assoc_dim=16))
+    tokens = torch.randint(0, 61, (3, 2 * S))
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    with torch.no_grad():
+        state = model(tokens[:, :S]).state
+        for i, block in enumerate(model.layers):
+            read = block.assoc.read
+            monkeypatch.setattr(
+                block.assoc, "read", lambda x, A, z, i=i, read=read: seen.setdefault(i, (x, z)) and read(x, A, z)
+            )
+        model(tokens[:, S:], state=state)
+        assert sorted(seen) == [0, 1]
+        for i, (x, z) in seen.items():
+            held = model.layers[i].assoc.read(x, z[:, :, None].expand(-1, -1, D), z)  # v = 1 in every channel
+            assert float(held.min()) >= 0.99, (i, float(held.min()))
 
 
 def test_associative_fresh_model_writes_nothing_and_its_state_round_trips(tmp_path) -> None:

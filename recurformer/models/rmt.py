@@ -218,22 +218,25 @@ def dpfp(x: Tensor, nu: int = 3) -> Tensor:
 
 class Associative(nn.Module):
     """ARMT's associative block of one layer (Rodkin et al., "Associative Recurrent Memory
-    Transformer", 2024, §3), phi = ``dpfp`` with nu = 3, A [K, D] (row f: what feature f recalls):
+    Transformer", 2024, §3), phi = ``dpfp`` with nu = 3 then L2-normalised (``feature``),
+    A [K, D] (row f: what feature f recalls):
 
         read, every row x_j of the layer's input:   x_j <- x_j + phi(q_j) A / (z . phi(q_j) + eps),  q_j = W_q x_j
         write, once per segment, from the layer's outputs m_i at the M write slots:
             k_i = phi(W_k m_i),  v_i = W_v m_i,  beta_i = sigmoid(W_b m_i)
             vbar_i = k_i A / (z . k_i + eps)                         (what A recalls at k_i)
-            gamma_i = clip(1 - z . k_i / (||k_i||^2 + eps), 0, 1)    (detached)
+            gamma_i = clip(1 - z . k_i, 0, 1)                        (detached; §3's 1 - z.k/||k||^2, ||k|| = 1)
             A <- A + sum_i beta_i k_i^T (v_i - vbar_i)               (delta rule)
             z <- z + sum_i gamma_i k_i
 
-    Every slot reads the A and z of before the segment (the sum over i). From the authors' code:
-    W_v starts at zero, so a fresh model's A stays zero (vbar = 0) until W_v learns, while z
-    grows; gamma is detached; eps = 1e-5. Where the code differs: it writes gamma_i = 1 -
-    (z . k_i + eps) / (||k_i||^2 + eps) (here the equation, eps guarding ||k||^2 only, so a first
-    write has gamma = 1 exactly), and it skips the read on a document's first segment (A = 0 reads
-    exactly 0 there, so nothing is skipped here). W_b's bias starts at 0 (beta = 1/2)."""
+    Every slot reads the A and z of before the segment (the sum over i). From the authors' code
+    (``AssociativeLayerWrapper``): phi's output is L2-normalised for queries and keys alike, so the
+    read weight z . phi(q) / (z . phi(q) + eps) is ~1 from the first write on at any scale of the
+    hidden states (unnormalised, a product of two projections of a small residual stream, it sits
+    orders of magnitude below eps at initialisation and the read is ~0); W_v starts at zero, so a
+    fresh model's A stays zero (vbar = 0) until W_v learns, while z grows; gamma is detached;
+    eps = 1e-5. Where the code differs: it skips the read on a document's first segment (A = 0
+    reads exactly 0 there, so nothing is skipped here). W_b's bias starts at 0 (beta = 1/2)."""
 
     eps = 1e-5
     nu = 3
@@ -254,18 +257,22 @@ class Associative(nn.Module):
         nn.init.zeros_(self.wv.weight)
         nn.init.zeros_(self.wb.bias)
 
+    def feature(self, x: Tensor) -> Tensor:
+        """phi(x) = dpfp(x) / ||dpfp(x)|| (zero where dpfp(x) is zero)."""
+        return F.normalize(dpfp(x, self.nu), dim=-1)
+
     def read(self, x: Tensor, A: Tensor, z: Tensor) -> Tensor:
         """phi(W_q x) A / (z . phi(W_q x) + eps) for x [B, n, D], A [B, K, D], z [B, K]."""
-        q = dpfp(self.wq(x), self.nu)
+        q = self.feature(self.wq(x))
         return (q @ A) / (q @ z[:, :, None] + self.eps)
 
     def write(self, m: Tensor, A: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
         """(A, z) after the write of the slots' outputs m [B, M, D]."""
-        k = dpfp(self.wk(m), self.nu)  # [B, M, K]
+        k = self.feature(self.wk(m))  # [B, M, K]
         seen = k @ z[:, :, None]  # [B, M, 1]
         vbar = (k @ A) / (seen + self.eps)
         beta = torch.sigmoid(self.wb(m))
-        gamma = (1 - seen / (k.square().sum(-1, keepdim=True) + self.eps)).clamp(0, 1).detach()
+        gamma = (1 - seen).clamp(0, 1).detach()
         return A + (beta * k).transpose(1, 2) @ (self.wv(m) - vbar), z + (gamma * k).sum(1)
 
 
