@@ -46,7 +46,10 @@ def reference(model, tokens: torch.Tensor) -> torch.Tensor:
         for block in model.layers:
             h = block_literal(block, h, cos, sin)
         out.append(model.norm(h[:, M : M + n]))
-        memory = model.norm(h[:, -M:])
+        new = model.norm(h[:, -M:])
+        if c.memory_update == "write_gate":  # g = sigmoid(W_g new + b_g), M <- M + g (new - M)
+            new = memory + torch.sigmoid(model.write_gate.proj(new)) * (new - memory)
+        memory = new
     return F.linear(torch.cat(out, 1), model.tok_emb.weight)
 
 
@@ -128,7 +131,12 @@ def armt_reference(model, tokens: torch.Tensor):
 
 
 @pytest.mark.parametrize(
-    "extra", [dict(n_layers=2, segment_len=7, memory_size=3), dict(n_layers=3, segment_len=4, memory_size=6)]
+    "extra",
+    [
+        dict(n_layers=2, segment_len=7, memory_size=3),
+        dict(n_layers=3, segment_len=4, memory_size=6),
+        dict(n_layers=2, segment_len=6, memory_size=3, memory_update="write_gate"),
+    ],
 )
 def test_matches_the_paper_read_literally(extra) -> None:
     model = build_model("rmt", dict(BASE, **extra)).double().eval()
@@ -257,6 +265,28 @@ def test_trains_with_a_carried_state_and_refuses_a_segment_that_does_not_fit(tmp
             show_progress=False,
         )
     assert not (tmp_path / "bad").exists()
+
+
+def test_closed_write_gate_holds_the_memory_exactly() -> None:
+    """``memory_update: write_gate``: with the gate shut (g = sigmoid(-1e4) = 0) the memory after
+    any number of segments is bit for bit the one before them (the keep path is the identity: no
+    final norm or gain reapplied); at its initial bias (-5) the segments move it. The gate starts
+    closed (b_g = -5) with W_g drawn as every weight."""
+    model = build_model("rmt", dict(BASE, n_layers=2, segment_len=5, memory_size=3, memory_update="write_gate"))
+    assert torch.equal(model.write_gate.proj.bias, torch.full((32,), -5.0))
+    assert 0.01 < float(model.write_gate.proj.weight.std()) < 0.03
+    model = model.double().eval()
+    randomize_params(model, 0.2)
+    tokens = torch.randint(0, 61, (2, 4 * 5 + 2))
+    with torch.no_grad():
+        state = model(tokens[:, :5]).state  # a memory written by an open gate (bias ~1)
+        before = state.layers[0].memory
+        model.write_gate.proj.bias.fill_(-5.0)
+        moved = model(tokens[:, 5:], state=state).state.layers[0].memory
+        model.write_gate.proj.bias.fill_(-1e4)
+        held = model(tokens[:, 5:], state=state).state.layers[0].memory
+    assert float(before.abs().min()) > 0
+    assert torch.equal(held, before) and not torch.equal(moved, before)
 
 
 def test_associative_read_and_write_match_the_equations_per_slot() -> None:
@@ -397,6 +427,15 @@ def test_associative_bad_configs_and_states_are_one_line_errors() -> None:
         build_model("rmt", dict(ARMT, assoc_dim=0))
     with pytest.raises(RecurformerError, match="config key 'model.associative' is a setting of rmt, not of llama"):
         build_model("llama", dict(BASE, associative=True))
+    with pytest.raises(
+        RecurformerError,
+        match="config key 'memory_update' is 'write_gate', but an associative RMT carries no memory slots",
+    ):
+        build_model("rmt", dict(ARMT, memory_update="write_gate"))
+    with pytest.raises(
+        RecurformerError, match=r"memory_update' must be one of \['replace', 'write_gate'\], got 'gated'"
+    ):
+        build_model("rmt", dict(BASE, memory_update="gated"))
     with pytest.raises(RecurformerError, match="config key 'layers' names 'window'"):
         build_model("rmt", dict(ARMT, n_layers=2, window=3, layers=["rmt", "window"]))
     x = torch.tensor([[1, 2, 3, 4, 5]])

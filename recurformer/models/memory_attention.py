@@ -25,6 +25,11 @@ per slot and channel, with O_t the chunk's output that the default ("replace") t
 b_g starts at 1 (a fresh gate keeps ~73% of the memory, as forget-gate biases favour
 remembering). The default leaves the paper's model exactly as it was.
 
+``memory_update="write_gate"`` holds the memory unless the chunk opens a gate (``WriteGate``,
+closed at initialisation; the keep path is the raw memory M_t, not the evolved M'_t):
+
+    g = sigmoid(W_g O_t + b_g),    M_{t+1} = M_t + g * (O_t - M_t),    b_g = -5 at initialisation
+
 ``memory_layers`` puts memory attention in the chosen layers only and full attention (or, with
 ``window``, sliding-window attention) in the others, as the code's ``memlayerN`` option.
 """
@@ -40,7 +45,7 @@ from torch import Tensor, nn
 
 from .. import tap
 from ..config import RecurformerError
-from ..modules import MLP, RMSNorm, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
+from ..modules import MLP, RMSNorm, WriteGate, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
 from ..state import Call, LayerState, reset_rows
@@ -55,7 +60,7 @@ class MemoryAttentionConfig(ModelConfig):
     memory_ffn: bool = True  # the projection FFN (eq. 2)
     memory_norm: bool = True  # the output RMSNorm of eq. 2
     init_memory: Literal["zeros", "learned"] = "zeros"
-    memory_update: Literal["replace", "gated"] = "replace"  # M_{t+1} = O_t (the paper) or the gated mix above
+    memory_update: Literal["replace", "gated", "write_gate"] = "replace"  # M_{t+1} = O_t (the paper) or a gate above
     memory_layers: list[int] | None = None  # memory attention only in these layers (None: all)
 
     def __post_init__(self) -> None:
@@ -117,6 +122,8 @@ class MemoryAttentionLayer(Layer):
             self.mem_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.memory_update == "gated":
             self.mem_gate = nn.Linear(2 * cfg.dim, cfg.dim)
+        if cfg.memory_update == "write_gate":
+            self.write_gate = WriteGate(cfg.dim)
         if cfg.init_memory == "learned":  # zero-initialised and trainable, as `train_orimem` in the code
             self.init_memory = nn.Parameter(torch.zeros(cfg.chunk_size, cfg.dim))
 
@@ -129,7 +136,8 @@ class MemoryAttentionLayer(Layer):
             nn.init.constant_(self.mem_gate.bias, 1.0)
 
     def describe(self) -> str:
-        return f"memory(C={self.period}{', gated' if self.cfg.memory_update == 'gated' else ''})"
+        update = self.cfg.memory_update
+        return f"memory(C={self.period}{'' if update == 'replace' else ', ' + update})"
 
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> MemoryState:
         B, C, D, H, d = batch_size, self.cfg.chunk_size, self.cfg.dim, self.n_heads, self.cfg.head_dim
@@ -220,6 +228,8 @@ class MemoryAttentionLayer(Layer):
             if r + n == C:  # chunk complete: its output becomes (or, gated, enters) the next memory
                 if self.cfg.memory_update == "gated":  # M'_t again if an earlier call began this chunk
                     memory = self.gated_update(evolved if evolved is not None else self.evolve(memory), src)
+                elif self.cfg.memory_update == "write_gate":
+                    memory = self.write_gate(memory, src)
                 else:
                     memory = src
                 evolved = None

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +65,7 @@ from torch import Tensor, nn
 
 from .. import tap
 from ..config import RecurformerError
-from ..modules import RMSNorm, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
+from ..modules import RMSNorm, WriteGate, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
 from ..state import Call, LayerState, State, reset_rows
@@ -78,6 +78,7 @@ class RMTConfig(ModelConfig):
     memory_size: int = 16  # M: memory slots (read and write)
     associative: bool = False  # ARMT: a fast-weight matrix per layer, written by the write slots
     assoc_dim: int = 32  # d_mem: ARMT's key/query width before the DPFP feature map (K = 6 d_mem)
+    memory_update: Literal["replace", "write_gate"] = "replace"  # the new memory as written, or held by a gate
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,6 +88,10 @@ class RMTConfig(ModelConfig):
             raise RecurformerError(f"config key 'segment_len' must be >= 1, got {self.segment_len}")
         if self.memory_size < 1:
             raise RecurformerError(f"config key 'memory_size' must be >= 1, got {self.memory_size}")
+        if self.associative and self.memory_update != "replace":
+            raise RecurformerError(
+                f"config key 'memory_update' is '{self.memory_update}', but an associative RMT carries no memory slots to gate (its slots are the same every segment)"
+            )
         other = [k for k in self.layers or [] if k != "rmt"]
         if other:
             raise RecurformerError(
@@ -318,6 +323,10 @@ class RMT(StreamingLM):
     def __init__(self, config: RMTConfig) -> None:
         super().__init__(config)
         self.init_memory = nn.Parameter(torch.randn(config.memory_size, config.dim) * config.init_std)
+        self.write_gate = WriteGate(config.dim) if config.memory_update == "write_gate" else None
+        if self.write_gate is not None:  # built after the model's init_weights, so initialised here as it would be
+            nn.init.normal_(self.write_gate.proj.weight, 0.0, config.init_std)
+            self.write_gate.init_extra(config.init_std)
 
     def body(self, h: Tensor, state: State) -> tuple[Tensor, State]:
         """The layers over h [B, T, D], piece by piece: [read slots;] tokens [; write slots]
@@ -351,7 +360,7 @@ class RMT(StreamingLM):
                 if assoc:
                     layers = [with_assoc(f, s) for f, s in zip(new, layers)]
                 else:
-                    memory = self.norm(x[:, -M:])
+                    memory = self.next_memory(memory, x[:, -M:])
                     layers = new
                     layers[0] = with_memory(layers[0], memory)
             a += n
@@ -360,6 +369,13 @@ class RMT(StreamingLM):
             fresh=torch.zeros_like(state.fresh), start=start, pos=pos + h.shape[1], layers=layers,
             start_floor=state.start_floor,
         )  # fmt: skip
+
+    def next_memory(self, memory: Tensor, out: Tensor) -> Tensor:
+        """The memory of the next segment from this one's and the write slots' last-layer outputs
+        [B, M, D]: Norm(out) (the paper), or with ``memory_update: write_gate`` that write held
+        by ``WriteGate``: memory + g * (Norm(out) - memory), g = sigmoid(W_g Norm(out) + b_g)."""
+        new = self.norm(out)
+        return new if self.write_gate is None else self.write_gate(memory, new)
 
     def info_lines(self) -> list[str]:
         c = self.config
