@@ -218,6 +218,7 @@ RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
     "segments": (1, True, None, False),
     "rows": (1, True, None, False),
     "segment": (1, True, None, False),
+    "qkv_conv": (0, True, None, False),
 }
 
 

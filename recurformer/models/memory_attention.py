@@ -44,8 +44,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tap
-from ..config import RecurformerError
-from ..modules import MLP, RMSNorm, WriteGate, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
+from ..config import RecurformerError, check_options
+from ..modules import (
+    MLP,
+    RMSNorm,
+    WriteGate,
+    apply_rope,
+    attend,
+    init_short_conv,
+    merge_heads,
+    pieces,
+    rope_cos_sin,
+    short_conv,
+    split_heads,
+)
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
 from ..state import Call, LayerState, reset_rows
@@ -62,9 +74,11 @@ class MemoryAttentionConfig(ModelConfig):
     init_memory: Literal["zeros", "learned"] = "zeros"
     memory_update: Literal["replace", "gated", "write_gate"] = "replace"  # M_{t+1} = O_t (the paper) or a gate above
     memory_layers: list[int] | None = None  # memory attention only in these layers (None: all)
+    qkv_conv: int = 0  # K: a short causal convolution on the memory layers' input before q/k/v (0: none)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_options("model", qkv_conv=self.qkv_conv)
         if self.chunk_size < 1:
             raise RecurformerError(f"config key 'chunk_size' must be >= 1, got {self.chunk_size}")
         if self.memory_layers is not None:
@@ -97,6 +111,7 @@ class MemoryState(LayerState):
     part_k: Tensor
     part_v: Tensor
     part_o: Tensor
+    conv: Tensor | None = None  # [B, K-1, D] (``qkv_conv``): the last K-1 inputs (zeros at a document start)
 
 
 class MemoryAttentionLayer(Layer):
@@ -126,6 +141,8 @@ class MemoryAttentionLayer(Layer):
             self.write_gate = WriteGate(cfg.dim)
         if cfg.init_memory == "learned":  # zero-initialised and trainable, as `train_orimem` in the code
             self.init_memory = nn.Parameter(torch.zeros(cfg.chunk_size, cfg.dim))
+        if cfg.qkv_conv:
+            self.conv_weight = nn.Parameter(torch.empty(cfg.dim, cfg.qkv_conv))
 
     @property
     def period(self) -> int:
@@ -134,6 +151,8 @@ class MemoryAttentionLayer(Layer):
     def init_extra(self, std: float) -> None:
         if self.cfg.memory_update == "gated":
             nn.init.constant_(self.mem_gate.bias, 1.0)
+        if self.cfg.qkv_conv:
+            init_short_conv(self.conv_weight)
 
     def describe(self) -> str:
         update = self.cfg.memory_update
@@ -149,11 +168,15 @@ class MemoryAttentionLayer(Layer):
             part_k=z(B, H, 0, d),
             part_v=z(B, H, 0, d),
             part_o=z(B, 0, D),
+            conv=z(B, self.cfg.qkv_conv - 1, D) if self.cfg.qkv_conv else None,
         )
 
     def reset(self, state: MemoryState, fresh: Tensor) -> MemoryState:
         init = self.init_memory if self.cfg.init_memory == "learned" else torch.zeros_like(state.memory[0])
-        return MemoryState(**{**state.tensors(), "memory": reset_rows(fresh, state.memory, init)})
+        new = {"memory": reset_rows(fresh, state.memory, init)}
+        if state.conv is not None:
+            new["conv"] = reset_rows(fresh, state.conv, state.conv.new_zeros(()))
+        return MemoryState(**{**state.tensors(), **new})
 
     def evolve(self, m: Tensor) -> Tensor:
         """Eq. 2: M' = Norm(M + FFN(Norm(M))). Zero memory stays exactly zero."""
@@ -201,6 +224,9 @@ class MemoryAttentionLayer(Layer):
         (chunk positions C..2C-1, whatever chunk a token is in) and, for ``pre_wo`` memory, Wo
         run once over all T tokens."""
         C, T, H, D = self.cfg.chunk_size, x.shape[1], self.n_heads, self.cfg.dim
+        conv = st.conv
+        if conv is not None:  # qkv_conv: the tokens' q/k/v read SiLU(conv(x)), continued across calls
+            x, conv = short_conv(x, conv, self.conv_weight)
         cos, sin, mask = call.shared(("memory", C, x.dtype), lambda: self.tables(x))
         r0 = call.pos % C  # tokens of the current chunk read by earlier calls
         pos = C + (r0 + torch.arange(T, device=x.device)) % C
@@ -243,7 +269,7 @@ class MemoryAttentionLayer(Layer):
                 part_k, part_v, part_o = k, v, src
             outs.append(out)
         y = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        return self.wo(y) if pre_wo else y, MemoryState(memory, mem_k, mem_v, part_k, part_v, part_o)
+        return self.wo(y) if pre_wo else y, MemoryState(memory, mem_k, mem_v, part_k, part_v, part_o, conv)
 
 
 @register_layer("memory", MemoryAttentionConfig)

@@ -64,8 +64,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tap
-from ..config import RecurformerError
-from ..modules import RMSNorm, WriteGate, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
+from ..config import RecurformerError, check_options
+from ..modules import (
+    RMSNorm,
+    WriteGate,
+    apply_rope,
+    attend,
+    init_short_conv,
+    merge_heads,
+    pieces,
+    rope_cos_sin,
+    short_conv,
+    split_heads,
+)
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
 from ..state import Call, LayerState, State, reset_rows
@@ -79,9 +90,11 @@ class RMTConfig(ModelConfig):
     associative: bool = False  # ARMT: a fast-weight matrix per layer, written by the write slots
     assoc_dim: int = 32  # d_mem: ARMT's key/query width before the DPFP feature map (K = 6 d_mem)
     memory_update: Literal["replace", "write_gate"] = "replace"  # the new memory as written, or held by a gate
+    qkv_conv: int = 0  # K: a short causal convolution on each layer's input before q/k/v, within a segment (0: none)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_options("model", qkv_conv=self.qkv_conv)
         if self.assoc_dim < 1:
             raise RecurformerError(f"config key 'assoc_dim' must be >= 1, got {self.assoc_dim}")
         if self.segment_len < 1:
@@ -106,7 +119,9 @@ class RMTState(LayerState):
     with the segment's first token); ``memory`` [B, M, D] (layer 0 only, not ``associative``): the
     memory of the current segment, the stack's input at the read and the write slots; ``assoc``
     [B, K, D] and ``assoc_z`` [B, K] (``associative`` only): the layer's fast-weight matrix A and
-    normaliser z, as written by the segments before the current one."""
+    normaliser z, as written by the segments before the current one; ``conv`` [B, K-1, D]
+    (``qkv_conv`` only): the layer's last K-1 inputs of the current extended segment (zeros at its
+    start)."""
 
     cache: ClassVar[dict[str, int]] = {"k": 2, "v": 2}
     k: Tensor
@@ -114,6 +129,7 @@ class RMTState(LayerState):
     memory: Tensor | None = None
     assoc: Tensor | None = None
     assoc_z: Tensor | None = None
+    conv: Tensor | None = None
 
 
 class RMTAttention(Layer):
@@ -132,10 +148,16 @@ class RMTAttention(Layer):
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        if cfg.qkv_conv:
+            self.conv_weight = nn.Parameter(torch.empty(cfg.dim, cfg.qkv_conv))
 
     @property
     def period(self) -> int:
         return self.cfg.segment_len
+
+    def init_extra(self, std: float) -> None:
+        if self.cfg.qkv_conv:
+            init_short_conv(self.conv_weight)
 
     def describe(self) -> str:
         return f"rmt(S={self.cfg.segment_len}, M={self.cfg.memory_size})"
@@ -143,14 +165,15 @@ class RMTAttention(Layer):
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> RMTState:
         c = self.cfg
         z = torch.zeros(batch_size, c.n_heads, 0, c.head_dim, device=device, dtype=dtype)
+        conv = torch.zeros(batch_size, c.qkv_conv - 1, c.dim, device=device, dtype=dtype) if c.qkv_conv else None
         if not c.associative:
             memory = (
                 torch.zeros(batch_size, c.memory_size, c.dim, device=device, dtype=dtype) if self.index == 0 else None
             )
-            return RMTState(k=z, v=z, memory=memory)
+            return RMTState(k=z, v=z, memory=memory, conv=conv)
         K = Associative.features(c.assoc_dim)
         A = torch.zeros(batch_size, K, c.dim, device=device, dtype=dtype)
-        return RMTState(k=z, v=z, assoc=A, assoc_z=torch.zeros(batch_size, K, device=device, dtype=dtype))
+        return RMTState(k=z, v=z, assoc=A, assoc_z=torch.zeros(batch_size, K, device=device, dtype=dtype), conv=conv)
 
     def reset(self, state: RMTState, fresh: Tensor) -> RMTState:
         """A and z of the fresh rows back to zero (the KV cache is empty at a segment boundary, and
@@ -192,6 +215,9 @@ class RMTAttention(Layer):
         rows), a = 0 otherwise."""
         M, S, H, c, n = self.cfg.memory_size, self.cfg.segment_len, self.cfg.n_heads, state.k.shape[2], x.shape[1]
         a = M if c == 0 and self.index == self.cfg.n_layers - 1 else 0
+        conv = state.conv
+        if conv is not None:  # qkv_conv: q/k/v read SiLU(conv(x)) over the extended segment so far
+            x, conv = short_conv(x, conv, self.conv_weight)
         cos, sin, mask = call.shared(("rmt", c, n, x.dtype), lambda: self.tables(c, n, x))
         k = torch.cat((state.k, apply_rope(split_heads(self.wk(x), H), cos, sin)), dim=2)
         v = torch.cat((state.v, split_heads(self.wv(x), H)), dim=2)
@@ -204,7 +230,7 @@ class RMTAttention(Layer):
             tokens = (p >= M) & (p < M + S)
             vis = torch.arange(c + n, device=x.device)[None, :] <= p[:, None]
             tap.record(self, tap.attention_share(q[:, :, tokens], k, vis[tokens], M))
-        return self.wo(merge_heads(o)), dataclasses.replace(state, k=k, v=v)
+        return self.wo(merge_heads(o)), dataclasses.replace(state, k=k, v=v, conv=conv)
 
 
 def with_memory(state: LayerState, memory: Tensor) -> RMTState:

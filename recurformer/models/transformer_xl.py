@@ -33,8 +33,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from ..config import RecurformerError
-from ..modules import merge_heads, pieces, split_heads
+from ..config import RecurformerError, check_options
+from ..modules import init_short_conv, merge_heads, pieces, short_conv, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..ops.relative import relative_scores, sinusoid_table
 from ..registry import register, register_layer
@@ -48,9 +48,11 @@ class TransformerXLConfig(ModelConfig):
     mem_len: int | None = None  # M: cached positions per layer (None: M = L; 0: no recurrence)
     clamp_len: int | None = None  # distances beyond clamp_len use R_clamp_len (None: no cap)
     same_length: bool = False  # every query sees exactly the last M keys
+    qkv_conv: int = 0  # K: a short causal convolution on each layer's input before q/k/v (0: none)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_options("model", qkv_conv=self.qkv_conv)
         if self.segment_len < 1:
             raise RecurformerError(f"config key 'segment_len' must be >= 1, got {self.segment_len}")
         if self.mem_len is not None and self.mem_len < 0:
@@ -114,6 +116,7 @@ class XLState(LayerState):
     mem: Tensor
     seg: Tensor
     room: XLRoom | None = field(default=None, repr=False, compare=False)
+    conv: Tensor | None = None  # [B, K-1, D] (``qkv_conv``): the last K-1 inputs (zeros at a document start)
 
 
 class RelAttention(Layer):
@@ -133,6 +136,12 @@ class RelAttention(Layer):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.u = nn.Parameter(torch.zeros(cfg.n_heads, cfg.head_dim))  # global content bias
         self.v = nn.Parameter(torch.zeros(cfg.n_heads, cfg.head_dim))  # global position bias
+        if cfg.qkv_conv:
+            self.conv_weight = nn.Parameter(torch.empty(cfg.dim, cfg.qkv_conv))
+
+    def init_extra(self, std: float) -> None:
+        if self.cfg.qkv_conv:
+            init_short_conv(self.conv_weight)
 
     @property
     def period(self) -> int:
@@ -149,10 +158,13 @@ class RelAttention(Layer):
 
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> XLState:
         z = lambda n: torch.zeros(batch_size, n, self.cfg.dim, device=device, dtype=dtype)  # noqa: E731
-        return XLState(mem=z(self.cfg.memory_len), seg=z(0))
+        return XLState(
+            mem=z(self.cfg.memory_len), seg=z(0), conv=z(self.cfg.qkv_conv - 1) if self.cfg.qkv_conv else None
+        )
 
     def reset(self, state: XLState, fresh: Tensor) -> XLState:
-        return XLState(mem=reset_rows(fresh, state.mem, torch.zeros_like(state.mem[0])), seg=state.seg)
+        conv = None if state.conv is None else reset_rows(fresh, state.conv, state.conv.new_zeros(()))
+        return XLState(mem=reset_rows(fresh, state.mem, torch.zeros_like(state.mem[0])), seg=state.seg, conv=conv)
 
     def mask(self, r: int, n: int, valid: Tensor) -> Tensor:
         """[B, 1, n, M+r+n] bool: query i (segment offset r+i) sees key j (segment offset j-M) iff
@@ -214,6 +226,9 @@ class RelAttention(Layer):
         recomputed, so that W_k and W_v get their gradient through the memory)."""
         c = self.cfg
         L, M, T, H = c.segment_len, c.memory_len, x.shape[1], self.n_heads
+        conv = st.conv
+        if conv is not None:  # qkv_conv: q/k/v (and so the memory) read SiLU(conv(x)), continued across calls
+            x, conv = short_conv(x, conv, self.conv_weight)
         room = None if torch.is_grad_enabled() else self.room(st, x, call)
         rel = self.rel(x, call) if room is None else room.rel
         mem, seg, a, outs = st.mem, st.seg, 0, []
@@ -239,7 +254,7 @@ class RelAttention(Layer):
                 if room is not None:
                     room.next_segment(L, M)
             a += n
-        new = XLState(mem=mem, seg=seg, room=room)
+        new = XLState(mem=mem, seg=seg, room=room, conv=conv)
         if room is not None:
             room.held = (identity(mem), identity(seg))
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], new
