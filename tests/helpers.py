@@ -226,6 +226,14 @@ def case_id(case: tuple[str, dict]) -> str:
     )
 
 
+def conv_literal(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The short causal convolution (``qkv_conv``) of x [B, T, C] read literally, one position at a
+    time: y_t = SiLU(sum_j weight[:, j] x_{t-K+1+j}), the inputs before the start zero."""
+    K = weight.shape[1]
+    taps = lambda t: [weight[:, j] * x[:, t - K + 1 + j] for j in range(K) if t - K + 1 + j >= 0]  # noqa: E731
+    return torch.stack([torch.nn.functional.silu(sum(taps(t))) for t in range(x.shape[1])], 1)
+
+
 def randomize_params(model: torch.nn.Module, std: float = 0.3) -> None:
     """Replace every parameter (norm gains and zero-initialised tensors included) by random
     values, so tests don't pass only because of a special initialisation."""
