@@ -35,6 +35,13 @@ and values) and whole == chunked == stepwise. Layers run one after another over 
 decides where to detach. A per-row reset (``fresh``) restores the learned initial state and a zero
 key/value cache, lazily at the next call, and only at a block boundary. Every layer sits in the
 library's pre-norm block (with meliad's 2-matrix ReLU MLP as an option).
+
+``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each layer's (normed) input through a
+short causal depthwise convolution with SiLU before its queries, keys and values (the tokens'
+queries into the state included; ``modules.short_conv``, the one Gated DeltaNet uses: Yang, Kautz &
+Hatamizadeh, "Gated Delta Networks", §3, after H3 and Mamba), the cheapest published lever for
+learning recall (Zoology; Based). Its last K-1 inputs are kept in the state (``conv``, zeros at a
+document start).
 """
 
 from __future__ import annotations

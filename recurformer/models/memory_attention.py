@@ -30,6 +30,12 @@ closed at initialisation; the keep path is the raw memory M_t, not the evolved M
 
     g = sigmoid(W_g O_t + b_g),    M_{t+1} = M_t + g * (O_t - M_t),    b_g = -5 at initialisation
 
+``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each memory layer's (normed) input through
+a short causal depthwise convolution with SiLU before q/k/v (``modules.short_conv``, the one Gated
+DeltaNet uses: Yang, Kautz & Hatamizadeh, "Gated Delta Networks", §3, after H3 and Mamba), so a key
+can carry the token before it, the cheapest published lever for learning recall (Zoology; Based).
+Its last K-1 inputs are kept in the state (``conv``), so any split into calls gives the same result.
+
 ``memory_layers`` puts memory attention in the chosen layers only and full attention (or, with
 ``window``, sliding-window attention) in the others, as the code's ``memlayerN`` option.
 """

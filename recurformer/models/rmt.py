@@ -41,6 +41,18 @@ memory until the trainer detaches the state (the TBPTT boundary). A row can be r
 The memory slots pass through every layer, so every layer of the stack is an 'rmt' layer: a
 hybrid stack with 'full' or 'window' layers is refused (such a layer has no way to read the slots).
 
+``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each layer's (normed) input over the
+extended segment through a short causal depthwise convolution with SiLU before q/k/v
+(``modules.short_conv``, the one Gated DeltaNet uses: Yang, Kautz & Hatamizadeh, "Gated Delta
+Networks", §3, after H3 and Mamba), so a key can carry the token before it, the cheapest published
+lever for learning recall (Zoology; Based). The convolution restarts with every segment, as the
+positions do; the state keeps the segment's last K-1 inputs (``conv``).
+
+``memory_update: write_gate`` holds the memory unless the segment opens a gate (``WriteGate``,
+closed at initialisation; ``RMT.next_memory``), so the keep path carries no norm gain:
+
+    N_τ = Norm(H~^N_τ[M + S :]),   g = sigmoid(W_g N_τ + b_g),   H^mem_{τ+1} = H^mem_τ + g * (N_τ - H^mem_τ)
+
 ``associative: true`` is the Associative Recurrent Memory Transformer (Rodkin, Kuratov, Bulatov,
 Burtsev, "Associative Recurrent Memory Transformer", 2024, §3): every layer l holds a fast-weight
 matrix A [K, D] and a normaliser z [K] (K = 2 nu d_mem features, nu = 3, d_mem = ``assoc_dim``),

@@ -23,6 +23,13 @@ segment; the layer state holds the memory of the current segment and the layer's
 the segment's tokens read so far, so whole == chunked == stepwise. Gradients flow inside a segment
 (also across calls, until the trainer detaches the state); the memory never carries gradient. A
 row can be reset only at a segment boundary (segments are aligned across the batch).
+
+``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each layer's (normed) input through a short
+causal depthwise convolution with SiLU before q/k/v (``modules.short_conv``, the one Gated DeltaNet
+uses: Yang, Kautz & Hatamizadeh, "Gated Delta Networks", §3, after H3 and Mamba), so a key can carry
+the token before it, the cheapest published lever for learning recall (Zoology; Based). The memory
+then holds the convolved inputs; the last K-1 inputs are kept in the state (``conv``, zeros at a
+document start).
 """
 
 from __future__ import annotations
