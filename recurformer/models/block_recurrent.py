@@ -346,6 +346,7 @@ class BlockRecurrent(StreamingLM):
         rec = c.recurrent_layer_ids
         kv_dim = c.key_value_heads * c.head_dim
         per_row = c.n_layers * 2 * kv_dim * (c.block_size + c.block_size - 1) + len(rec) * c.states * c.dim
+        per_row += c.n_layers * max(c.qkv_conv - 1, 0) * c.dim  # the convolution's last K-1 inputs
         parts = self.param_breakdown()
         total = sum(parts.values())
         lines = super().info_lines() + [

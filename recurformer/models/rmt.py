@@ -422,11 +422,13 @@ class RMT(StreamingLM):
         carried, what = (
             ((K * D + K) * N, f"A, z: (K × d + K) × layers, K = {K}") if c.associative else (M * D, "memory M × d")
         )
-        most = carried + 2 * (M + S - 1) * D * N
+        conv = max(c.qkv_conv - 1, 0) * D * N  # the convolution's last K-1 inputs per layer
+        most = carried + 2 * (M + S - 1) * D * N + conv
         return super().info_lines() + [
             f"segment S = {S}, memory M = {M}: each segment is read as [M read slots; S tokens; M write slots], RoPE positions 0..{2 * M + S - 1}",
             f"state per row: {what} = {carried:,} + K/V of [read slots; tokens so far] ≤ 2 × (M + S - 1) × d × layers"
-            f" = {most - carried:,}, at most {most:,} floats ({4 * most / 2**20:.2f} MiB at fp32), the same at any length",
+            f" = {most - carried - conv:,}{f' + convolution inputs {conv:,}' if conv else ''},"
+            f" at most {most:,} floats ({4 * most / 2**20:.2f} MiB at fp32), the same at any length",
         ]
 
 

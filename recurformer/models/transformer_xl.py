@@ -281,13 +281,21 @@ class TransformerXL(StreamingLM):
         L, M, N, D = c.segment_len, c.memory_len, c.n_layers, c.dim
         per_row = M * D * N
         rule = "N·(M-1) + 1 with same_length" if c.same_length else "N·L + L when M = L; N·M + L when L divides M"
-        return super().info_lines() + [
-            f"segment L = {L}, memory M = {M}, clamp_len = {c.clamp_len}, same_length = {c.same_length}",
-            f"XL memory = M × d × layers × batch = {M} × {D} × {N} × B = {per_row:,} floats per batch row"
-            f" = {4 * per_row:,} bytes ({4 * per_row / 2**20:.2f} MiB) per row at fp32",
-            f"+ partial segment in the state: up to (L-1) × d × layers = {(L - 1) * D * N:,} floats per row",
-            f"receptive field rule: {rule}",
-        ]
+        return (
+            super().info_lines()
+            + [
+                f"segment L = {L}, memory M = {M}, clamp_len = {c.clamp_len}, same_length = {c.same_length}",
+                f"XL memory = M × d × layers × batch = {M} × {D} × {N} × B = {per_row:,} floats per batch row"
+                f" = {4 * per_row:,} bytes ({4 * per_row / 2**20:.2f} MiB) per row at fp32",
+                f"+ partial segment in the state: up to (L-1) × d × layers = {(L - 1) * D * N:,} floats per row",
+                f"receptive field rule: {rule}",
+            ]
+            + (
+                [f"+ the convolution's last K-1 inputs: {(c.qkv_conv - 1) * D * N:,} floats per row"]
+                if c.qkv_conv > 1
+                else []
+            )
+        )
 
 
 register(
