@@ -204,6 +204,7 @@ RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
     "warmup": (0, True, None, False),
     "eval_batches": (1, True, None, False),
     "keep_last": (0, True, None, False),
+    "qkv_conv": (0, True, None, False),
 }
 
 

@@ -1,11 +1,13 @@
 """Building blocks in plain PyTorch, importing nothing of the package: RMSNorm, the MLP (SwiGLU or
-ReLU), RoPE with arbitrary positions, ALiBi slopes, attention helpers over PyTorch SDPA, and
-``pieces``, which splits a call into chunks / segments / blocks at the current offset."""
+ReLU), the short causal convolution, the closed-at-initialisation memory write gate, RoPE with arbitrary positions, ALiBi
+slopes, attention helpers over PyTorch SDPA, and ``pieces``, which splits a call into chunks /
+segments / blocks at the current offset."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any, Callable, Literal, TypeVar, cast
 
 import torch
@@ -87,6 +89,51 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(self.hidden(x))
+
+
+def short_conv(x: Tensor, cache: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """The short causal depthwise convolution with SiLU of H3, Mamba and Gated DeltaNet (Yang,
+    Kautz & Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta Rule", §3, the block
+    diagram), per channel c with kernel K:
+
+        y_t[c] = SiLU(sum_{j=0}^{K-1} weight[c, j] x_{t-K+1+j}[c])
+
+    over x [B, T, C], continued from ``cache`` [B, K-1, C], the K-1 inputs before x (zeros at a
+    document start). Returns y [B, T, C] and the new cache (the last K-1 inputs, in its dtype)."""
+    xc = torch.cat((cache.to(x.dtype), x), dim=1)
+    y = F.silu(F.conv1d(xc.transpose(1, 2), weight.unsqueeze(1), groups=x.shape[2])).transpose(1, 2)
+    return y, xc[:, x.shape[1] :].to(cache.dtype)
+
+
+def init_short_conv(weight: Tensor) -> None:
+    """``short_conv``'s weight [C, K] as PyTorch's Conv1d default: uniform, bound 1/sqrt(K)."""
+    bound = 1 / math.sqrt(weight.shape[1])
+    nn.init.uniform_(weight, -bound, bound)
+
+
+class WriteGate(nn.Module):
+    """A memory write that holds unless the new content opens it, closed at initialisation:
+
+        g = sigmoid(W_g W + b_g),    M_new = M + g * (W - M)
+
+    per slot and channel, W [.., D] the candidate (what the segment would write), M the memory
+    carried so far. The keep path is the identity (no norm, no gain): g = 0 leaves M exactly
+    unchanged. This is the selective state space update with one state and A = -1, whose step
+    reduces to h_t = (1 - g_t) h_{t-1} + g_t x_t with g_t = sigmoid(Linear(x_t)) (Gu & Dao,
+    "Mamba: Linear-Time Sequence Modeling with Selective State Spaces", §3.5.1, Theorem 1); b_g
+    starts at -5 (g ~ 0.007: closed, as Mamba's step size starts small), W_g as every weight."""
+
+    closed = -5.0
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def init_extra(self, std: float) -> None:
+        nn.init.constant_(self.proj.bias, self.closed)
+
+    def forward(self, memory: Tensor, new: Tensor) -> Tensor:
+        return memory + torch.sigmoid(self.proj(new)) * (new - memory)
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -55,6 +55,8 @@ def algorithm_1(model: MemoryAttention, tokens: Tensor) -> Tensor:
             if c.memory_update == "gated":  # g = sigmoid(W_g [M'; O]), M <- g M' + (1 - g) O
                 g = torch.sigmoid(att.mem_gate(torch.cat((m, new), -1)))
                 new = g * m + (1 - g) * new
+            elif c.memory_update == "write_gate":  # g = sigmoid(W_g O), M <- M + g (O - M)
+                new = mem + torch.sigmoid(att.write_gate.proj(new)) * (new - mem)
             mem = new
             outs.append(out)
         h = h + torch.cat(outs, 1)

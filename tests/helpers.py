@@ -45,6 +45,8 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         # (2 layers with chunks of 3 recur 25 times over the fixture's 77 tokens: at std 0.3 that
         # chaos turns float64 rounding into 1e-8, in a plain 2-layer Memory Attention as well)
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=6, layers=["memory", "full"]),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=7, memory_update="write_gate"),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=5, qkv_conv=4),
         # (the gated update recurs more chaotically still: with chunks of 5 at std 0.3, float64
         # rounding grows to 1e-9 by token 77 with the gate and 3e-12 without; both stay at 4e-14 at std 0.2)
         dict(vocab_size=61, dim=24, n_layers=2, n_heads=2, chunk_size=8, memory_update="gated"),
@@ -61,6 +63,7 @@ TEST_CONFIGS: dict[str, list[dict]] = {
     ],
     "transformer_xl": [
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=8),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=6, mem_len=5, qkv_conv=3),
         dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, segment_len=5, mem_len=7, clamp_len=6),
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=6, mem_len=4, same_length=True),
         dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, segment_len=3, mem_len=0),
@@ -77,6 +80,19 @@ TEST_CONFIGS: dict[str, list[dict]] = {
     ],
     "block_recurrent": [  # all six gate x cell combinations; query tiles smaller than a block in four; shared key/value heads in two
         dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, block_size=4, gate="fixed", cell="skip", query_tile=3),
+        # (the LSTM cell over blocks of 5 recurs 15 times over 77 tokens: float64 rounding grows to
+        # 5e-11 with the convolution, 3e-12 without; blocks of 9 stay near 1e-14)
+        dict(
+            vocab_size=61,
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            block_size=9,
+            gate="lstm",
+            cell="single",
+            recurrent_layers=(1,),
+            qkv_conv=4,
+        ),
         dict(
             vocab_size=61,
             dim=32,
@@ -171,6 +187,9 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(vocab_size=61, dim=24, n_layers=3, n_heads=2, segment_len=12, memory_size=5),
         dict(vocab_size=61, dim=32, n_layers=1, n_heads=4, segment_len=1, memory_size=1),
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=2, segment_len=13, memory_size=2, layers=["rmt", "rmt"]),
+        # the write gate (open ~73% at std 0.3): segments of 9 recur 8.5 times over 77 tokens, to 1.3e-10
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=14, memory_size=3, memory_update="write_gate"),
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=14, memory_size=2, qkv_conv=4),
         # ARMT's associative memory (a fast-weight matrix per layer, the slots constant); its delta
         # rule recurs more chaotically still: with segments of 11, float32 at std 0.1 drifts ~2x per
         # segment, to 6e-5 by token 77 (float64 at std 0.3: 3e-12); segments of 16 stay at 5e-6 (1e-13)
@@ -205,6 +224,14 @@ def case_id(case: tuple[str, dict]) -> str:
         + "-"
         + "-".join(f"{k}={v}" for k, v in cfg.items() if k not in ("vocab_size", "dim", "n_layers", "n_heads"))
     )
+
+
+def conv_literal(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The short causal convolution (``qkv_conv``) of x [B, T, C] read literally, one position at a
+    time: y_t = SiLU(sum_j weight[:, j] x_{t-K+1+j}), the inputs before the start zero."""
+    K = weight.shape[1]
+    taps = lambda t: [weight[:, j] * x[:, t - K + 1 + j] for j in range(K) if t - K + 1 + j >= 0]  # noqa: E731
+    return torch.stack([torch.nn.functional.silu(sum(taps(t))) for t in range(x.shape[1])], 1)
 
 
 def randomize_params(model: torch.nn.Module, std: float = 0.3) -> None:

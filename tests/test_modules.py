@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import conv_literal
 
 from recurformer import build_model
 from recurformer.config import RecurformerError
-from recurformer.modules import RMSNorm, _CrossEntropy, apply_rope, cross_entropy, rope_cos_sin
+from recurformer.modules import RMSNorm, WriteGate, _CrossEntropy, apply_rope, cross_entropy, rope_cos_sin, short_conv
 
 
 def reference(logits: torch.Tensor, targets: torch.Tensor, scale: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,3 +175,31 @@ def test_rope_of_bf16_under_float32_tables_is_float32_with_a_bf16_gradient() -> 
     )
     y.sum().backward()
     assert x.grad is not None and x.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_short_conv_is_the_causal_convolution_continued_across_calls(K) -> None:
+    """``short_conv`` over a whole sequence equals the convolution read literally (zeros before the
+    start), and split into calls of 1, 2 and 4 positions with the returned cache it gives the same
+    outputs and final cache (the last K-1 inputs)."""
+    x, w = torch.randn(2, 9, 5, dtype=torch.float64), torch.randn(5, K, dtype=torch.float64)
+    zero = x.new_zeros(2, K - 1, 5)
+    y, cache = short_conv(x, zero, w)
+    torch.testing.assert_close(y, conv_literal(x, w), rtol=1e-12, atol=1e-12)
+    assert torch.equal(cache, x[:, 9 - (K - 1) :])
+    parts, c = [], zero
+    for a, b in [(0, 1), (1, 3), (3, 7), (7, 9)]:
+        out, c = short_conv(x[:, a:b], c, w)
+        parts.append(out)
+    torch.testing.assert_close(torch.cat(parts, 1), y, rtol=1e-12, atol=1e-12)
+    assert torch.equal(c, cache)
+
+
+def test_write_gate_is_the_equation_and_starts_closed() -> None:
+    """M + sigmoid(W_g W + b_g) * (W - M) per slot and channel; b_g = -5 after ``init_extra``."""
+    gate = WriteGate(6).double()
+    m, new = torch.randn(2, 3, 6, dtype=torch.float64), torch.randn(2, 3, 6, dtype=torch.float64)
+    g = torch.sigmoid(new @ gate.proj.weight.T + gate.proj.bias)
+    torch.testing.assert_close(gate(m, new), (1 - g) * m + g * new, rtol=1e-12, atol=1e-12)
+    gate.init_extra(0.02)
+    assert torch.equal(gate.proj.bias, torch.full((6,), -5.0, dtype=torch.float64))

@@ -289,3 +289,22 @@ def test_compile_on_torch_2_4_is_one_line_and_nothing_is_written(tmp_path, monke
     assert files(tmp_path) == set()
     with pytest.raises(RecurformerError, match=re.escape(message)):
         build_model("llama", TEST_CONFIGS["llama"][0]).compile_layers()
+
+
+@pytest.mark.parametrize("name", ["memory_attention", "rmt", "block_recurrent", "transformer_xl"])
+def test_memory_options_out_of_range_or_foreign_are_one_line(name) -> None:
+    """``qkv_conv`` below 0 names itself and its value; ``qkv_conv`` or ``memory_update`` on a model
+    that has no such option, and an unknown ``memory_update``, are refused before any model is built."""
+    cfg = TEST_CONFIGS[name][0]
+    with pytest.raises(RecurformerError, match=r"^config key 'model.qkv_conv' must be >= 0, got -1$"):
+        build_model(name, {**cfg, "qkv_conv": -1})
+    with pytest.raises(RecurformerError, match=r"^config key 'model.qkv_conv' is a setting of .*, not of llama"):
+        build_model("llama", {**TEST_CONFIGS["llama"][0], "qkv_conv": 4})
+    if name in ("memory_attention", "rmt"):
+        with pytest.raises(RecurformerError, match=r"^config key 'model.memory_update' must be one of .*, got 'hold'$"):
+            build_model(name, {**cfg, "memory_update": "hold"})
+    else:
+        with pytest.raises(
+            RecurformerError, match=rf"^config key 'model.memory_update' is a setting of .*, not of {name}"
+        ):
+            build_model(name, {**cfg, "memory_update": "write_gate"})

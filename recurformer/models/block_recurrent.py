@@ -35,6 +35,13 @@ and values) and whole == chunked == stepwise. Layers run one after another over 
 decides where to detach. A per-row reset (``fresh``) restores the learned initial state and a zero
 key/value cache, lazily at the next call, and only at a block boundary. Every layer sits in the
 library's pre-norm block (with meliad's 2-matrix ReLU MLP as an option).
+
+``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each layer's (normed) input through a
+short causal depthwise convolution with SiLU before its queries, keys and values (the tokens'
+queries into the state included; ``modules.short_conv``, the one Gated DeltaNet uses: Yang, Kautz &
+Hatamizadeh, "Gated Delta Networks", §3, after H3 and Mamba), the cheapest published lever for
+learning recall (Zoology; Based). Its last K-1 inputs are kept in the state (``conv``, zeros at a
+document start).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from torch import Tensor, nn
 
 from .. import tap
 from ..cells import QK, StateCell, t5_buckets
-from ..config import RecurformerError
+from ..config import RecurformerError, check_options
 from ..modules import (
     apply_rope,
     biased_attend,
@@ -55,10 +62,12 @@ from ..modules import (
     group_bias,
     group_heads,
     grouped_attend,
+    init_short_conv,
     merge_heads,
     pieces,
     project_heads,
     rope_cos_sin,
+    short_conv,
     ungroup_heads,
 )
 from ..nn import Block, Layer, ModelConfig, StreamingLM
@@ -81,9 +90,11 @@ class BlockRecurrentConfig(ModelConfig):
     mlp: Literal["swiglu", "relu"] = "swiglu"  # relu: meliad's 2-matrix MLP (used for the paper's param count)
     qk_norm: bool = True  # meliad's normalize_keys: L2-normalised q, k times a learned per-head scale
     query_tile: int = 128  # queries per attention tile, at most W (speed only: exact at any value)
+    qkv_conv: int = 0  # K: a short causal convolution on each layer's input before q/k/v (0: none)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_options("model", qkv_conv=self.qkv_conv)
         if self.block_size < 1:
             raise RecurformerError(f"config key 'block_size' must be >= 1, got {self.block_size}")
         if self.query_tile < 1:
@@ -126,6 +137,7 @@ class BlockRecurrentState(LayerState):
     k: Tensor
     v: Tensor
     cell: Tensor | None = None
+    conv: Tensor | None = None  # [B, K-1, D] (``qkv_conv``): the last K-1 inputs (zeros at a document start)
 
 
 class BlockAttention(Layer):
@@ -153,6 +165,8 @@ class BlockAttention(Layer):
             self.qk2 = QK(cfg)
             self.initial_state = nn.Parameter(torch.zeros(cfg.states, D))
         self.wo = nn.Linear(2 * D if recurrent else D, D, bias=False)
+        if cfg.qkv_conv:
+            self.conv_weight = nn.Parameter(torch.empty(D, cfg.qkv_conv))
 
     @property
     def period(self) -> int:
@@ -162,6 +176,8 @@ class BlockAttention(Layer):
         if self.cell is not None:
             with torch.no_grad():
                 self.initial_state.normal_(0.0, 0.1)  # meliad's initial state
+        if self.cfg.qkv_conv:
+            init_short_conv(self.conv_weight)
 
     def describe(self) -> str:
         W = self.cfg.block_size
@@ -175,12 +191,16 @@ class BlockAttention(Layer):
         z = lambda *s: torch.zeros(*s, device=device, dtype=dtype)  # noqa: E731
         cell = z(B, c.states, c.dim) if self.cell is not None else None  # replaced by initial_state (fresh)
         kv = (B, c.key_value_heads, c.block_size, c.head_dim)
-        return BlockRecurrentState(k=z(*kv), v=z(*kv), cell=cell)
+        conv = z(B, c.qkv_conv - 1, c.dim) if c.qkv_conv else None
+        return BlockRecurrentState(k=z(*kv), v=z(*kv), cell=cell, conv=conv)
 
     def reset(self, st: BlockRecurrentState, fresh: Tensor) -> BlockRecurrentState:
         zero = torch.zeros_like(st.k[0])
         cell = None if st.cell is None else reset_rows(fresh, st.cell, self.initial_state)
-        return BlockRecurrentState(k=reset_rows(fresh, st.k, zero), v=reset_rows(fresh, st.v, zero), cell=cell)
+        conv = None if st.conv is None else reset_rows(fresh, st.conv, st.conv.new_zeros(()))
+        return BlockRecurrentState(
+            k=reset_rows(fresh, st.k, zero), v=reset_rows(fresh, st.v, zero), cell=cell, conv=conv
+        )
 
     def tile_bias(self, m: int, dtype: torch.dtype, device: torch.device, call: Call) -> Tensor:
         """[H, m, W + m] additive attention bias (grouped as the queries: ``group_bias``) of a tile
@@ -237,6 +257,9 @@ class BlockAttention(Layer):
         tokens' reads of it) goes block by block."""
         cfg, W, H, T, D = self.cfg, self.cfg.block_size, self.n_heads, x.shape[1], self.cfg.dim
         r = st.k.shape[2] - W  # offset inside the current block
+        conv = st.conv
+        if conv is not None:  # qkv_conv: q/k/v read SiLU(conv(x)), continued across calls
+            x, conv = short_conv(x, conv, self.conv_weight)
         ws = (self.wq.weight, self.wk.weight, self.wv.weight) + ((self.wq2.weight,) if self.cell is not None else ())
         parts = project_heads(x, ws, (H, self.kv_heads, self.kv_heads, H)[: len(ws)])
         q, k = self.qk.query(parts[0], sdpa=False), self.qk.key(parts[1])  # [B, H, T, d], for biased_attend
@@ -262,7 +285,7 @@ class BlockAttention(Layer):
         kc, vc = kx[:, :, -keep:], vx[:, :, -keep:]
         if keep < kx.shape[2]:  # a copy, so the state does not hold the whole call's keys
             kc, vc = kc.clone(), vc.clone()
-        return self.wo(o), BlockRecurrentState(kc, vc, cell)
+        return self.wo(o), BlockRecurrentState(kc, vc, cell, conv)
 
     def recurrent(
         self, q2: Tensor, kx: Tensor, vx: Tensor, r: int, cell: Tensor, rope: tuple[Tensor, Tensor] | None, call: Call
@@ -323,6 +346,7 @@ class BlockRecurrent(StreamingLM):
         rec = c.recurrent_layer_ids
         kv_dim = c.key_value_heads * c.head_dim
         per_row = c.n_layers * 2 * kv_dim * (c.block_size + c.block_size - 1) + len(rec) * c.states * c.dim
+        per_row += c.n_layers * max(c.qkv_conv - 1, 0) * c.dim  # the convolution's last K-1 inputs
         parts = self.param_breakdown()
         total = sum(parts.values())
         lines = super().info_lines() + [

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..modules import RMSNorm, acc_dtype
+from ..modules import RMSNorm, acc_dtype, init_short_conv, short_conv
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
 from ..state import Call, LayerState, reset_rows
@@ -172,8 +172,7 @@ class GatedDeltaNetLayer(Layer):
             rate = -math.log(self.cfg.decay_init)  # softplus(dt_bias) * exp(0)
             self.dt_bias.fill_(rate + math.log(-math.expm1(-rate)))  # softplus^{-1}(rate)
             self.wb.bias.fill_(math.log(self.cfg.write_init / (1 - self.cfg.write_init)))
-            bound = 1 / math.sqrt(self.cfg.conv_size)
-            nn.init.uniform_(self.conv_weight, -bound, bound)
+            init_short_conv(self.conv_weight)
 
     def describe(self) -> str:
         return f"delta(K={self.cfg.conv_size})"
@@ -202,9 +201,7 @@ class GatedDeltaNetLayer(Layer):
         """x [B, T, D] (normed) -> (y [B, T, D], the new state)."""
         T, D = x.shape[1], x.shape[2]
         H, d = self.cfg.n_heads, self.cfg.head_dim
-        p = torch.cat((self.wq(x), self.wk(x), self.wv(x)), dim=-1)
-        xc = torch.cat((state.conv.to(p.dtype), p), dim=1)  # [B, K-1+T, 3D]
-        c = F.silu(F.conv1d(xc.transpose(1, 2), self.conv_weight.unsqueeze(1), groups=3 * D)).transpose(1, 2)
+        c, conv = short_conv(torch.cat((self.wq(x), self.wk(x), self.wv(x)), dim=-1), state.conv, self.conv_weight)
         q, k, v = (t.unflatten(-1, (H, d)).transpose(1, 2) for t in c.split(D, dim=-1))  # [B, H, T, d]
         b, g = self.gates(x)
         f = acc_dtype(q.dtype)  # the recurrence in float32 at least, autocast off
@@ -216,7 +213,7 @@ class GatedDeltaNetLayer(Layer):
                 o, S = delta_rule_chunked(*args, state.S.to(f), self.cfg.chunk_size)
         o = self.out_norm(o.transpose(1, 2).to(x.dtype)) * F.silu(self.wg(x)).unflatten(-1, (H, d))
         y = self.wo(o.flatten(2))
-        return y, DeltaState(S=S.to(state.S.dtype), conv=xc[:, T:].to(state.conv.dtype))
+        return y, DeltaState(S=S.to(state.S.dtype), conv=conv)
 
 
 @register_layer("delta", GatedDeltaNetConfig)

@@ -25,6 +25,17 @@ per slot and channel, with O_t the chunk's output that the default ("replace") t
 b_g starts at 1 (a fresh gate keeps ~73% of the memory, as forget-gate biases favour
 remembering). The default leaves the paper's model exactly as it was.
 
+``memory_update="write_gate"`` holds the memory unless the chunk opens a gate (``WriteGate``,
+closed at initialisation; the keep path is the raw memory M_t, not the evolved M'_t):
+
+    g = sigmoid(W_g O_t + b_g),    M_{t+1} = M_t + g * (O_t - M_t),    b_g = -5 at initialisation
+
+``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each memory layer's (normed) input through
+a short causal depthwise convolution with SiLU before q/k/v (``modules.short_conv``, the one Gated
+DeltaNet uses: Yang, Kautz & Hatamizadeh, "Gated Delta Networks", §3, after H3 and Mamba), so a key
+can carry the token before it, the cheapest published lever for learning recall (Zoology; Based).
+Its last K-1 inputs are kept in the state (``conv``), so any split into calls gives the same result.
+
 ``memory_layers`` puts memory attention in the chosen layers only and full attention (or, with
 ``window``, sliding-window attention) in the others, as the code's ``memlayerN`` option.
 """
@@ -39,8 +50,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tap
-from ..config import RecurformerError
-from ..modules import MLP, RMSNorm, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
+from ..config import RecurformerError, check_options
+from ..modules import (
+    MLP,
+    RMSNorm,
+    WriteGate,
+    apply_rope,
+    attend,
+    init_short_conv,
+    merge_heads,
+    pieces,
+    rope_cos_sin,
+    short_conv,
+    split_heads,
+)
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
 from ..state import Call, LayerState, reset_rows
@@ -55,11 +78,13 @@ class MemoryAttentionConfig(ModelConfig):
     memory_ffn: bool = True  # the projection FFN (eq. 2)
     memory_norm: bool = True  # the output RMSNorm of eq. 2
     init_memory: Literal["zeros", "learned"] = "zeros"
-    memory_update: Literal["replace", "gated"] = "replace"  # M_{t+1} = O_t (the paper) or the gated mix above
+    memory_update: Literal["replace", "gated", "write_gate"] = "replace"  # M_{t+1} = O_t (the paper) or a gate above
     memory_layers: list[int] | None = None  # memory attention only in these layers (None: all)
+    qkv_conv: int = 0  # K: a short causal convolution on the memory layers' input before q/k/v (0: none)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_options("model", qkv_conv=self.qkv_conv)
         if self.chunk_size < 1:
             raise RecurformerError(f"config key 'chunk_size' must be >= 1, got {self.chunk_size}")
         if self.memory_layers is not None:
@@ -92,6 +117,7 @@ class MemoryState(LayerState):
     part_k: Tensor
     part_v: Tensor
     part_o: Tensor
+    conv: Tensor | None = None  # [B, K-1, D] (``qkv_conv``): the last K-1 inputs (zeros at a document start)
 
 
 class MemoryAttentionLayer(Layer):
@@ -117,8 +143,12 @@ class MemoryAttentionLayer(Layer):
             self.mem_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.memory_update == "gated":
             self.mem_gate = nn.Linear(2 * cfg.dim, cfg.dim)
+        if cfg.memory_update == "write_gate":
+            self.write_gate = WriteGate(cfg.dim)
         if cfg.init_memory == "learned":  # zero-initialised and trainable, as `train_orimem` in the code
             self.init_memory = nn.Parameter(torch.zeros(cfg.chunk_size, cfg.dim))
+        if cfg.qkv_conv:
+            self.conv_weight = nn.Parameter(torch.empty(cfg.dim, cfg.qkv_conv))
 
     @property
     def period(self) -> int:
@@ -127,9 +157,12 @@ class MemoryAttentionLayer(Layer):
     def init_extra(self, std: float) -> None:
         if self.cfg.memory_update == "gated":
             nn.init.constant_(self.mem_gate.bias, 1.0)
+        if self.cfg.qkv_conv:
+            init_short_conv(self.conv_weight)
 
     def describe(self) -> str:
-        return f"memory(C={self.period}{', gated' if self.cfg.memory_update == 'gated' else ''})"
+        update = self.cfg.memory_update
+        return f"memory(C={self.period}{'' if update == 'replace' else ', ' + update})"
 
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> MemoryState:
         B, C, D, H, d = batch_size, self.cfg.chunk_size, self.cfg.dim, self.n_heads, self.cfg.head_dim
@@ -141,11 +174,15 @@ class MemoryAttentionLayer(Layer):
             part_k=z(B, H, 0, d),
             part_v=z(B, H, 0, d),
             part_o=z(B, 0, D),
+            conv=z(B, self.cfg.qkv_conv - 1, D) if self.cfg.qkv_conv else None,
         )
 
     def reset(self, state: MemoryState, fresh: Tensor) -> MemoryState:
         init = self.init_memory if self.cfg.init_memory == "learned" else torch.zeros_like(state.memory[0])
-        return MemoryState(**{**state.tensors(), "memory": reset_rows(fresh, state.memory, init)})
+        new = {"memory": reset_rows(fresh, state.memory, init)}
+        if state.conv is not None:
+            new["conv"] = reset_rows(fresh, state.conv, state.conv.new_zeros(()))
+        return MemoryState(**{**state.tensors(), **new})
 
     def evolve(self, m: Tensor) -> Tensor:
         """Eq. 2: M' = Norm(M + FFN(Norm(M))). Zero memory stays exactly zero."""
@@ -193,6 +230,9 @@ class MemoryAttentionLayer(Layer):
         (chunk positions C..2C-1, whatever chunk a token is in) and, for ``pre_wo`` memory, Wo
         run once over all T tokens."""
         C, T, H, D = self.cfg.chunk_size, x.shape[1], self.n_heads, self.cfg.dim
+        conv = st.conv
+        if conv is not None:  # qkv_conv: the tokens' q/k/v read SiLU(conv(x)), continued across calls
+            x, conv = short_conv(x, conv, self.conv_weight)
         cos, sin, mask = call.shared(("memory", C, x.dtype), lambda: self.tables(x))
         r0 = call.pos % C  # tokens of the current chunk read by earlier calls
         pos = C + (r0 + torch.arange(T, device=x.device)) % C
@@ -220,6 +260,8 @@ class MemoryAttentionLayer(Layer):
             if r + n == C:  # chunk complete: its output becomes (or, gated, enters) the next memory
                 if self.cfg.memory_update == "gated":  # M'_t again if an earlier call began this chunk
                     memory = self.gated_update(evolved if evolved is not None else self.evolve(memory), src)
+                elif self.cfg.memory_update == "write_gate":
+                    memory = self.write_gate(memory, src)
                 else:
                     memory = src
                 evolved = None
@@ -233,7 +275,7 @@ class MemoryAttentionLayer(Layer):
                 part_k, part_v, part_o = k, v, src
             outs.append(out)
         y = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        return self.wo(y) if pre_wo else y, MemoryState(memory, mem_k, mem_v, part_k, part_v, part_o)
+        return self.wo(y) if pre_wo else y, MemoryState(memory, mem_k, mem_v, part_k, part_v, part_o, conv)
 
 
 @register_layer("memory", MemoryAttentionConfig)

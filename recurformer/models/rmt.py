@@ -41,6 +41,18 @@ memory until the trainer detaches the state (the TBPTT boundary). A row can be r
 The memory slots pass through every layer, so every layer of the stack is an 'rmt' layer: a
 hybrid stack with 'full' or 'window' layers is refused (such a layer has no way to read the slots).
 
+``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each layer's (normed) input over the
+extended segment through a short causal depthwise convolution with SiLU before q/k/v
+(``modules.short_conv``, the one Gated DeltaNet uses: Yang, Kautz & Hatamizadeh, "Gated Delta
+Networks", §3, after H3 and Mamba), so a key can carry the token before it, the cheapest published
+lever for learning recall (Zoology; Based). The convolution restarts with every segment, as the
+positions do; the state keeps the segment's last K-1 inputs (``conv``).
+
+``memory_update: write_gate`` holds the memory unless the segment opens a gate (``WriteGate``,
+closed at initialisation; ``RMT.next_memory``), so the keep path carries no norm gain:
+
+    N_τ = Norm(H~^N_τ[M + S :]),   g = sigmoid(W_g N_τ + b_g),   H^mem_{τ+1} = H^mem_τ + g * (N_τ - H^mem_τ)
+
 ``associative: true`` is the Associative Recurrent Memory Transformer (Rodkin, Kuratov, Bulatov,
 Burtsev, "Associative Recurrent Memory Transformer", 2024, §3): every layer l holds a fast-weight
 matrix A [K, D] and a normaliser z [K] (K = 2 nu d_mem features, nu = 3, d_mem = ``assoc_dim``),
@@ -57,15 +69,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tap
-from ..config import RecurformerError
-from ..modules import RMSNorm, apply_rope, attend, merge_heads, pieces, rope_cos_sin, split_heads
+from ..config import RecurformerError, check_options
+from ..modules import (
+    RMSNorm,
+    WriteGate,
+    apply_rope,
+    attend,
+    init_short_conv,
+    merge_heads,
+    pieces,
+    rope_cos_sin,
+    short_conv,
+    split_heads,
+)
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
 from ..state import Call, LayerState, reset_rows
@@ -78,15 +101,22 @@ class RMTConfig(ModelConfig):
     memory_size: int = 16  # M: memory slots (read and write)
     associative: bool = False  # ARMT: a fast-weight matrix per layer, written by the write slots
     assoc_dim: int = 32  # d_mem: ARMT's key/query width before the DPFP feature map (K = 6 d_mem)
+    memory_update: Literal["replace", "write_gate"] = "replace"  # the new memory as written, or held by a gate
+    qkv_conv: int = 0  # K: a short causal convolution on each layer's input before q/k/v, within a segment (0: none)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_options("model", qkv_conv=self.qkv_conv)
         if self.assoc_dim < 1:
             raise RecurformerError(f"config key 'assoc_dim' must be >= 1, got {self.assoc_dim}")
         if self.segment_len < 1:
             raise RecurformerError(f"config key 'segment_len' must be >= 1, got {self.segment_len}")
         if self.memory_size < 1:
             raise RecurformerError(f"config key 'memory_size' must be >= 1, got {self.memory_size}")
+        if self.associative and self.memory_update != "replace":
+            raise RecurformerError(
+                f"config key 'memory_update' is '{self.memory_update}', but an associative RMT carries no memory slots to gate (its slots are the same every segment)"
+            )
         other = [k for k in self.layers or [] if k != "rmt"]
         if other:
             raise RecurformerError(
@@ -101,7 +131,9 @@ class RMTState(LayerState):
     with the segment's first token); ``memory`` [B, M, D] (layer 0 only, not ``associative``): the
     memory of the current segment, the stack's input at the read and the write slots; ``assoc``
     [B, K, D] and ``assoc_z`` [B, K] (``associative`` only): the layer's fast-weight matrix A and
-    normaliser z, as written by the segments before the current one."""
+    normaliser z, as written by the segments before the current one; ``conv`` [B, K-1, D]
+    (``qkv_conv`` only): the layer's last K-1 inputs of the current extended segment (zeros at its
+    start)."""
 
     cache: ClassVar[dict[str, int]] = {"k": 2, "v": 2}
     k: Tensor
@@ -109,6 +141,7 @@ class RMTState(LayerState):
     memory: Tensor | None = None
     assoc: Tensor | None = None
     assoc_z: Tensor | None = None
+    conv: Tensor | None = None
 
 
 class RMTAttention(Layer):
@@ -127,10 +160,16 @@ class RMTAttention(Layer):
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        if cfg.qkv_conv:
+            self.conv_weight = nn.Parameter(torch.empty(cfg.dim, cfg.qkv_conv))
 
     @property
     def period(self) -> int:
         return self.cfg.segment_len
+
+    def init_extra(self, std: float) -> None:
+        if self.cfg.qkv_conv:
+            init_short_conv(self.conv_weight)
 
     def describe(self) -> str:
         return f"rmt(S={self.cfg.segment_len}, M={self.cfg.memory_size})"
@@ -138,14 +177,15 @@ class RMTAttention(Layer):
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> RMTState:
         c = self.cfg
         z = torch.zeros(batch_size, c.n_heads, 0, c.head_dim, device=device, dtype=dtype)
+        conv = torch.zeros(batch_size, c.qkv_conv - 1, c.dim, device=device, dtype=dtype) if c.qkv_conv else None
         if not c.associative:
             memory = (
                 torch.zeros(batch_size, c.memory_size, c.dim, device=device, dtype=dtype) if self.index == 0 else None
             )
-            return RMTState(k=z, v=z, memory=memory)
+            return RMTState(k=z, v=z, memory=memory, conv=conv)
         K = Associative.features(c.assoc_dim)
         A = torch.zeros(batch_size, K, c.dim, device=device, dtype=dtype)
-        return RMTState(k=z, v=z, assoc=A, assoc_z=torch.zeros(batch_size, K, device=device, dtype=dtype))
+        return RMTState(k=z, v=z, assoc=A, assoc_z=torch.zeros(batch_size, K, device=device, dtype=dtype), conv=conv)
 
     def reset(self, state: RMTState, fresh: Tensor) -> RMTState:
         """A and z of the fresh rows back to zero (the KV cache is empty at a segment boundary, and
@@ -187,6 +227,9 @@ class RMTAttention(Layer):
         rows), a = 0 otherwise."""
         M, S, H, c, n = self.cfg.memory_size, self.cfg.segment_len, self.cfg.n_heads, state.k.shape[2], x.shape[1]
         a = M if c == 0 and self.index == self.cfg.n_layers - 1 else 0
+        conv = state.conv
+        if conv is not None:  # qkv_conv: q/k/v read SiLU(conv(x)) over the extended segment so far
+            x, conv = short_conv(x, conv, self.conv_weight)
         cos, sin, mask = call.shared(("rmt", c, n, x.dtype), lambda: self.tables(c, n, x))
         k = torch.cat((state.k, apply_rope(split_heads(self.wk(x), H), cos, sin)), dim=2)
         v = torch.cat((state.v, split_heads(self.wv(x), H)), dim=2)
@@ -199,7 +242,7 @@ class RMTAttention(Layer):
             tokens = (p >= M) & (p < M + S)
             vis = torch.arange(c + n, device=x.device)[None, :] <= p[:, None]
             tap.record(self, tap.attention_share(q[:, :, tokens], k, vis[tokens], M))
-        return self.wo(merge_heads(o)), dataclasses.replace(state, k=k, v=v)
+        return self.wo(merge_heads(o)), dataclasses.replace(state, k=k, v=v, conv=conv)
 
 
 def with_memory(state: LayerState, memory: Tensor) -> RMTState:
@@ -218,22 +261,25 @@ def dpfp(x: Tensor, nu: int = 3) -> Tensor:
 
 class Associative(nn.Module):
     """ARMT's associative block of one layer (Rodkin et al., "Associative Recurrent Memory
-    Transformer", 2024, §3), phi = ``dpfp`` with nu = 3, A [K, D] (row f: what feature f recalls):
+    Transformer", 2024, §3), phi = ``dpfp`` with nu = 3 then L2-normalised (``feature``),
+    A [K, D] (row f: what feature f recalls):
 
         read, every row x_j of the layer's input:   x_j <- x_j + phi(q_j) A / (z . phi(q_j) + eps),  q_j = W_q x_j
         write, once per segment, from the layer's outputs m_i at the M write slots:
             k_i = phi(W_k m_i),  v_i = W_v m_i,  beta_i = sigmoid(W_b m_i)
             vbar_i = k_i A / (z . k_i + eps)                         (what A recalls at k_i)
-            gamma_i = clip(1 - z . k_i / (||k_i||^2 + eps), 0, 1)    (detached)
+            gamma_i = clip(1 - z . k_i, 0, 1)                        (detached; §3's 1 - z.k/||k||^2, ||k|| = 1)
             A <- A + sum_i beta_i k_i^T (v_i - vbar_i)               (delta rule)
             z <- z + sum_i gamma_i k_i
 
-    Every slot reads the A and z of before the segment (the sum over i). From the authors' code:
-    W_v starts at zero, so a fresh model's A stays zero (vbar = 0) until W_v learns, while z
-    grows; gamma is detached; eps = 1e-5. Where the code differs: it writes gamma_i = 1 -
-    (z . k_i + eps) / (||k_i||^2 + eps) (here the equation, eps guarding ||k||^2 only, so a first
-    write has gamma = 1 exactly), and it skips the read on a document's first segment (A = 0 reads
-    exactly 0 there, so nothing is skipped here). W_b's bias starts at 0 (beta = 1/2)."""
+    Every slot reads the A and z of before the segment (the sum over i). From the authors' code
+    (``AssociativeLayerWrapper``): phi's output is L2-normalised for queries and keys alike, so the
+    read weight z . phi(q) / (z . phi(q) + eps) is ~1 from the first write on at any scale of the
+    hidden states (unnormalised, a product of two projections of a small residual stream, it sits
+    orders of magnitude below eps at initialisation and the read is ~0); W_v starts at zero, so a
+    fresh model's A stays zero (vbar = 0) until W_v learns, while z grows; gamma is detached;
+    eps = 1e-5. Where the code differs: it skips the read on a document's first segment (A = 0
+    reads exactly 0 there, so nothing is skipped here). W_b's bias starts at 0 (beta = 1/2)."""
 
     eps = 1e-5
     nu = 3
@@ -254,18 +300,22 @@ class Associative(nn.Module):
         nn.init.zeros_(self.wv.weight)
         nn.init.zeros_(self.wb.bias)
 
+    def feature(self, x: Tensor) -> Tensor:
+        """phi(x) = dpfp(x) / ||dpfp(x)|| (zero where dpfp(x) is zero)."""
+        return F.normalize(dpfp(x, self.nu), dim=-1)
+
     def read(self, x: Tensor, A: Tensor, z: Tensor) -> Tensor:
         """phi(W_q x) A / (z . phi(W_q x) + eps) for x [B, n, D], A [B, K, D], z [B, K]."""
-        q = dpfp(self.wq(x), self.nu)
+        q = self.feature(self.wq(x))
         return (q @ A) / (q @ z[:, :, None] + self.eps)
 
     def write(self, m: Tensor, A: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
         """(A, z) after the write of the slots' outputs m [B, M, D]."""
-        k = dpfp(self.wk(m), self.nu)  # [B, M, K]
+        k = self.feature(self.wk(m))  # [B, M, K]
         seen = k @ z[:, :, None]  # [B, M, 1]
         vbar = (k @ A) / (seen + self.eps)
         beta = torch.sigmoid(self.wb(m))
-        gamma = (1 - seen / (k.square().sum(-1, keepdim=True) + self.eps)).clamp(0, 1).detach()
+        gamma = (1 - seen).clamp(0, 1).detach()
         return A + (beta * k).transpose(1, 2) @ (self.wv(m) - vbar), z + (gamma * k).sum(1)
 
 
@@ -311,6 +361,10 @@ class RMT(StreamingLM):
     def __init__(self, config: RMTConfig) -> None:
         super().__init__(config)
         self.init_memory = nn.Parameter(torch.randn(config.memory_size, config.dim) * config.init_std)
+        self.write_gate = WriteGate(config.dim) if config.memory_update == "write_gate" else None
+        if self.write_gate is not None:  # built after the model's init_weights, so initialised here as it would be
+            nn.init.normal_(self.write_gate.proj.weight, 0.0, config.init_std)
+            self.write_gate.init_extra(config.init_std)
 
     def layer_pass(
         self, h: Tensor, layers: list[LayerState], fresh: Tensor, call: Call
@@ -341,11 +395,18 @@ class RMT(StreamingLM):
                 if assoc:
                     layers = [with_assoc(f, s) for f, s in zip(new, layers)]
                 else:
-                    memory = self.norm(x[:, -M:])
+                    memory = self.next_memory(memory, x[:, -M:])
                     layers = new
                     layers[0] = with_memory(layers[0], memory)
             a += n
         return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]), layers
+
+    def next_memory(self, memory: Tensor, out: Tensor) -> Tensor:
+        """The memory of the next segment from this one's and the write slots' last-layer outputs
+        [B, M, D]: Norm(out) (the paper), or with ``memory_update: write_gate`` that write held
+        by ``WriteGate``: memory + g * (Norm(out) - memory), g = sigmoid(W_g Norm(out) + b_g)."""
+        new = self.norm(out)
+        return new if self.write_gate is None else self.write_gate(memory, new)
 
     def info_lines(self) -> list[str]:
         c = self.config
@@ -354,11 +415,13 @@ class RMT(StreamingLM):
         carried, what = (
             ((K * D + K) * N, f"A, z: (K × d + K) × layers, K = {K}") if c.associative else (M * D, "memory M × d")
         )
-        most = carried + 2 * (M + S - 1) * D * N
+        conv = max(c.qkv_conv - 1, 0) * D * N  # the convolution's last K-1 inputs per layer
+        most = carried + 2 * (M + S - 1) * D * N + conv
         return super().info_lines() + [
             f"segment S = {S}, memory M = {M}: each segment is read as [M read slots; S tokens; M write slots], RoPE positions 0..{2 * M + S - 1}",
             f"state per row: {what} = {carried:,} + K/V of [read slots; tokens so far] ≤ 2 × (M + S - 1) × d × layers"
-            f" = {most - carried:,}, at most {most:,} floats ({4 * most / 2**20:.2f} MiB at fp32), the same at any length",
+            f" = {most - carried - conv:,}{f' + convolution inputs {conv:,}' if conv else ''},"
+            f" at most {most:,} floats ({4 * most / 2**20:.2f} MiB at fp32), the same at any length",
         ]
 
 

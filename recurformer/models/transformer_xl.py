@@ -23,6 +23,13 @@ segment; the layer state holds the memory of the current segment and the layer's
 the segment's tokens read so far, so whole == chunked == stepwise. Gradients flow inside a segment
 (also across calls, until the trainer detaches the state); the memory never carries gradient. A
 row can be reset only at a segment boundary (segments are aligned across the batch).
+
+``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each layer's (normed) input through a short
+causal depthwise convolution with SiLU before q/k/v (``modules.short_conv``, the one Gated DeltaNet
+uses: Yang, Kautz & Hatamizadeh, "Gated Delta Networks", §3, after H3 and Mamba), so a key can carry
+the token before it, the cheapest published lever for learning recall (Zoology; Based). The memory
+then holds the convolved inputs; the last K-1 inputs are kept in the state (``conv``, zeros at a
+document start).
 """
 
 from __future__ import annotations
@@ -33,8 +40,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from ..config import RecurformerError
-from ..modules import merge_heads, pieces, split_heads
+from ..config import RecurformerError, check_options
+from ..modules import init_short_conv, merge_heads, pieces, short_conv, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..ops.relative import relative_scores, sinusoid_table
 from ..registry import register, register_layer
@@ -48,9 +55,11 @@ class TransformerXLConfig(ModelConfig):
     mem_len: int | None = None  # M: cached positions per layer (None: M = L; 0: no recurrence)
     clamp_len: int | None = None  # distances beyond clamp_len use R_clamp_len (None: no cap)
     same_length: bool = False  # every query sees exactly the last M keys
+    qkv_conv: int = 0  # K: a short causal convolution on each layer's input before q/k/v (0: none)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_options("model", qkv_conv=self.qkv_conv)
         if self.segment_len < 1:
             raise RecurformerError(f"config key 'segment_len' must be >= 1, got {self.segment_len}")
         if self.mem_len is not None and self.mem_len < 0:
@@ -114,6 +123,7 @@ class XLState(LayerState):
     mem: Tensor
     seg: Tensor
     room: XLRoom | None = field(default=None, repr=False, compare=False)
+    conv: Tensor | None = None  # [B, K-1, D] (``qkv_conv``): the last K-1 inputs (zeros at a document start)
 
 
 class RelAttention(Layer):
@@ -133,6 +143,12 @@ class RelAttention(Layer):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.u = nn.Parameter(torch.zeros(cfg.n_heads, cfg.head_dim))  # global content bias
         self.v = nn.Parameter(torch.zeros(cfg.n_heads, cfg.head_dim))  # global position bias
+        if cfg.qkv_conv:
+            self.conv_weight = nn.Parameter(torch.empty(cfg.dim, cfg.qkv_conv))
+
+    def init_extra(self, std: float) -> None:
+        if self.cfg.qkv_conv:
+            init_short_conv(self.conv_weight)
 
     @property
     def period(self) -> int:
@@ -149,10 +165,13 @@ class RelAttention(Layer):
 
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> XLState:
         z = lambda n: torch.zeros(batch_size, n, self.cfg.dim, device=device, dtype=dtype)  # noqa: E731
-        return XLState(mem=z(self.cfg.memory_len), seg=z(0))
+        return XLState(
+            mem=z(self.cfg.memory_len), seg=z(0), conv=z(self.cfg.qkv_conv - 1) if self.cfg.qkv_conv else None
+        )
 
     def reset(self, state: XLState, fresh: Tensor) -> XLState:
-        return XLState(mem=reset_rows(fresh, state.mem, torch.zeros_like(state.mem[0])), seg=state.seg)
+        conv = None if state.conv is None else reset_rows(fresh, state.conv, state.conv.new_zeros(()))
+        return XLState(mem=reset_rows(fresh, state.mem, torch.zeros_like(state.mem[0])), seg=state.seg, conv=conv)
 
     def mask(self, r: int, n: int, valid: Tensor) -> Tensor:
         """[B, 1, n, M+r+n] bool: query i (segment offset r+i) sees key j (segment offset j-M) iff
@@ -214,6 +233,9 @@ class RelAttention(Layer):
         recomputed, so that W_k and W_v get their gradient through the memory)."""
         c = self.cfg
         L, M, T, H = c.segment_len, c.memory_len, x.shape[1], self.n_heads
+        conv = st.conv
+        if conv is not None:  # qkv_conv: q/k/v (and so the memory) read SiLU(conv(x)), continued across calls
+            x, conv = short_conv(x, conv, self.conv_weight)
         room = None if torch.is_grad_enabled() else self.room(st, x, call)
         rel = self.rel(x, call) if room is None else room.rel
         mem, seg, a, outs = st.mem, st.seg, 0, []
@@ -239,7 +261,7 @@ class RelAttention(Layer):
                 if room is not None:
                     room.next_segment(L, M)
             a += n
-        new = XLState(mem=mem, seg=seg, room=room)
+        new = XLState(mem=mem, seg=seg, room=room, conv=conv)
         if room is not None:
             room.held = (identity(mem), identity(seg))
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], new
@@ -259,13 +281,21 @@ class TransformerXL(StreamingLM):
         L, M, N, D = c.segment_len, c.memory_len, c.n_layers, c.dim
         per_row = M * D * N
         rule = "N·(M-1) + 1 with same_length" if c.same_length else "N·L + L when M = L; N·M + L when L divides M"
-        return super().info_lines() + [
-            f"segment L = {L}, memory M = {M}, clamp_len = {c.clamp_len}, same_length = {c.same_length}",
-            f"XL memory = M × d × layers × batch = {M} × {D} × {N} × B = {per_row:,} floats per batch row"
-            f" = {4 * per_row:,} bytes ({4 * per_row / 2**20:.2f} MiB) per row at fp32",
-            f"+ partial segment in the state: up to (L-1) × d × layers = {(L - 1) * D * N:,} floats per row",
-            f"receptive field rule: {rule}",
-        ]
+        return (
+            super().info_lines()
+            + [
+                f"segment L = {L}, memory M = {M}, clamp_len = {c.clamp_len}, same_length = {c.same_length}",
+                f"XL memory = M × d × layers × batch = {M} × {D} × {N} × B = {per_row:,} floats per batch row"
+                f" = {4 * per_row:,} bytes ({4 * per_row / 2**20:.2f} MiB) per row at fp32",
+                f"+ partial segment in the state: up to (L-1) × d × layers = {(L - 1) * D * N:,} floats per row",
+                f"receptive field rule: {rule}",
+            ]
+            + (
+                [f"+ the convolution's last K-1 inputs: {(c.qkv_conv - 1) * D * N:,} floats per row"]
+                if c.qkv_conv > 1
+                else []
+            )
+        )
 
 
 register(

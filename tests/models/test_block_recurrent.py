@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TEST_CONFIGS, randomize_params
+from helpers import TEST_CONFIGS, conv_literal, randomize_params
 
 from recurformer import RecurformerError, build_model
 from recurformer.cells import Gate
@@ -51,6 +51,8 @@ def reference(model: BlockRecurrent, tokens: torch.Tensor) -> torch.Tensor:
     x = model.tok_emb(tokens)
     for layer in model.layers:
         xn = layer.attn_norm(x)
+        if c.qkv_conv:  # every query, key and value reads the convolved inputs
+            xn = conv_literal(xn, layer.attn.conv_weight)
         q = layer.attn.wq(xn).view(B, T, H, d)
         k, v = (m(xn).view(B, T, Hkv, d) for m in (layer.attn.wk, layer.attn.wv))
         zeros = torch.zeros(B, W, Hkv, d, dtype=x.dtype)

@@ -27,8 +27,9 @@ CFG = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8)
         dict(memory_ffn=False, memory_norm=False),
         dict(memory_update="gated"),
         dict(memory_update="gated", memory_source="post_wo", init_memory="learned"),
+        dict(memory_update="write_gate", init_memory="learned"),
     ],
-    ids=["shared", "separate", "post_wo", "learned", "no_ffn_norm", "gated", "gated_post_wo_learned"],
+    ids=["shared", "separate", "post_wo", "learned", "no_ffn_norm", "gated", "gated_post_wo_learned", "write_gate"],
 )
 def test_matches_algorithm_1(extra) -> None:
     model = build_model("memory_attention", dict(CFG, **extra)).double().eval()
@@ -62,6 +63,28 @@ def test_gated_update_limits() -> None:
         assert not torch.allclose(want, alone)
     fresh = build_model("memory_attention", dict(CFG, memory_update="gated"))
     assert torch.equal(fresh.layers[0].attn.mem_gate.bias, torch.ones(32))  # a fresh gate keeps ~73%
+
+
+def test_closed_write_gate_holds_the_memory_exactly() -> None:
+    """``memory_update: write_gate``: with the gate shut (g = sigmoid(-1e4) = 0) the memory after
+    any number of chunks is bit for bit the one before them (the keep path is the identity: no
+    evolution, norm or gain); at its initial bias (-5) the chunks move it."""
+    model = build_model("memory_attention", dict(CFG, memory_update="write_gate")).double().eval()
+    assert all(torch.equal(b.attn.write_gate.proj.bias, torch.full((32,), -5.0)) for b in model.layers)
+    randomize_params(model, 0.2)
+    tokens = torch.randint(0, 61, (2, 4 * 8 + 3))
+    with torch.no_grad():
+        state = model(tokens[:, :8]).state  # a memory written by an open gate (bias ~1)
+        for block in model.layers:
+            block.attn.write_gate.proj.bias.fill_(-5.0)
+        moved = model(tokens[:, 8:], state=state).state
+        for block in model.layers:
+            block.attn.write_gate.proj.bias.fill_(-1e4)
+        held = model(tokens[:, 8:], state=state).state
+    for before, after, near in zip(state.layers, held.layers, moved.layers):
+        assert float(before.memory.abs().min()) > 0
+        assert torch.equal(after.memory, before.memory)
+        assert not torch.equal(near.memory, before.memory)
 
 
 def test_gradient_crosses_chunks_through_memory() -> None:

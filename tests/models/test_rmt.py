@@ -46,7 +46,10 @@ def reference(model, tokens: torch.Tensor) -> torch.Tensor:
         for block in model.layers:
             h = block_literal(block, h, cos, sin)
         out.append(model.norm(h[:, M : M + n]))
-        memory = model.norm(h[:, -M:])
+        new = model.norm(h[:, -M:])
+        if c.memory_update == "write_gate":  # g = sigmoid(W_g new + b_g), M <- M + g (new - M)
+            new = memory + torch.sigmoid(model.write_gate.proj(new)) * (new - memory)
+        memory = new
     return F.linear(torch.cat(out, 1), model.tok_emb.weight)
 
 
@@ -68,9 +71,15 @@ def phi_literal(x: torch.Tensor, nu: int = 3) -> torch.Tensor:
     return torch.stack([r[i] * r[(i - j) % n] for j in range(1, nu + 1) for i in range(n)])
 
 
+def feature_literal(x: torch.Tensor) -> torch.Tensor:
+    """ARMT's feature of one vector (the authors' code): DPFP divided by its Euclidean length."""
+    f = phi_literal(x)
+    return f / torch.sqrt(sum(a * a for a in f))
+
+
 def read_literal(assoc: Associative, x: torch.Tensor, A: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """ARMT's read (Rodkin et al. 2024, §3) of one row x [D]: phi(W_q x) A / (z . phi(W_q x) + eps)."""
-    q = phi_literal(assoc.wq.weight @ x)
+    q = feature_literal(assoc.wq.weight @ x)
     return sum(q[f] * A[f] for f in range(len(q))) / (sum(z[f] * q[f] for f in range(len(q))) + assoc.eps)
 
 
@@ -79,11 +88,11 @@ def write_literal(assoc: Associative, m: torch.Tensor, A: torch.Tensor, z: torch
     A and z of before the segment; returns (A, z, the gammas)."""
     A_new, z_new, gammas = A, z, []
     for mi in m:
-        k = phi_literal(assoc.wk.weight @ mi)
+        k = feature_literal(assoc.wk.weight @ mi)
         v = assoc.wv.weight @ mi
         beta = torch.sigmoid(assoc.wb.weight[0] @ mi + assoc.wb.bias[0])
         vbar = (k @ A) / (z @ k + assoc.eps)
-        gamma = torch.clamp(1 - (z @ k) / (k @ k + assoc.eps), 0, 1).detach()
+        gamma = torch.clamp(1 - (z @ k) / (k @ k), 0, 1).detach()
         A_new = A_new + beta * torch.outer(k, v - vbar)
         z_new = z_new + gamma * k
         gammas.append(float(gamma))
@@ -122,7 +131,12 @@ def armt_reference(model, tokens: torch.Tensor):
 
 
 @pytest.mark.parametrize(
-    "extra", [dict(n_layers=2, segment_len=7, memory_size=3), dict(n_layers=3, segment_len=4, memory_size=6)]
+    "extra",
+    [
+        dict(n_layers=2, segment_len=7, memory_size=3),
+        dict(n_layers=3, segment_len=4, memory_size=6),
+        dict(n_layers=2, segment_len=6, memory_size=3, memory_update="write_gate"),
+    ],
 )
 def test_matches_the_paper_read_literally(extra) -> None:
     model = build_model("rmt", dict(BASE, **extra)).double().eval()
@@ -253,6 +267,28 @@ def test_trains_with_a_carried_state_and_refuses_a_segment_that_does_not_fit(tmp
     assert not (tmp_path / "bad").exists()
 
 
+def test_closed_write_gate_holds_the_memory_exactly() -> None:
+    """``memory_update: write_gate``: with the gate shut (g = sigmoid(-1e4) = 0) the memory after
+    any number of segments is bit for bit the one before them (the keep path is the identity: no
+    final norm or gain reapplied); at its initial bias (-5) the segments move it. The gate starts
+    closed (b_g = -5) with W_g drawn as every weight."""
+    model = build_model("rmt", dict(BASE, n_layers=2, segment_len=5, memory_size=3, memory_update="write_gate"))
+    assert torch.equal(model.write_gate.proj.bias, torch.full((32,), -5.0))
+    assert 0.01 < float(model.write_gate.proj.weight.std()) < 0.03
+    model = model.double().eval()
+    randomize_params(model, 0.2)
+    tokens = torch.randint(0, 61, (2, 4 * 5 + 2))
+    with torch.no_grad():
+        state = model(tokens[:, :5]).state  # a memory written by an open gate (bias ~1)
+        before = state.layers[0].memory
+        model.write_gate.proj.bias.fill_(-5.0)
+        moved = model(tokens[:, 5:], state=state).state.layers[0].memory
+        model.write_gate.proj.bias.fill_(-1e4)
+        held = model(tokens[:, 5:], state=state).state.layers[0].memory
+    assert float(before.abs().min()) > 0
+    assert torch.equal(held, before) and not torch.equal(moved, before)
+
+
 def test_associative_read_and_write_match_the_equations_per_slot() -> None:
     """The vectorised read and write of ``Associative`` against the equations written one row and
     one slot at a time (float64), with a z that sends some gammas to the clip at 0 and leaves
@@ -315,6 +351,31 @@ def test_associative_model_matches_the_reference(extra) -> None:
     torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-10, atol=1e-10)
 
 
+def test_associative_read_is_whole_at_initialisation(monkeypatch) -> None:
+    """At the library's initialisation (float32, no randomised parameters), after one segment every
+    layer's read returns what the memory holds: a memory that stored one value v under every key
+    the write slots wrote (A = z v^T, as a first write with beta = 1 and every v_i = v gives) is
+    read back by every row of the next segment as >= 0.99 v. Without the authors' L2-normalised
+    features, z . phi(q) sits far below eps there and the read returns ~1% of v."""
+    torch.manual_seed(0)
+    S, D = 8, 128
+    model = build_model("rmt", dict(ARMT, dim=D, n_layers=2, segment_len=S, memory_size=4, assoc_dim=16))
+    tokens = torch.randint(0, 61, (3, 2 * S))
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    with torch.no_grad():
+        state = model(tokens[:, :S]).state
+        for i, block in enumerate(model.layers):
+            read = block.assoc.read
+            monkeypatch.setattr(
+                block.assoc, "read", lambda x, A, z, i=i, read=read: seen.setdefault(i, (x, z)) and read(x, A, z)
+            )
+        model(tokens[:, S:], state=state)
+        assert sorted(seen) == [0, 1]
+        for i, (x, z) in seen.items():
+            held = model.layers[i].assoc.read(x, z[:, :, None].expand(-1, -1, D), z)  # v = 1 in every channel
+            assert float(held.min()) >= 0.99, (i, float(held.min()))
+
+
 def test_associative_fresh_model_writes_nothing_and_its_state_round_trips(tmp_path) -> None:
     """W_v starts at zero, so a fresh model's A stays zero (z grows); a state saved with
     safetensors mid-segment continues exactly; ``detach`` cuts A and z; ``to`` casts them."""
@@ -366,6 +427,15 @@ def test_associative_bad_configs_and_states_are_one_line_errors() -> None:
         build_model("rmt", dict(ARMT, assoc_dim=0))
     with pytest.raises(RecurformerError, match="config key 'model.associative' is a setting of rmt, not of llama"):
         build_model("llama", dict(BASE, associative=True))
+    with pytest.raises(
+        RecurformerError,
+        match="config key 'memory_update' is 'write_gate', but an associative RMT carries no memory slots",
+    ):
+        build_model("rmt", dict(ARMT, memory_update="write_gate"))
+    with pytest.raises(
+        RecurformerError, match=r"memory_update' must be one of \['replace', 'write_gate'\], got 'gated'"
+    ):
+        build_model("rmt", dict(BASE, memory_update="gated"))
     with pytest.raises(RecurformerError, match="config key 'layers' names 'window'"):
         build_model("rmt", dict(ARMT, n_layers=2, window=3, layers=["rmt", "window"]))
     x = torch.tensor([[1, 2, 3, 4, 5]])

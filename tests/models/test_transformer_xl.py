@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TEST_CONFIGS, randomize_params
+from helpers import TEST_CONFIGS, conv_literal, randomize_params
 
 from recurformer import RecurformerError, build_model
 from recurformer.ops.relative import rel_shift, relative_scores, relative_scores_reference, sinusoid_table
@@ -72,6 +72,8 @@ def reference_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
     for layer in model.layers:
         A, xn = layer.attn, layer.attn_norm(x)
+        if c.qkv_conv:  # q/k/v (and the memory) read the convolved inputs
+            xn = conv_literal(xn, A.conv_weight)
         out = []
         for p in range(T):
             S = p // L * L
