@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from recurformer.data.synthetic import passkey  # noqa: E402
-from recurformer.hub import load_model  # noqa: E402
+from recurformer.hub import load  # noqa: E402
 from recurformer.nn import State, StreamingLM  # noqa: E402
 
 
@@ -65,7 +65,8 @@ def main() -> int:
     args = ap.parse_args()
     result = {}
     for path in args.checkpoint:
-        model, name, _, cfg = load_model(path)
+        loaded = load(path)
+        model, name, cfg = loaded.model, loaded.name, loaded.config
         task = cfg.get("task") or {}
         if task.get("name") != "passkey":
             print(f"error: {path} was not trained on passkey (task {task.get('name')})", file=sys.stderr)
