@@ -6,11 +6,13 @@ import os
 import random
 import socket
 import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see recurformer/__init__.py
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers import tiny_config, write_corpus  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -50,3 +52,17 @@ def offline(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket.socket, "connect_ex", refuse)
     yield tmp_path
+
+
+# a tiny trained run on a random-word corpus: any test module may take them (or define its own ``corpus``)
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+@pytest.fixture(scope="module")
+def run(corpus, tmp_path_factory):  # type: ignore[no-untyped-def]
+    import recurformer  # here, not at collection: some tests watch what importing recurformer does
+
+    tmp = tmp_path_factory.mktemp("api")
+    return recurformer.train(tiny_config(corpus, tmp), progress=False)

@@ -4,6 +4,10 @@ streaming-equivalence test runs (hybrid stacks included: every layer kind next t
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+from typing import Sequence
+
 import pytest
 import torch
 
@@ -240,3 +244,51 @@ def randomize_params(model: torch.nn.Module, std: float = 0.3) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * std + (1.0 if p.dim() == 1 else 0.0))
+
+
+# -- a tiny trained run on a random-word corpus (the package-level tests' fixtures) ----------------
+WORDS = "the a cat dog ran sat on mat big small red blue happy sad tree house went saw".split()
+MODEL = {"name": "memory_attention", "dim": 32, "n_layers": 2, "n_heads": 2, "chunk_size": 8}
+
+
+def write_corpus(
+    path: Path, docs: int = 300, seed: int = 0, words: Sequence[str] = WORDS, length: tuple[int, int] = (20, 80)
+) -> Path:
+    """``docs`` documents of random ``words`` (``length`` words each), joined by <|endoftext|>."""
+    rng = random.Random(seed)
+    text = "<|endoftext|>".join(
+        " ".join(rng.choice(words) for _ in range(rng.randint(*length))) + "." for _ in range(docs)
+    )
+    path.write_text(text)
+    return path
+
+
+def tiny_config(corpus: Path, tmp: Path, tokenizer: str = "byte") -> dict:
+    """A run config of a 2-layer Memory Attention model on ``corpus`` that trains 4 steps in seconds."""
+    return {
+        "model": dict(MODEL),
+        "data": {
+            "dataset": None,
+            "text_files": [str(corpus)],
+            "tokenizer": tokenizer,
+            "vocab_size": 300,
+            "dir": str(tmp / "prepared"),
+        },
+        "train": {
+            "out_dir": str(tmp / "run"),
+            "batch_size": 3,
+            "seq_len": 32,
+            "steps": 4,
+            "warmup": 2,
+            "precision": "fp32",
+            "eval_every": 2,
+            "eval_batches": 2,
+            "save_every": 2,
+            "log_every": 1,
+            "loggers": [],
+        },
+    }
+
+
+def ckpt_steps(run: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in run.glob("step_*"))
