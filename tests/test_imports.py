@@ -39,7 +39,7 @@ FLOORS: list[list[str]] = [
     # 7: the architectures (``models.*`` files not named elsewhere live on this floor too)
     [],
     ["models", "reference"],
-    ["statesize"],  # measures a built model's state
+    ["statesize", "tbptt"],  # measures a built model's state; one step of truncated BPTT
     ["synth", "train"],
     ["api"],
     ["__init__"],  # the package's public names
