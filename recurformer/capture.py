@@ -49,6 +49,11 @@ from .state import IGNORE_INDEX, State
 Backend = Literal["eager", "trace", "cuda"]
 
 
+class CaptureFailed(RecurformerError):
+    """Capturing a step failed (out of memory, an operator a capture cannot hold): one line; the
+    caller may go on without the capture."""
+
+
 def flatten(state: State) -> list[Tensor]:
     """fresh, start and every layer state's tensors, in a fixed order (``unflatten`` inverts it)."""
     return [state.fresh, state.start, *(t for s in state.layers for t in s.tensors().values())]
@@ -143,6 +148,12 @@ class StepGraphs:
             outputs = fn(*inputs)
         return Graph(state.pos, inputs, outputs, cuda_graph.replay)
 
+    def aligned(self, tokens: Tensor, state: State) -> bool:
+        """Whether a call of ``tokens`` from ``state`` can be captured: its length and position
+        multiples of the model's reset boundary (no partial chunk)."""
+        P = self.model.reset_boundary
+        return tokens.shape[-1] % P == 0 and state.pos % P == 0
+
     def check(self, tokens: Tensor, targets: Tensor, state: State) -> None:
         """Aligned shapes, and token ids in the vocabulary (a host read unless the model's check is off)."""
         P, V = self.model.reset_boundary, self.model.config.vocab_size
@@ -151,7 +162,7 @@ class StepGraphs:
                 f"a captured step needs tokens and targets [batch, time] of one shape and a state of that batch, "
                 f"got {tuple(tokens.shape)}, {tuple(targets.shape)} and batch {state.batch_size}"
             )
-        if tokens.shape[1] % P or state.pos % P:
+        if not self.aligned(tokens, state):
             raise RecurformerError(
                 f"a captured step needs aligned calls: {tokens.shape[1]} tokens at position {state.pos}, "
                 f"both multiples of {P} are needed"
@@ -167,7 +178,13 @@ class StepGraphs:
         key = self.key(tokens, state)
         with unchecked(self.model):
             if key not in self.graphs:
-                self.graphs[key] = self.capture(tokens, targets, state)
+                try:
+                    self.graphs[key] = self.capture(tokens, targets, state)
+                except RuntimeError as e:  # torch.OutOfMemoryError too; the model's own RecurformerError passes
+                    what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    raise CaptureFailed(
+                        f"capturing the {self.backend} step of {tuple(tokens.shape)} tokens failed: {what}"
+                    ) from None
             graph = self.graphs[key]
             shift = graph.pos - state.pos  # a multiple of the reset boundary (0 unless shift-invariant)
             for buf, t in zip(graph.inputs, (tokens, targets, *flatten(state))):

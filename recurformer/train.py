@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import loggers
+from .capture import CaptureFailed, StepGraphs
 from .config import RecurformerError, check_options, from_dict, load_yaml, merge, parse_overrides, suggest
 from .curriculum import Schedule, check_state_init_share, schedule_from
 from .device import autocast_context, configure, out_of_memory, pick_device, resolve_precision, to_device
@@ -123,6 +124,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     compile: bool = False
+    cuda_graphs: bool = False  # the model's training call captured once per shape and replayed (capture.StepGraphs)
     eval_every: int = 200
     eval_batches: int = 10
     log_every: int = 10
@@ -624,6 +626,11 @@ class Trainer:
     ) -> None:
         self.cfg, self.style, t = cfg, style, cfg.train
         self.device, self.rank, self.world = join_processes(t.device)
+        if t.cuda_graphs and (self.device.type != "cuda" or self.world > 1):
+            where = f"on {self.world} processes" if self.device.type == "cuda" else f"on {self.device}"
+            raise RecurformerError(
+                f"train.cuda_graphs needs one process on a CUDA GPU; this run trains {where} (set train.cuda_graphs=false)"
+            )
         self.show_progress = show_progress and self.rank == 0
         self.out_dir = Path(t.out_dir)
         resumed = ckpt.load_checkpoint(resume, with_train_state=True) if resume else None
@@ -662,6 +669,9 @@ class Trainer:
 
             # the carried state is not a module buffer, and buffers are not broadcast either
             self.ddp = DDP(self.model, broadcast_buffers=False)
+        # the training calls as captured steps (train.cuda_graphs); the optimizer stays eager
+        self.graphs = StepGraphs(self.model, t.grad_accum, "cuda") if t.cuda_graphs else None
+        self._said: set[str] = set()  # the one-time notes already given (_note)
 
         self.streams: Any = self._make_streams(t.seq_len, t.seed)
         self.state: State | None = None
@@ -770,16 +780,24 @@ class Trainer:
     def _segment(
         self, batch: Any, state: State | None, index: int = 0, evaluating: bool = False
     ) -> tuple[torch.Tensor, State]:
-        """Loss and state after segment ``index`` of the step: a fresh state in ``reset`` mode or at
-        the start, rows whose stream wrapped reset (in training, from ``train.state_init``), the
+        """Loss and state after segment ``index`` of the step, read from ``_read_from``; the
         forward under autocast; ``evaluating``: the model itself (no DDP), from the zero state."""
+        state = self._read_from(batch, state, index, evaluating)
+        x, y = to_device(batch.x, self.device), to_device(batch.y, self.device)
+        with autocast_context(self.cfg.train.precision, self.device):
+            out = (self.model if evaluating else self.ddp)(x, state=state, targets=y)
+        return out.loss, out.state
+
+    def _read_from(self, batch: Any, state: State | None, index: int = 0, evaluating: bool = False) -> State:
+        """The state segment ``index`` of the step reads from: a fresh state in ``reset`` mode or
+        at the start, rows whose stream wrapped reset (in training, from ``train.state_init``)."""
         t = self.cfg.train
         if (
             t.state_init != "zero" and not evaluating
         ):  # rows that start a document take a noisy or another stream's state
             rows = torch.ones(t.batch_size, dtype=torch.bool) if t.state == "reset" else batch.wrapped
             seed = ((t.seed * 1_000_003 + self.step) * 4099 + index) * 1031 + self.rank
-            state = start_state(
+            return start_state(
                 self.model,
                 t.state_init,
                 rows,
@@ -790,14 +808,46 @@ class Trainer:
                 t.state_noise,
                 t.state_init_share,
             )
-        elif t.state == "reset" or state is None:
-            state = self.model.init_state(t.batch_size, self.device)
-        elif bool(batch.wrapped.any()):  # host data: no wait for the device
-            state = state.reset(batch.wrapped)  # a host mask, so the state knows on the host that a row is fresh
+        if t.state == "reset" or state is None:
+            return self.model.init_state(t.batch_size, self.device)
+        if bool(batch.wrapped.any()):  # host data: no wait for the device
+            return state.reset(batch.wrapped)  # a host mask, so the state knows on the host that a row is fresh
+        return state
+
+    def _replay(self, batch: Any, index: int) -> torch.Tensor:
+        """Segment ``index`` of a step of one-segment windows through the captured step
+        (``self.graphs``): the same loss, gradients (of loss / grad_accum, accumulated) and
+        detached state as ``backprop`` over ``_segment``, which it falls back to, with one line,
+        for a call that cannot be captured or a capture that fails (then for the rest of the run)."""
+        t = self.cfg.train
+        state = self._read_from(batch, self.state, index)
         x, y = to_device(batch.x, self.device), to_device(batch.y, self.device)
-        with autocast_context(t.precision, self.device):
-            out = (self.model if evaluating else self.ddp)(x, state=state, targets=y)
-        return out.loss, out.state
+        if self.graphs is not None and self.graphs.aligned(x, state):
+            try:
+                with autocast_context(t.precision, self.device):
+                    loss, self.state = self.graphs(x, y, state)
+                return loss
+            except CaptureFailed as e:
+                self._note(f"train.cuda_graphs: {e}; training goes on eager")
+                self.graphs = None
+        elif self.graphs is not None:
+            self._note(
+                f"train.cuda_graphs: a call of {x.shape[1]} tokens at position {state.pos} is not aligned; it runs eager"
+            )
+
+        def forward(i: int, state: State | None) -> tuple[torch.Tensor, State]:
+            with autocast_context(t.precision, self.device):
+                out = self.model(x, state=state, targets=y)
+            return out.loss, out.state
+
+        losses, self.state = backprop(forward, [1], state, t.grad_accum)
+        return losses[0]
+
+    def _note(self, msg: str) -> None:
+        """``msg`` on stderr (rank 0), once per run."""
+        if self.rank == 0 and msg not in self._said:
+            self._said.add(msg)
+            tqdm.write(msg, file=sys.stderr)
 
     def _mean_over_ranks(self, x: float) -> float:
         """The mean of ``x`` over the ranks, so that every rank logs (and stops on) the same number."""
@@ -821,13 +871,20 @@ class Trainer:
             last = window == t.grad_accum // truncation - 1
             return self.ddp.no_sync() if (self.world > 1 and not last) else contextlib.nullcontext()  # type: ignore[operator]
 
-        losses, self.state = backprop(
-            lambda i, state: self._segment(self.streams.next_batch(), state, i),
-            [truncation] * (t.grad_accum // truncation),
-            self.state,
-            t.grad_accum,
-            sync_last,
-        )
+        if self.graphs is not None and truncation > 1:
+            self._note(
+                f"train.cuda_graphs: truncation {truncation} backpropagates through several calls; those steps run eager"
+            )
+        if self.graphs is not None and truncation == 1:
+            losses = [self._replay(self.streams.next_batch(), i) for i in range(t.grad_accum)]
+        else:
+            losses, self.state = backprop(
+                lambda i, state: self._segment(self.streams.next_batch(), state, i),
+                [truncation] * (t.grad_accum // truncation),
+                self.state,
+                t.grad_accum,
+                sync_last,
+            )
         self.update.finish()
         total: Any = sum(losses)
         self.step += 1
