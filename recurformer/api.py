@@ -263,17 +263,19 @@ def generate_text(
     load_state: str | Path | None = None,
     save_state: str | Path | None = None,
     device: str = "auto",
+    cuda_graphs: bool = False,
     on_text: Callable[[str], object] | None = None,
     note: Callable[[str], object] = print,
     style: str = "python",
 ) -> Generated:
     """``recurformer generate``: continue ``prompt`` with a checkpoint's model, streaming the text
     (the prompt first) to ``on_text`` as whole characters arrive; ``load_state`` continues a
-    saved generation (the prompt is appended), ``save_state`` saves it to continue later.
-    ``style`` names the options in errors (``"cli"``: ``--top-p``); running out of memory is one
+    saved generation (the prompt is appended), ``save_state`` saves it to continue later;
+    ``cuda_graphs``: each new token through a captured decoding step (``capture.DecodeGraphs``). ``style`` names the options in errors (``"cli"``: ``--top-p``); running out of memory is one
     line naming the model, the prompt's length and what to lower."""
     import time
 
+    from .capture import DecodeGraphs
     from .checkpoint import quoted, spelled
     from .device import memory_kind, out_of_memory, peak_memory_mb, pick_device, reset_peak_memory, synchronize
     from .files import check_writable
@@ -284,11 +286,14 @@ def generate_text(
     if save_state:
         check_writable(Path(save_state), f"{option_name('save_state', style)} file")  # before generating, not after
     dev = pick_device(device)
+    if cuda_graphs and dev.type != "cuda":
+        raise RecurformerError(f"{option_name('cuda_graphs', style)} needs a CUDA GPU; this generation runs on {dev}")
     where = spelled(style, "device", quoted("cpu", style))
     with out_of_memory(
         f"loading {checkpoint} onto {dev}", f"the model does not fit there: use another device ({where})"
     ):
         model, name, tok, _ = load_model(checkpoint, dev)
+    decode = DecodeGraphs(model, "cuda").or_eager(note) if cuda_graphs else None
     if tok is None:
         raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
     if tok.lowercase and prompt != prompt.lower():
@@ -311,7 +316,7 @@ def generate_text(
         reset_peak_memory(dev)
         t0 = time.perf_counter()
         for step in stream(
-            model, tokens, max_new_tokens, temperature, top_k, top_p, session=session, stop_tokens=stops
+            model, tokens, max_new_tokens, temperature, top_k, top_p, session=session, stop_tokens=stops, step=decode
         ):
             t = int(step[0])
             if t < 0:

@@ -175,6 +175,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         load_state=args.load_state,
         save_state=args.save_state,
         device=args.device,
+        cuda_graphs=args.cuda_graphs,
         on_text=lambda t: print(t, end="", flush=True),
         note=lambda t: print(t, file=sys.stderr),
         style="cli",
@@ -529,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-state", metavar="FILE", help="save the generation state (safetensors) to continue later")
     p.add_argument("--load-state", metavar="FILE", help="continue a saved generation (the prompt is appended)")
     p.add_argument("--stats", action="store_true", help="print tokens/s and peak memory")
+    p.add_argument(
+        "--cuda-graphs", action="store_true", help="decode each new token through a captured CUDA graph (a CUDA GPU)"
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
 
     from .data.synthetic import TASKS

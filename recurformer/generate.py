@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -70,16 +70,25 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+Step = Callable[[Tensor, State], tuple[Tensor, State]]  # (tokens, state) -> (logits, new state)
+
+
 @torch.no_grad()
-def read(model: StreamingModel, session: Session, tokens: Tensor) -> Session:
-    """Feed ``tokens`` [B, T] (a prompt, or forced tokens) and update the session."""
-    out = model(tokens.to(session.state.fresh.device), state=session.state)
-    logits = out.logits[:, -1].float()
+def read(model: StreamingModel, session: Session, tokens: Tensor, step: Step | None = None) -> Session:
+    """Feed ``tokens`` [B, T] (a prompt, or forced tokens) and update the session; through
+    ``step`` (e.g. a captured decoding step, ``capture.DecodeGraphs``) instead of the model's call."""
+    tokens = tokens.to(session.state.fresh.device)
+    if step is None:
+        out = model(tokens, state=session.state)
+        all_logits, state = out.logits, out.state
+    else:
+        all_logits, state = step(tokens, session.state)
+    logits = all_logits[:, -1].float()
     if not bool(torch.isfinite(logits).all()):
         raise RecurformerError(
             "the model gives non-finite logits (nan/inf) although its weights load; it cannot generate"
         )
-    session.state = out.state
+    session.state = state
     session.logits = logits
     return session
 
@@ -95,10 +104,12 @@ def stream(
     seed: int | None = None,
     session: Session | None = None,
     stop_tokens: Sequence[int] = (),
+    step: Step | None = None,
 ) -> Iterator[Tensor]:
     """Yield new tokens [B] one step at a time. Rows that produced a stop token yield -1 from then
     on; the iterator ends when every row has stopped or after ``max_new_tokens``. ``session``
-    continues an earlier generation (and is updated in place)."""
+    continues an earlier generation (and is updated in place); ``step`` reads each new token
+    (the prompt is read by the model's own call)."""
     check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     was_training = model.training
     model.eval()
@@ -118,7 +129,7 @@ def stream(
         stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=done.device)
         for _ in range(max_new_tokens):
             tok = sample(session.logits, temperature, top_k, top_p, session.generator)
-            read(model, session, tok[:, None])
+            read(model, session, tok[:, None], step)
             yield torch.where(done, torch.full_like(tok, -1), tok)
             done |= torch.isin(tok, stops)
             if bool(done.all()):
