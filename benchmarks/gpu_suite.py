@@ -257,10 +257,9 @@ def stage_graphs(ctx: Ctx) -> dict:
         res["rows"] = before["result"]["rows"]
     done = {x["model"] for x in res["rows"] if "generate" in x}
     res["rows"] = [x for x in res["rows"] if x["model"] in done]  # a row cut off is measured again
-    # toy sizes: the protocol with the eager backend, a call of one RMT segment or 32 tokens
-    size = lambda n: (  # noqa: E731
-        ["--config", "toy", "--batch", "2", "--seq", "128" if n == "rmt" else "32", "--steps", "1"]
-        + ["--gen-tokens", "8", "--backend", "eager"]
+    # toy sizes: the protocol with the eager backend, calls of one chunk / segment / block
+    size = (
+        ["--config", "toy", "--batch", "2", "--seq", "0", "--steps", "1", "--gen-tokens", "8", "--backend", "eager"]
         if ctx.dry
         else ["--config", "125m", "--batch", "16", "--seq", "1024", "--steps", "5", "--gen-tokens", "256"]
     )
@@ -274,7 +273,7 @@ def stage_graphs(ctx: Ctx) -> dict:
         row = ctx.scratch / f"graphs_{n}.json"
         row.unlink(missing_ok=True)
         compiled = ["--compile"] if not ctx.dry and share >= 90 else []
-        cmd = [PY, "benchmarks/graphs_bench.py", "--model", n, *size(n), *compiled, *device_kw(ctx), "--out", str(row)]
+        cmd = [PY, "benchmarks/graphs_bench.py", "--model", n, *size, *compiled, *device_kw(ctx), "--out", str(row)]
         r = run(cmd, share, log=ctx.out / f"graphs_{n}.log")
         if row.is_file():
             got = json.loads(row.read_text())

@@ -190,7 +190,9 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--config", choices=sorted(CONFIGS), default="125m")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument(
+        "--seq", type=int, default=1024, help="tokens per call; 0: one chunk/segment/block (32 if token-wise)"
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed training steps per kind")
     ap.add_argument("--gen-tokens", type=int, default=256)
     ap.add_argument("--device", default="cuda")
@@ -209,6 +211,11 @@ def main() -> None:
         backend=args.backend,
     )
     model = b.model()
+    P = model.reset_boundary
+    args.seq = args.seq or (P if P > 1 else 32)
+    if args.seq % P:
+        raise SystemExit(f"graphs_bench.py: error: --seq {args.seq} is not a multiple of {args.model}'s chunk ({P})")
+    row["seq"] = args.seq
     flops = train_flops_per_token(model, args.seq, b.dev)
     peak, source = reference_peak(torch.bfloat16 if b.bf16 else torch.float32, b.dev)
     row.update(train_flops_per_token=flops, peak_flops=peak, peak_source=source, train={})
