@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import loggers
-from .capture import CaptureFailed, StepGraphs
+from .capture import Backend, CaptureFailed, StepGraphs
 from .config import RecurformerError, check_options, from_dict, load_yaml, merge, parse_overrides, suggest
 from .curriculum import Schedule, check_state_init_share, schedule_from
 from .device import autocast_context, configure, out_of_memory, pick_device, resolve_precision, to_device
@@ -669,9 +669,10 @@ class Trainer:
 
             # the carried state is not a module buffer, and buffers are not broadcast either
             self.ddp = DDP(self.model, broadcast_buffers=False)
-        # the training calls as captured steps (train.cuda_graphs); the optimizer stays eager
-        self.graphs = StepGraphs(self.model, t.grad_accum, "cuda") if t.cuda_graphs else None
+        self.graphs: StepGraphs | None = None  # the training calls as captured steps (capture_steps)
         self._said: set[str] = set()  # the one-time notes already given (_note)
+        if t.cuda_graphs:
+            self.capture_steps("cuda")
 
         self.streams: Any = self._make_streams(t.seq_len, t.seed)
         self.state: State | None = None
@@ -690,6 +691,20 @@ class Trainer:
             sinks, notes = loggers.make_sinks(t.loggers, self.out_dir, self._config_dict())
             self.logs = RunLog(sinks, self.out_dir)
             self.header = loggers.run_header(self, notes)
+
+    def capture_steps(self, backend: Backend) -> None:
+        """Train through captured steps (``capture.StepGraphs``; ``train.cuda_graphs``: the cuda
+        backend), the optimizer eager; unless a carried state would need a graph per step (layers
+        that read absolute positions): then one line, and training stays eager."""
+        t = self.cfg.train
+        graphs = StepGraphs(self.model, t.grad_accum, backend)
+        if t.state == "carry" and not graphs.shift:
+            self._note(
+                f"train.cuda_graphs: {self.cfg.model['name']} reads absolute positions, so a carried state would "
+                "need a graph per step; training runs eager (train.state=reset captures once)"
+            )
+            return
+        self.graphs = graphs
 
     def _make_streams(self, seq_len: int, seed: int) -> Any:
         from .data import ContiguousStreams, ShuffledWindows

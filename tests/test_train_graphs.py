@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from recurformer import RecurformerError
-from recurformer.capture import StepGraphs
 from recurformer.train import Trainer, load_run_config
 
 WORDS = "the a cat dog ran sat on mat big small red blue".split()
@@ -32,13 +31,13 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
-def trainer(corpus: Path, tmp: Path, **train: object) -> Trainer:
+def trainer(corpus: Path, tmp: Path, model: str = "memory_attention", **train: object) -> Trainer:
     over = [
-        "model.name=memory_attention",
+        f"model.name={model}",
         "model.dim=32",
         "model.n_layers=2",
         "model.n_heads=2",
-        "model.chunk_size=8",
+        *(["model.chunk_size=8"] if model == "memory_attention" else []),
         "data.dataset=null",
         f"data.text_files=[{corpus}]",
         "data.tokenizer=byte",
@@ -92,7 +91,8 @@ def test_captured_steps_equal_the_plain_trainer(corpus, tmp_path, backend) -> No
     expect = run(plain)
     assert any(wrapped[1:]), "the corpus must be so small that a stream wraps (a reset)"
     tr = trainer(corpus, tmp_path / backend)
-    tr.graphs = StepGraphs(tr.model, tr.cfg.train.grad_accum, backend)
+    tr.capture_steps(backend)
+    assert tr.graphs is not None
     got = run(tr)
     assert len(tr.graphs.graphs) >= 1  # the steps went through captured calls
     exact = backend == "eager"
@@ -105,7 +105,8 @@ def test_captured_steps_equal_the_plain_trainer(corpus, tmp_path, backend) -> No
 def test_a_failed_capture_is_one_line_and_training_goes_on_eager(corpus, tmp_path, capsys, monkeypatch) -> None:
     expect = run(trainer(corpus, tmp_path / "plain"))
     tr = trainer(corpus, tmp_path / "fails")
-    tr.graphs = StepGraphs(tr.model, tr.cfg.train.grad_accum, "eager")
+    tr.capture_steps("eager")
+    assert tr.graphs is not None
 
     def oom(*args: object) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
@@ -123,7 +124,8 @@ def test_a_failed_capture_is_one_line_and_training_goes_on_eager(corpus, tmp_pat
 def test_truncation_over_several_calls_runs_eager_with_one_line(corpus, tmp_path, capsys) -> None:
     expect = run(trainer(corpus, tmp_path / "plain", truncation=2))
     tr = trainer(corpus, tmp_path / "graphs", truncation=2)
-    tr.graphs = StepGraphs(tr.model, tr.cfg.train.grad_accum, "eager")
+    tr.capture_steps("eager")
+    assert tr.graphs is not None
     capsys.readouterr()
     got = run(tr)
     err = capsys.readouterr().err.strip().splitlines()
@@ -137,3 +139,12 @@ def test_cuda_graphs_on_the_cpu_is_one_line_before_any_work(corpus, tmp_path) ->
     msg = str(e.value)
     assert "\n" not in msg and "train.cuda_graphs" in msg and "cpu" in msg, msg
     assert not (tmp_path / "cpu").exists() and not (tmp_path / "prepared").exists()
+
+
+def test_a_carried_state_of_position_reading_layers_trains_eager_with_one_line(corpus, tmp_path, capsys) -> None:
+    """RoPE over a carried cache (the sliding window) would need a graph per step: not captured."""
+    tr = trainer(corpus, tmp_path / "window", model="sliding_window")
+    capsys.readouterr()
+    tr.capture_steps("eager")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert tr.graphs is None and len(err) == 1 and "sliding_window reads absolute positions" in err[0], err
