@@ -7,6 +7,13 @@ Stages, in this order (``--stages`` picks some; each writes ``<stage>.json`` ato
 it finishes, so a run that is cut off keeps what it finished, and a later run in the same output
 folder skips the stages already there unless ``--redo``):
 
+* ``graphs`` (first: what is new): for Memory Attention, RMT, Block-Recurrent, the Recurrent
+  Transformer and Llama, ``benchmarks/graphs_bench.py`` in one process per model: training
+  tokens/s and fraction of the bf16 peak eager, graphed (``capture.StepGraphs``) and, where the
+  share allows, compiled + graphed; a gradient check graphed vs eager under accumulation 2; one
+  profiled step of each (kernels, launches, GPU busy); batch-1 generation tokens/s eager vs
+  graphed (``capture.DecodeGraphs``). ``graphs.json`` is rewritten after every model (status
+  ``partial``), so a call cut off keeps its rows and the next call into the folder measures the rest.
 * ``env``: GPU name, memory, driver, torch / CUDA / Triton versions; the best bf16 and fp32
   n x n matmul (``recurformer.flops.matmul_peak``), device-to-device and pinned host-to-device
   copy bandwidth.
@@ -34,8 +41,10 @@ every stage is stopped at the deadline. ``summary.md`` is rewritten from every s
 output folder after each run (``--summarize DIR`` only rewrites it).
 
 Output: ``docs/results/data/gpu/suite_<gpu>_<date>/`` (``--out`` to choose). A device that allows at
-most 10 minutes per command: run the stages in three calls of ``--budget-min 9`` into one folder,
+most 10 minutes per command: run the stages in calls of ``--budget-min 9`` into one folder (the
+``graphs`` call again if its JSON says ``partial``),
 
+    python3 benchmarks/gpu_suite.py --stages graphs --budget-min 9 --out DIR
     python3 benchmarks/gpu_suite.py --stages env,tests,throughput --budget-min 9 --out DIR
     python3 benchmarks/gpu_suite.py --stages tiling,streaming --budget-min 9 --out DIR
     python3 benchmarks/gpu_suite.py --stages paper --budget-min 9 --out DIR
@@ -231,6 +240,52 @@ def stage_tests(ctx: Ctx, target: list[str] | None = None) -> dict:
         else:
             counts["passed"] += 1
     return dict(res, **counts, failures=failures)
+
+
+GRAPH_MODELS = ("memory_attention", "rmt", "block_recurrent", "recurrent_transformer", "llama")
+
+
+def stage_graphs(ctx: Ctx) -> dict:
+    """``benchmarks/graphs_bench.py`` per model of ``GRAPH_MODELS``, one process each (its share of
+    the stage, compiled + graphed when a share is long enough): eager against graphed training
+    and decoding. ``graphs.json`` is rewritten after every row with status ``partial``, and a
+    later run into the same folder measures only the models it lacks."""
+    path = ctx.out / "graphs.json"
+    before = json.loads(path.read_text()) if path.is_file() else {}
+    res: dict[str, Any] = dict(rows=[], failed={})
+    if before.get("status") == "partial":
+        res["rows"] = before["result"]["rows"]
+    done = {x["model"] for x in res["rows"] if "generate" in x}
+    res["rows"] = [x for x in res["rows"] if x["model"] in done]  # a row cut off is measured again
+    # toy sizes: the protocol with the eager backend, calls of one chunk / segment / block
+    size = (
+        ["--config", "toy", "--batch", "2", "--seq", "0", "--steps", "1", "--gen-tokens", "8", "--backend", "eager"]
+        if ctx.dry
+        else ["--config", "125m", "--batch", "16", "--seq", "1024", "--steps", "5", "--gen-tokens", "256"]
+    )
+    todo = [n for n in GRAPH_MODELS if n not in done]
+    end = ctx.deadline()
+    for i, n in enumerate(todo):
+        share = (end - time.monotonic()) / (len(todo) - i)
+        if share < (5 if ctx.dry else 30):
+            res["failed"][n] = "skipped: the budget ran out"
+            continue
+        row = ctx.scratch / f"graphs_{n}.json"
+        row.unlink(missing_ok=True)
+        compiled = ["--compile"] if not ctx.dry and share >= 90 else []
+        cmd = [PY, "benchmarks/graphs_bench.py", "--model", n, *size, *compiled, *device_kw(ctx), "--out", str(row)]
+        r = run(cmd, share, log=ctx.out / f"graphs_{n}.log")
+        if row.is_file():
+            got = json.loads(row.read_text())
+            if r["rc"] != 0:
+                got["cut_off"] = "timed out" if r["timed_out"] else r["tail"].strip().splitlines()[-1][:200]
+            res["rows"].append(got)
+        else:
+            res["failed"][n] = (
+                "timed out" if r["timed_out"] else f"failed: {(r['tail'].strip().splitlines() or ['?'])[-1][:200]}"
+            )
+        write_json(path, dict(stage="graphs", status="partial", device=str(ctx.device), result=res))
+    return res
 
 
 def stage_throughput(ctx: Ctx) -> dict:
@@ -517,6 +572,7 @@ class Stage:
 
 
 STAGES: dict[str, Stage] = {
+    "graphs": Stage(stage_graphs, 5.0, 2.0, 1.0),  # what is new runs first
     "env": Stage(stage_env, 0.5, 0.25, 0.05),
     "tests": Stage(stage_tests, 4.0, 2.0, 0.15),
     "throughput": Stage(stage_throughput, 6.0, 2.5, 0.3),
@@ -570,6 +626,36 @@ def summarize(out: Path) -> Path:
     path = out / "summary.md"
     write_json(path, "\n".join(lines))
     return path
+
+
+def sum_graphs(r: dict) -> list[str]:
+    out = [
+        "training tokens/s and fraction of the measured peak, eager | graphed | compiled + graphed; the gradient "
+        "check (graphed vs eager, accumulation 2: largest difference / largest gradient); kernels (or operators) "
+        "and GPU busy per step, eager -> graphed; batch-1 generation tokens/s, eager -> graphed",
+        "",
+        "| model | eager tok/s | graphed tok/s | compiled+graphed tok/s | grad check | kernels / step | GPU busy | generate tok/s |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for x in r.get("rows", []):
+        tr, pr, gen = x.get("train", {}), x.get("profile", {}), x.get("generate", {})
+        cell = lambda k: (  # noqa: E731
+            f"{tr[k]['tokens_per_s']:,.0f} ({tr[k]['fraction_of_peak']:.1%})" if k in tr else "-"
+        )
+        count = lambda p: p.get("kernels", p.get("operators", "-"))  # noqa: E731
+        busy = lambda p: f"{p['gpu_busy']:.0%}" if "gpu_busy" in p else "-"  # noqa: E731
+        g = x.get("grad_check", {})
+        out.append(
+            f"| {x['model']} | {cell('eager')} | {cell('graphed')} | {cell('compiled+graphed')} | "
+            f"{'ok' if g.get('ok') else 'FAILED' if g else '-'} {g.get('max_diff_over_max_grad', float('nan')):.1e} | "
+            f"{count(pr.get('eager', {}))} -> {count(pr.get('graphed', {}))} | "
+            f"{busy(pr.get('eager', {}))} -> {busy(pr.get('graphed', {}))} | "
+            f"{gen.get('eager', {}).get('tokens_per_s', float('nan')):,.0f} -> {gen.get('graphed', {}).get('tokens_per_s', float('nan')):,.0f} |"
+            + (f" ({x['cut_off']})" if x.get("cut_off") else "")
+        )
+        out += [f"  - {x['model']} generation: {n}" for n in gen.get("graphed", {}).get("notes", [])]
+    out += [f"- {k}: {v}" for k, v in r.get("failed", {}).items()]
+    return out
 
 
 def sum_env(r: dict) -> list[str]:
@@ -670,6 +756,7 @@ def sum_paper(r: dict) -> list[str]:
 
 
 SUMMARIES: dict[str, Callable[[dict], list[str]]] = dict(
+    graphs=sum_graphs,
     env=sum_env,
     tests=sum_tests,
     throughput=sum_throughput,
@@ -720,7 +807,8 @@ def main() -> None:
     try:
         for n in names:
             path = out / f"{n}.json"
-            if path.is_file() and not args.redo:
+            finished = path.is_file() and json.loads(path.read_text()).get("status") != "partial"
+            if finished and not args.redo:
                 print(f"{n}: {path} exists, skipped (--redo runs it again)")
                 continue
             # a stage's plan, or, at toy sizes (fixed work) and for paper, whatever is left

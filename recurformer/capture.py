@@ -43,10 +43,16 @@ from torch import Tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .config import RecurformerError
-from .nn import StreamingLM
 from .state import IGNORE_INDEX, State
 
+StreamingLM = Any  # an ``nn.StreamingLM`` (a floor above: ``generate`` captures its decoding step through here)
+
 Backend = Literal["eager", "trace", "cuda"]
+
+
+class CaptureFailed(RecurformerError):
+    """Capturing a step failed (out of memory, an operator a capture cannot hold): one line; the
+    caller may go on without the capture."""
 
 
 def flatten(state: State) -> list[Tensor]:
@@ -89,16 +95,42 @@ class Graph:
     replay: Callable[[], None]
 
 
+def check_backend(backend: str) -> None:
+    if backend not in ("eager", "trace", "cuda"):
+        raise RecurformerError(f"unknown capture backend '{backend}' (eager, trace or cuda)")
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise RecurformerError("the 'cuda' capture backend needs a CUDA GPU; this machine has none")
+
+
+def record(
+    fn: Callable[..., list[Tensor]], inputs: list[Tensor], backend: Backend, warmup: int
+) -> tuple[list[Tensor], Callable[[], None]]:
+    """``fn(*inputs)``'s outputs as static buffers and a replay that rewrites them from the
+    current contents of ``inputs``: a CUDA graph (``warmup`` eager calls on a side stream first),
+    a ``make_fx`` record replayed, or ``fn`` itself run again ("eager")."""
+    if backend != "cuda":  # a CUDA graph's own protocol: static outputs, overwritten by every replay
+        run = fn if backend == "eager" else torch.no_grad()(make_fx(fn)(*inputs))
+        outputs = fn(*inputs)
+        return outputs, lambda: torch._foreach_copy_(outputs, run(*inputs))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        outputs = fn(*inputs)
+    return outputs, cuda_graph.replay
+
+
 class StepGraphs:
     """Training calls of ``model`` through captured steps (see the module docstring):
     ``loss, state = steps(tokens, targets, state)`` equals ``out = model(tokens, state, targets)``,
     ``(out.loss / grad_accum).backward()``, ``out.state.detach()``."""
 
     def __init__(self, model: StreamingLM, grad_accum: int = 1, backend: Backend = "eager", warmup: int = 3) -> None:
-        if backend == "cuda" and not torch.cuda.is_available():
-            raise RecurformerError("the 'cuda' capture backend needs a CUDA GPU; this machine has none")
-        if backend not in ("eager", "trace", "cuda"):
-            raise RecurformerError(f"unknown capture backend '{backend}' (eager, trace or cuda)")
+        check_backend(backend)
         self.model, self.grad_accum, self.backend, self.warmup = model, grad_accum, backend, warmup
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.shift = all(layer.shift_invariant for layer in model.layers)
@@ -127,21 +159,14 @@ class StepGraphs:
 
     def capture(self, tokens: Tensor, targets: Tensor, state: State) -> Graph:
         inputs = [t.clone() for t in (tokens, targets, *flatten(state))]
-        fn = self.function(state, state.pos)
-        if self.backend != "cuda":  # a CUDA graph's own protocol: static outputs, overwritten by every replay
-            run = fn if self.backend == "eager" else torch.no_grad()(make_fx(fn)(*inputs))  # forward and backward
-            outputs = fn(*inputs)
-            return Graph(state.pos, inputs, outputs, lambda: torch._foreach_copy_(outputs, run(*inputs)))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                fn(*inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            outputs = fn(*inputs)
-        return Graph(state.pos, inputs, outputs, cuda_graph.replay)
+        outputs, replay = record(self.function(state, state.pos), inputs, self.backend, self.warmup)
+        return Graph(state.pos, inputs, outputs, replay)
+
+    def aligned(self, tokens: Tensor, state: State) -> bool:
+        """Whether a call of ``tokens`` from ``state`` can be captured: its length and position
+        multiples of the model's reset boundary (no partial chunk)."""
+        P = self.model.reset_boundary
+        return tokens.shape[-1] % P == 0 and state.pos % P == 0
 
     def check(self, tokens: Tensor, targets: Tensor, state: State) -> None:
         """Aligned shapes, and token ids in the vocabulary (a host read unless the model's check is off)."""
@@ -151,7 +176,7 @@ class StepGraphs:
                 f"a captured step needs tokens and targets [batch, time] of one shape and a state of that batch, "
                 f"got {tuple(tokens.shape)}, {tuple(targets.shape)} and batch {state.batch_size}"
             )
-        if tokens.shape[1] % P or state.pos % P:
+        if not self.aligned(tokens, state):
             raise RecurformerError(
                 f"a captured step needs aligned calls: {tokens.shape[1]} tokens at position {state.pos}, "
                 f"both multiples of {P} are needed"
@@ -167,7 +192,13 @@ class StepGraphs:
         key = self.key(tokens, state)
         with unchecked(self.model):
             if key not in self.graphs:
-                self.graphs[key] = self.capture(tokens, targets, state)
+                try:
+                    self.graphs[key] = self.capture(tokens, targets, state)
+                except RuntimeError as e:  # torch.OutOfMemoryError too; the model's own RecurformerError passes
+                    what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    raise CaptureFailed(
+                        f"capturing the {self.backend} step of {tuple(tokens.shape)} tokens failed: {what}"
+                    ) from None
             graph = self.graphs[key]
             shift = graph.pos - state.pos  # a multiple of the reset boundary (0 unless shift-invariant)
             for buf, t in zip(graph.inputs, (tokens, targets, *flatten(state))):
@@ -186,3 +217,90 @@ class StepGraphs:
                 p.grad = g.clone() if p.grad is None else p.grad.add_(g)
         new = unflatten(state, flat, state.pos + tokens.shape[1])
         return out[0].clone(), dataclasses.replace(new, any_fresh=False, start_floor=state.start_floor)
+
+
+class DecodeGraphs:
+    """Decoding calls (no autograd) through captured steps, as gpt-fast and mamba decode: the
+    tokens [B, T] and the state copied into static buffers, the step replayed, the logits and the
+    new state copied out; ``logits, state = steps(tokens, state)`` equals
+    ``out = model(tokens, state)`` (logits [B, T, V]). One graph per key as in ``StepGraphs``
+    (the position within the reset boundary included, so one token per call costs at most
+    ``reset_boundary`` graphs), which needs a state of fixed shapes and layers that do not read
+    absolute positions; ``why_not`` says, in one line, why a model cannot decode this way
+    (None: it can)."""
+
+    def __init__(self, model: StreamingLM, backend: Backend = "eager", warmup: int = 3) -> None:
+        check_backend(backend)
+        self.model, self.backend, self.warmup = model, backend, warmup
+        self.graphs: dict[tuple[Any, ...], Graph] = {}
+        self.why_not: str | None = None
+        if not model.bounded_state:
+            self.why_not = "its cache grows with every token (a graph per length)"
+        elif not all(layer.shift_invariant for layer in model.layers):
+            self.why_not = "a layer reads absolute positions (a graph per position)"
+
+    def function(self, like: State, pos: int) -> Callable[..., list[Tensor]]:
+        """The step at ``pos``; inside a chunk no row is fresh (a reset waits for a boundary, and
+        ``__call__`` replays only a state that knows so), so the model reads nothing on the host."""
+        model, inside = self.model, pos % self.model.reset_boundary != 0
+
+        def step(tokens: Tensor, *flat: Tensor) -> list[Tensor]:
+            state = unflatten(like, flat, pos)
+            out = model(tokens, dataclasses.replace(state, any_fresh=False) if inside else state)
+            return [out.logits, *flatten(out.state)]
+
+        return step
+
+    @torch.no_grad()
+    def __call__(self, tokens: Tensor, state: State) -> tuple[Tensor, State]:
+        if self.why_not is not None:
+            raise RecurformerError(f"this model cannot decode through captured steps: {self.why_not}")
+        V = self.model.config.vocab_size
+        if bool(((tokens < 0) | (tokens >= V)).any()):  # the model's own check is off inside the step
+            raise RecurformerError(f"a token id is outside the vocabulary [0, {V})")
+        self.model.check_state(state, tokens.shape[0])
+        if state.pos % self.model.reset_boundary and state.any_fresh is not False:  # not known: the model checks
+            out = self.model(tokens, state)
+            return out.logits, out.state
+        shapes = tuple((tuple(t.shape), t.dtype) for t in flatten(state))
+        key = (tuple(tokens.shape), state.pos % self.model.reset_boundary, shapes)
+        with unchecked(self.model):
+            if key not in self.graphs:
+                inputs = [t.clone() for t in (tokens, *flatten(state))]
+                try:
+                    outputs, replay = record(self.function(state, state.pos), inputs, self.backend, self.warmup)
+                except RuntimeError as e:
+                    what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    raise CaptureFailed(f"capturing the {self.backend} decoding step failed: {what}") from None
+                self.graphs[key] = Graph(state.pos, inputs, outputs, replay)
+            graph = self.graphs[key]
+            shift = graph.pos - state.pos  # a multiple of the reset boundary
+            for buf, t in zip(graph.inputs, (tokens, *flatten(state))):
+                buf.copy_(t)
+            graph.inputs[2].add_(shift)  # the document starts, moved with the position
+            graph.replay()
+        logits, *flat = (t.clone() for t in graph.outputs)  # copied out: the next replay overwrites them
+        flat[1] -= shift
+        new = unflatten(state, flat, state.pos + tokens.shape[1])
+        return logits, dataclasses.replace(new, any_fresh=False, start_floor=state.start_floor)
+
+    def or_eager(self, note: Callable[[str], object]) -> Callable[[Tensor, State], tuple[Tensor, State]]:
+        """This as a decoding step that says in one line (to ``note``) why it decodes eagerly
+        instead, for a model it cannot hold or a capture that fails (then for the rest)."""
+        plain = False
+        if self.why_not is not None:
+            note(f"[{self.backend} graphs: {self.why_not}; decoding eagerly]")
+            plain = True
+
+        def step(tokens: Tensor, state: State) -> tuple[Tensor, State]:
+            nonlocal plain
+            if not plain:
+                try:
+                    return self(tokens, state)
+                except CaptureFailed as e:
+                    note(f"[{e}; decoding eagerly]")
+                    plain = True
+            out = self.model(tokens, state=state)
+            return out.logits, out.state
+
+        return step

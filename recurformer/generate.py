@@ -45,6 +45,7 @@ class GenerateOptions:
     save_state: str | None = option(None, "save the generation state (safetensors) to continue later", metavar="FILE")
     load_state: str | None = option(None, "continue a saved generation (the prompt is appended)", metavar="FILE")
     device: str = device_option()
+    cuda_graphs: bool = option(False, "decode each new token through a captured CUDA graph (a CUDA GPU)")
 
 
 @dataclass
@@ -93,16 +94,25 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+Step = Callable[[Tensor, State], tuple[Tensor, State]]  # (tokens, state) -> (logits, new state)
+
+
 @torch.no_grad()
-def read(model: StreamingModel, session: Session, tokens: Tensor) -> Session:
-    """Feed ``tokens`` [B, T] (a prompt, or forced tokens) and update the session."""
-    out = model(tokens.to(session.state.fresh.device), state=session.state)
-    logits = out.logits[:, -1].float()
+def read(model: StreamingModel, session: Session, tokens: Tensor, step: Step | None = None) -> Session:
+    """Feed ``tokens`` [B, T] (a prompt, or forced tokens) and update the session; through
+    ``step`` (e.g. a captured decoding step, ``capture.DecodeGraphs``) instead of the model's call."""
+    tokens = tokens.to(session.state.fresh.device)
+    if step is None:
+        out = model(tokens, state=session.state)
+        all_logits, state = out.logits, out.state
+    else:
+        all_logits, state = step(tokens, session.state)
+    logits = all_logits[:, -1].float()
     if not bool(torch.isfinite(logits).all()):
         raise RecurformerError(
             "the model gives non-finite logits (nan/inf) although its weights load; it cannot generate"
         )
-    session.state = out.state
+    session.state = state
     session.logits = logits
     return session
 
@@ -118,10 +128,12 @@ def stream(
     seed: int | None = None,
     session: Session | None = None,
     stop_tokens: Sequence[int] = (),
+    step: Step | None = None,
 ) -> Iterator[Tensor]:
     """Yield new tokens [B] one step at a time. Rows that produced a stop token yield -1 from then
     on; the iterator ends when every row has stopped or after ``max_new_tokens``. ``session``
-    continues an earlier generation (and is updated in place)."""
+    continues an earlier generation (and is updated in place); ``step`` reads each new token
+    (the prompt is read by the model's own call)."""
     check_values(GenerateOptions, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     was_training = model.training
     model.eval()
@@ -141,7 +153,7 @@ def stream(
         stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=done.device)
         for _ in range(max_new_tokens):
             tok = sample(session.logits, temperature, top_k, top_p, session.generator)
-            read(model, session, tok[:, None])
+            read(model, session, tok[:, None], step)
             yield torch.where(done, torch.full_like(tok, -1), tok)
             done |= torch.isin(tok, stops)
             if bool(done.all()):
@@ -225,8 +237,10 @@ def generate_text(
     """``recurformer generate``: continue ``prompt`` with a checkpoint's model (``options``: the
     fields of ``GenerateOptions``), streaming the text (the prompt first) to ``on_text`` as whole
     characters arrive; ``load_state`` continues a saved generation (the prompt is appended),
-    ``save_state`` saves it to continue later. Running out of memory is one line naming the
-    model, the prompt's length and what to lower."""
+    ``save_state`` saves it to continue later; ``cuda_graphs``: each new token through a captured
+    decoding step (``capture.DecodeGraphs``). Running out of memory is one line naming the model,
+    the prompt's length and what to lower."""
+    from .capture import DecodeGraphs
     from .device import memory_kind, out_of_memory, peak_memory_mb, pick_device, reset_peak_memory, synchronize
     from .files import check_writable
     from .hub import load
@@ -235,12 +249,15 @@ def generate_text(
     if o.save_state:
         check_writable(Path(o.save_state), f"{opt('save_state')} file")  # before generating, not after
     dev = pick_device(o.device)
+    if o.cuda_graphs and dev.type != "cuda":
+        raise RecurformerError(f"{opt('cuda_graphs')} needs a CUDA GPU; this generation runs on {dev}")
     where = opt("device", "cpu")
     with out_of_memory(
         f"loading {o.checkpoint} onto {dev}", f"the model does not fit there: use another device ({where})"
     ):
         loaded = load(o.checkpoint, dev)
     model, name, tok = loaded.model, loaded.name, loaded.tokenizer
+    decode = DecodeGraphs(model, "cuda").or_eager(note) if o.cuda_graphs else None
     if tok is None:
         raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
     prompt = o.prompt
@@ -263,7 +280,15 @@ def generate_text(
         reset_peak_memory(dev)
         t0 = time.perf_counter()
         for step in stream(
-            model, tokens, o.max_new_tokens, o.temperature, o.top_k, o.top_p, session=session, stop_tokens=stops
+            model,
+            tokens,
+            o.max_new_tokens,
+            o.temperature,
+            o.top_k,
+            o.top_p,
+            session=session,
+            stop_tokens=stops,
+            step=decode,
         ):
             t = int(step[0])
             if t < 0:

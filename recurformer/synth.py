@@ -54,14 +54,15 @@ from tqdm import tqdm
 
 from .checkpoint import load_checkpoint, load_model_weights
 from .config import RecurformerError, from_dict, merge, option, parse_overrides
-from .curriculum import Schedule, check_state_init_share, initial_state, schedule_from
+from .curriculum import Schedule, check_state_init_share, schedule_from
 from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
 from .device import autocast_context, device_option, pick_device, slow_bf16_warning
 from .models import build_model, lookup, model_names
 from .modules import RMSNorm
 from .nn import IGNORE_INDEX, State, StreamingLM
-from .optim import lr_at, make_optimizer
+from .optim import make_optimizer
 from .statesize import measure
+from .tbptt import Update, backprop, start_state
 
 MODEL_DEFAULTS: dict[str, Any] = {"dim": 128, "n_layers": 1, "n_heads": 16, "ffn_hidden": 512}
 ONE_LAYER_FIELDS: dict[str, Any] = {"recurrent_layers": (-1,)}  # block_recurrent's default (-3,) needs 3 layers
@@ -80,7 +81,7 @@ class SynthConfig:
     beta2: float = 0.98
     warmup: float = 0.1  # fraction of the steps
     min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # the largest gradient norm (0: no clipping)
     precision: Literal["auto", "fp32", "bf16"] = "fp32"
     context: int = 32  # window / chunk / segment / block length of every model that has one
     chunk: int = 256  # tokens per model call at evaluation
@@ -265,10 +266,14 @@ class Learner(nn.Module):
         n = (y != IGNORE_INDEX).sum().clamp(min=1)
         whole = (T // boundary) * boundary
         cuts = sorted({0, T, whole, *range(piece or T, T, piece or T)})
-        total, pending, kept = 0.0, None, None
+        ends = [i + 1 for i, b in enumerate(cuts[1:]) if piece and b % piece == 0 or b == T]  # after these calls
+        kept = None
         if whole == 0:
             kept = (state if state is not None else self.model.init_state(x.shape[0], x.device)).detach()
-        for a, b in zip(cuts[:-1], cuts[1:]):
+
+        def call(i: int, state: State | None) -> tuple[Tensor, State]:
+            nonlocal kept
+            a, b = cuts[i], cuts[i + 1]
             out = self.model(x[:, a:b], state=state)
             loss = (
                 F.cross_entropy(
@@ -276,16 +281,13 @@ class Learner(nn.Module):
                 )
                 / n
             )
-            pending = loss if pending is None else pending + loss
-            state = out.state
             if b == whole:
-                kept = state.detach()
-            if piece and b % piece == 0 or b == T:
-                pending.backward()
-                total += float(pending.detach())
-                pending, state = None, state.detach()
+                kept = out.state.detach()
+            return loss, out.state
+
+        losses, _ = backprop(call, [b - a for a, b in zip([0, *ends[:-1]], ends)], state)
         assert kept is not None
-        return total, kept
+        return sum(float(v) for v in losses), kept
 
     @torch.no_grad()
     def predict(self, x: Tensor, chunk: int) -> Tensor:
@@ -410,6 +412,7 @@ def train_model(
     min_lr, warmup = lr * cfg.min_lr_ratio, int(cfg.warmup * cfg.steps)
     device = learner.model.tok_emb.weight.device
     opt = make_optimizer(learner, lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
+    update = Update(learner, opt, lr, min_lr, warmup, cfg.steps, cfg.grad_clip)
     gen = torch.Generator().manual_seed(cfg.seed)
     n = len(data.inputs) if isinstance(data, TaskData) else 0
     order = torch.randperm(n, generator=gen)
@@ -431,8 +434,7 @@ def train_model(
         else:
             b = data.batch(step)
             x, y = b.inputs.to(device), b.targets.to(device)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, lr, min_lr, warmup, cfg.steps)
+        update.begin(step)
         with autocast_context(cfg.precision, device):
             if plain:
                 loss_t = learner.loss(x, y)
@@ -441,22 +443,19 @@ def train_model(
             else:
                 truncation = sched.at(step, base)["truncation"]
                 rows = torch.ones(x.shape[0], dtype=torch.bool)
-                noise = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-                state = initial_state(
+                state = start_state(
                     learner.model,
                     cfg.state_init,
                     rows,
                     passed,
                     x.shape[0],
                     device,
-                    noise,
+                    cfg.seed * 1_000_003 + step,
                     cfg.state_noise,
                     cfg.state_init_share,
                 )
                 loss, passed = learner.backward(x, y, state, truncation * cfg.context, learner.model.reset_boundary)
-        torch.nn.utils.clip_grad_norm_(learner.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        update.finish()
         if step >= cfg.steps - max(1, cfg.steps // 10):
             tail.append(loss)
         if cfg.eval_every and val is not None:

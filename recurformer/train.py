@@ -37,15 +37,17 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt
 from . import loggers
+from .capture import Backend, CaptureFailed, StepGraphs
 from .config import RecurformerError, check_options, from_dict, load_yaml, merge, parse_overrides, suggest
-from .curriculum import Schedule, check_state_init_share, initial_state, schedule_from
+from .curriculum import Schedule, check_state_init_share, schedule_from
 from .data import DataConfig
 from .device import autocast_context, configure, out_of_memory, pick_device, resolve_precision, to_device
 from .flops import reference_peak, train_flops_per_token
 from .models import build_model, make_config, model_names
 from .nn import State, StreamingLM, check_compile
-from .optim import lr_at, make_optimizer, optimizer_from_flat, optimizer_to_flat
+from .optim import make_optimizer, optimizer_from_flat, optimizer_to_flat
 from .registry import config_keys
+from .tbptt import Update, backprop, start_state
 
 SCHEDULED = ("seq_len", "truncation")  # the train keys a schedule may change
 
@@ -73,6 +75,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     compile: bool = False
+    cuda_graphs: bool = False  # the model's training call captured once per shape and replayed (capture.StepGraphs)
     eval_every: int = 200
     eval_batches: int = 10
     log_every: int = 10
@@ -387,6 +390,171 @@ class StopSignals:
 
 
 # ----------------------------------------------------------------------------------------------
+# the parts a trainer is built from: its process (device, rank), its data, the checks of its
+# model against the run, its throughput meter and its logs
+
+
+def join_processes(device_name: str) -> tuple[torch.device, int, int]:
+    """This process's device, rank and world size; under ``torchrun`` (WORLD_SIZE > 1), its own
+    GPU (LOCAL_RANK) and the process group joined (NCCL on CUDA, Gloo on the CPU)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = pick_device(device_name)
+    configure(device)
+    if world > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return device, rank, world
+
+
+@dataclass
+class RunData:
+    """The prepared data of a run: ``meta.json``, the memory-mapped train and validation tokens,
+    the tokenizer (and its JSON, saved with every checkpoint)."""
+
+    dir: Path
+    meta: dict[str, Any]
+    train_tokens: Any
+    val_tokens: Any
+    tokenizer: Any
+    tokenizer_json: str
+
+    @property
+    def key(self) -> str | None:
+        """What the data was made from (``DataConfig.source_key``), as ``prepare`` recorded it."""
+        return self.meta.get("source_key")
+
+
+def run_data(data: DataConfig, resumed: dict[str, Any] | None, rank: int, world: int) -> RunData:
+    """The run's data, prepared on first use (rank 0; the other ranks wait), then memory-mapped.
+    It must be what the run expects: for a resumed run, the data it started with (text files
+    deleted after they were prepared into an explicit data.dir cannot be checked), else the
+    configured source; a ``data.dir`` alone must hold prepared data."""
+    from .data import load_prepared, prepare
+
+    data_dir = data.resolved_dir()
+    if resumed is not None:
+        expected_key = resumed["train_json"].get("data_key")
+    else:
+        expected_key = data.source_key() if all(Path(f).is_file() for f in data.text_files) else None
+    if (data_dir / "meta.json").is_file():
+        found_key = json.loads((data_dir / "meta.json").read_text()).get("source_key")
+        if expected_key and found_key and found_key != expected_key:
+            what = (
+                "the data this run started with" if resumed is not None else "the configured data source and tokenizer"
+            )
+            fix = (
+                "point data.dir at the data this run started with"
+                if resumed is not None
+                else "to train on what it holds, leave out data.dataset and data.text_files (data.dir alone); "
+                "to prepare the configured source, point data.dir at another directory"
+            )
+            raise RecurformerError(
+                f"prepared data {data_dir} was made from other data than {what} (source key {found_key[:12]}, "
+                f"expected {expected_key[:12]}); {fix}"
+            )
+    else:
+        if not data.dataset and not data.text_files:
+            raise RecurformerError(
+                f"data.dir {data_dir} holds no prepared data (no meta.json): prepare it first "
+                f"(recurformer prepare --text FILE --out {data_dir}), or name the source to prepare there "
+                "(data.text_files or data.dataset)"
+            )
+        if rank == 0:
+            prepare(
+                data_dir,
+                dataset=data.dataset,
+                text_files=data.text_files or None,
+                tokenizer=data.tokenizer,
+                vocab_size=data.vocab_size,
+                text_field=data.text_field,
+            )
+        if world > 1:
+            dist.barrier()
+    meta, train_tokens, val_tokens, tokenizer = load_prepared(data_dir)
+    return RunData(data_dir, meta, train_tokens, val_tokens, tokenizer, (data_dir / "tokenizer.json").read_text())
+
+
+def check_model(model: StreamingLM, cfg: RunConfig, vocab_size: int) -> None:
+    """One line, before any step, where the model does not fit the run: a vocabulary smaller than
+    the data's, a segment length that is not a multiple of its chunk, or a carried state that
+    grows without bound."""
+    t = cfg.train
+    if model.config.vocab_size < vocab_size:
+        raise RecurformerError(f"model.vocab_size {model.config.vocab_size} < the data's vocabulary {vocab_size}")
+    if t.seq_len % model.reset_boundary:
+        boundary, key = model.reset_boundary, model.config.context_field
+        fix = (
+            f"set model.{key} to a divisor of {t.seq_len} or "
+            if getattr(model.config, key or "", None) == boundary
+            else ""
+        )
+        raise RecurformerError(
+            f"train.seq_len ({t.seq_len}) must be a multiple of the model's chunk/segment/block length ({boundary}): "
+            f"{fix}train.seq_len to a multiple of {boundary}"
+        )
+    if t.state == "carry" and not model.bounded_state:
+        raise RecurformerError(
+            f"{cfg.model['name']} carries a KV cache that grows without bound; train it with train.state=reset"
+        )
+
+
+class Throughput:
+    """Training tokens/s and the model FLOPs utilisation, mfu = mean tokens/s x FLOP per token /
+    (the machine's matmul peak x ranks) (PaLM, Chowdhery et al., "PaLM: Scaling Language Modeling
+    with Pathways", appendix B); the peak measured once and cached (``flops.reference_peak``).
+    Only training time counts: ``paused()`` holds the clock (evaluation, checkpoints)."""
+
+    def __init__(self, model: StreamingLM, seq_len: int, device: torch.device, precision: str, world: int) -> None:
+        self.flops_per_token = train_flops_per_token(model, seq_len, device)
+        bf16 = resolve_precision(precision, device) == "bf16"
+        self.peak_flops, self.peak_source = reference_peak(torch.bfloat16 if bf16 else torch.float32, device)
+        self.world = world
+        self.t0, self.tokens0 = time.perf_counter(), 0
+        self.run_time, self.run_tokens = 0.0, 0  # this process's training time and tokens, so far
+
+    def start(self, tokens: int) -> None:
+        self.t0, self.tokens0 = time.perf_counter(), tokens
+
+    def lap(self, tokens: int) -> tuple[float, float, float]:
+        """(tokens/s since the last lap, mean tokens/s of the run, mfu) at ``tokens`` seen."""
+        dt = time.perf_counter() - self.t0
+        tps = (tokens - self.tokens0) / max(dt, 1e-9)
+        self.run_time, self.run_tokens = self.run_time + dt, self.run_tokens + tokens - self.tokens0
+        mean = self.run_tokens / max(self.run_time, 1e-9)
+        self.start(tokens)
+        return tps, mean, mean * self.flops_per_token / (self.peak_flops * self.world)
+
+    @contextlib.contextmanager
+    def paused(self) -> Any:
+        paused = time.perf_counter()
+        yield
+        self.t0 += time.perf_counter() - paused
+
+
+class RunLog:
+    """The run's metric sinks (``loggers.make_sinks``; rank 0 only, none elsewhere): ``log``
+    writes a record to each, a failed write is one line naming the run directory."""
+
+    def __init__(self, sinks: list[Any], out_dir: Path) -> None:
+        self.sinks, self.out_dir = sinks, out_dir
+
+    def log(self, record: dict[str, Any]) -> None:
+        try:
+            for sink in self.sinks:
+                sink.log(record, record["step"])
+        except OSError as e:
+            raise RecurformerError(f"cannot write the run's logs in {self.out_dir}: {e.strerror or e}") from None
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 class Trainer:
@@ -407,111 +575,43 @@ class Trainer:
         stop: StopSignals | None = None,
         style: str = "cli",
     ) -> None:
-        from .data import load_prepared, prepare
-
-        self.cfg = cfg
-        self.style = style
-        t = cfg.train
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
-        self.device = pick_device(t.device)
-        configure(self.device)
-        if self.world > 1:
-            if self.device.type == "cuda":
-                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-                torch.cuda.set_device(self.device)
-            if not dist.is_initialized():
-                dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
+        self.cfg, self.style, t = cfg, style, cfg.train
+        self.device, self.rank, self.world = join_processes(t.device)
+        if t.cuda_graphs and (self.device.type != "cuda" or self.world > 1):
+            where = f"on {self.world} processes" if self.device.type == "cuda" else f"on {self.device}"
+            raise RecurformerError(
+                f"train.cuda_graphs needs one process on a CUDA GPU; this run trains {where} (set train.cuda_graphs=false)"
+            )
         self.show_progress = show_progress and self.rank == 0
         self.out_dir = Path(t.out_dir)
-
         resumed = ckpt.load_checkpoint(resume, with_train_state=True) if resume else None
-        if resumed is not None:
-            saved = resumed["config"]
-            if saved.get("model", {}).get("name") != cfg.model["name"]:
-                raise RecurformerError(
-                    f"checkpoint {resumed['dir']} holds a '{saved.get('model', {}).get('name')}' model, the config asks for '{cfg.model['name']}'"
-                )
+        if resumed is not None and (saved := resumed["config"].get("model", {}).get("name")) != cfg.model["name"]:
+            raise RecurformerError(
+                f"checkpoint {resumed['dir']} holds a '{saved}' model, the config asks for '{cfg.model['name']}'"
+            )
         self.resumed_from: Path | None = resumed["dir"] if resumed is not None else None
         if self.rank == 0:  # before the data is prepared: fail fast
             ckpt.claim_run_dir(self.out_dir, resumed, overwrite, style)
-
-        # data: prepared on first use (rank 0), then memory-mapped
-        data_dir = cfg.data.resolved_dir()
-        # the data must be what the run expects: a resumed run, the data it started with (text files
-        # deleted after they were prepared into an explicit data.dir cannot be checked)
-        if resumed is not None:
-            expected_key = resumed["train_json"].get("data_key")
-        else:
-            expected_key = cfg.data.source_key() if all(Path(f).is_file() for f in cfg.data.text_files) else None
-        if (data_dir / "meta.json").is_file():
-            found_key = json.loads((data_dir / "meta.json").read_text()).get("source_key")
-            if expected_key and found_key and found_key != expected_key:
-                what = (
-                    "the data this run started with"
-                    if resumed is not None
-                    else "the configured data source and tokenizer"
-                )
-                fix = (
-                    "point data.dir at the data this run started with"
-                    if resumed is not None
-                    else "to train on what it holds, leave out data.dataset and data.text_files (data.dir alone); "
-                    "to prepare the configured source, point data.dir at another directory"
-                )
-                raise RecurformerError(
-                    f"prepared data {data_dir} was made from other data than {what} (source key {found_key[:12]}, "
-                    f"expected {expected_key[:12]}); {fix}"
-                )
-        else:
-            if not cfg.data.dataset and not cfg.data.text_files:
-                raise RecurformerError(
-                    f"data.dir {data_dir} holds no prepared data (no meta.json): prepare it first "
-                    f"(recurformer prepare --text FILE --out {data_dir}), or name the source to prepare there "
-                    "(data.text_files or data.dataset)"
-                )
-            if self.rank == 0:
-                prepare(
-                    data_dir,
-                    dataset=cfg.data.dataset,
-                    text_files=cfg.data.text_files or None,
-                    tokenizer=cfg.data.tokenizer,
-                    vocab_size=cfg.data.vocab_size,
-                    text_field=cfg.data.text_field,
-                )
-            if self.world > 1:
-                dist.barrier()
-        self.meta, train_tokens, self.val_tokens, self.tokenizer = load_prepared(data_dir)
-        self.data_dir = data_dir
-        self.data_key: str | None = self.meta.get("source_key")
-        self.tokenizer_json = (data_dir / "tokenizer.json").read_text()
+        self.data = run_data(cfg.data, resumed, self.rank, self.world)
+        self.meta, self.val_tokens, self.tokenizer, self.data_dir = (
+            self.data.meta,
+            self.data.val_tokens,
+            self.data.tokenizer,
+            self.data.dir,
+        )
 
         torch.manual_seed(t.seed)
-        self.model = build_from_run_config(cfg, self.meta["vocab_size"]).to(self.device)
-        if self.model.config.vocab_size < self.meta["vocab_size"]:
-            raise RecurformerError(
-                f"model.vocab_size {self.model.config.vocab_size} < the data's vocabulary {self.meta['vocab_size']}"
-            )
+        self.model = build_from_run_config(cfg, self.data.meta["vocab_size"]).to(self.device)
+        check_model(self.model, cfg, self.data.meta["vocab_size"])
         self.model.check_tokens = False  # every token id of the data is < its vocabulary: no per-step check
-        if t.seq_len % self.model.reset_boundary:
-            boundary, key = self.model.reset_boundary, self.model.config.context_field
-            fix = (
-                f"set model.{key} to a divisor of {t.seq_len} or "
-                if getattr(self.model.config, key or "", None) == boundary
-                else ""
-            )
-            raise RecurformerError(
-                f"train.seq_len ({t.seq_len}) must be a multiple of the model's chunk/segment/block length ({boundary}): "
-                f"{fix}train.seq_len to a multiple of {boundary}"
-            )
-        if t.state == "carry" and not self.model.bounded_state:
-            raise RecurformerError(
-                f"{cfg.model['name']} carries a KV cache that grows without bound; train it with train.state=reset"
-            )
         self.opt = make_optimizer(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2))
-        # tokens/s as a fraction of this machine's matmul peak, measured once and cached (flops.py)
-        self.flops_per_token = train_flops_per_token(self.model, t.seq_len, self.device)
-        bf16 = resolve_precision(t.precision, self.device) == "bf16"
-        self.peak_flops, self.peak_source = reference_peak(torch.bfloat16 if bf16 else torch.float32, self.device)
+        self.update = Update(self.model, self.opt, t.lr, t.min_lr, t.warmup, t.steps, t.grad_clip)
+        self.meter = Throughput(self.model, t.seq_len, self.device, t.precision, self.world)
+        self.flops_per_token, self.peak_flops, self.peak_source = (
+            self.meter.flops_per_token,
+            self.meter.peak_flops,
+            self.meter.peak_source,
+        )
         if t.compile:
             self.model.compile_layers()
         self.ddp: torch.nn.Module = self.model
@@ -520,8 +620,11 @@ class Trainer:
 
             # the carried state is not a module buffer, and buffers are not broadcast either
             self.ddp = DDP(self.model, broadcast_buffers=False)
+        self.graphs: StepGraphs | None = None  # the training calls as captured steps (capture_steps)
+        self._said: set[str] = set()  # the one-time notes already given (_note)
+        if t.cuda_graphs:
+            self.capture_steps("cuda")
 
-        self.train_tokens = train_tokens
         self.streams: Any = self._make_streams(t.seq_len, t.seed)
         self.state: State | None = None
         self._unread: torch.Tensor | None = None  # train_step's losses not yet read (read_loss)
@@ -531,13 +634,28 @@ class Trainer:
         if resumed is not None:
             self._restore(resumed)
         self.stop = stop or StopSignals()  # installed by run(); by train_main from the start
-        self.sinks: list[Any] = []
+        self.logs = RunLog([], self.out_dir)
         self.header: list[str] = []
         self.existing = ckpt.entries(self.out_dir)  # what the run directory held before this run
         if self.rank == 0:
             ckpt.open_run_dir(self.out_dir, resumed["dir"].parent if resumed is not None else None, self.step)
-            self.sinks, notes = loggers.make_sinks(t.loggers, self.out_dir, self._config_dict())
+            sinks, notes = loggers.make_sinks(t.loggers, self.out_dir, self._config_dict())
+            self.logs = RunLog(sinks, self.out_dir)
             self.header = loggers.run_header(self, notes)
+
+    def capture_steps(self, backend: Backend) -> None:
+        """Train through captured steps (``capture.StepGraphs``; ``train.cuda_graphs``: the cuda
+        backend), the optimizer eager; unless a carried state would need a graph per step (layers
+        that read absolute positions): then one line, and training stays eager."""
+        t = self.cfg.train
+        graphs = StepGraphs(self.model, t.grad_accum, backend)
+        if t.state == "carry" and not graphs.shift:
+            self._note(
+                f"train.cuda_graphs: {self.cfg.model['name']} reads absolute positions, so a carried state would "
+                "need a graph per step; training runs eager (train.state=reset captures once)"
+            )
+            return
+        self.graphs = graphs
 
     def _make_streams(self, seq_len: int, seed: int) -> Any:
         from .data import ContiguousStreams, ShuffledWindows
@@ -545,15 +663,15 @@ class Trainer:
         t = self.cfg.train
         if t.data_order == "contiguous":
             return ContiguousStreams(
-                self.train_tokens,
+                self.data.train_tokens,
                 t.batch_size,
                 seq_len,
                 rank=self.rank,
                 world_size=self.world,
-                bos_id=self.meta["bos_id"],
+                bos_id=self.data.meta["bos_id"],
             )
         return ShuffledWindows(
-            self.train_tokens, t.batch_size, seq_len, rank=self.rank, world_size=self.world, seed=seed
+            self.data.train_tokens, t.batch_size, seq_len, rank=self.rank, world_size=self.world, seed=seed
         )
 
     def _apply_schedule(self) -> int:
@@ -587,7 +705,7 @@ class Trainer:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "world_size": self.world, "data_key": self.data_key}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "world_size": self.world, "data_key": self.data.key}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if sd.get("world_size", 1) != self.world:
@@ -610,7 +728,7 @@ class Trainer:
             self.step,
             weights,
             self._config_dict(),
-            self.tokenizer_json,
+            self.data.tokenizer_json,
             {k: v for k, v in train.items() if isinstance(v, torch.Tensor)},
             {k: v for k, v in train.items() if not isinstance(v, torch.Tensor)},
             keep_last=self.cfg.train.keep_last,
@@ -628,30 +746,78 @@ class Trainer:
     def _segment(
         self, batch: Any, state: State | None, index: int = 0, evaluating: bool = False
     ) -> tuple[torch.Tensor, State]:
-        """Loss and state after segment ``index`` of the step: a fresh state in ``reset`` mode or at
-        the start, rows whose stream wrapped reset (in training, from ``train.state_init``), the
+        """Loss and state after segment ``index`` of the step, read from ``_read_from``; the
         forward under autocast; ``evaluating``: the model itself (no DDP), from the zero state."""
+        state = self._read_from(batch, state, index, evaluating)
+        x, y = to_device(batch.x, self.device), to_device(batch.y, self.device)
+        if evaluating:  # the model itself (no DDP), one call, its logits checked finite
+            out = next(self.model.read(x, x.shape[1], state, y, self.cfg.train.precision))
+        else:
+            with autocast_context(self.cfg.train.precision, self.device):
+                out = self.ddp(x, state=state, targets=y)
+        assert out.loss is not None  # targets were given
+        return out.loss, out.state
+
+    def _read_from(self, batch: Any, state: State | None, index: int = 0, evaluating: bool = False) -> State:
+        """The state segment ``index`` of the step reads from: a fresh state in ``reset`` mode or
+        at the start, rows whose stream wrapped reset (in training, from ``train.state_init``)."""
         t = self.cfg.train
         if (
             t.state_init != "zero" and not evaluating
         ):  # rows that start a document take a noisy or another stream's state
             rows = torch.ones(t.batch_size, dtype=torch.bool) if t.state == "reset" else batch.wrapped
-            gen = torch.Generator().manual_seed(((t.seed * 1_000_003 + self.step) * 4099 + index) * 1031 + self.rank)
-            state = initial_state(
-                self.model, t.state_init, rows, state, t.batch_size, self.device, gen, t.state_noise, t.state_init_share
+            seed = ((t.seed * 1_000_003 + self.step) * 4099 + index) * 1031 + self.rank
+            return start_state(
+                self.model,
+                t.state_init,
+                rows,
+                state,
+                t.batch_size,
+                self.device,
+                seed,
+                t.state_noise,
+                t.state_init_share,
             )
-        elif t.state == "reset" or state is None:
-            state = self.model.init_state(t.batch_size, self.device)
-        elif bool(batch.wrapped.any()):  # host data: no wait for the device
-            state = state.reset(batch.wrapped)  # a host mask, so the state knows on the host that a row is fresh
+        if t.state == "reset" or state is None:
+            return self.model.init_state(t.batch_size, self.device)
+        if bool(batch.wrapped.any()):  # host data: no wait for the device
+            return state.reset(batch.wrapped)  # a host mask, so the state knows on the host that a row is fresh
+        return state
+
+    def _replay(self, batch: Any, index: int) -> torch.Tensor:
+        """Segment ``index`` of a step of one-segment windows through the captured step
+        (``self.graphs``): the same loss, gradients (of loss / grad_accum, accumulated) and
+        detached state as ``backprop`` over ``_segment``, which it falls back to, with one line,
+        for a call that cannot be captured or a capture that fails (then for the rest of the run)."""
+        t = self.cfg.train
+        state = self._read_from(batch, self.state, index)
         x, y = to_device(batch.x, self.device), to_device(batch.y, self.device)
-        if evaluating:  # one call, its logits checked finite
-            out = next(self.model.read(x, x.shape[1], state, y, t.precision))
-        else:
+        if self.graphs is not None and self.graphs.aligned(x, state):
+            try:
+                with autocast_context(t.precision, self.device):
+                    loss, self.state = self.graphs(x, y, state)
+                return loss
+            except CaptureFailed as e:
+                self._note(f"train.cuda_graphs: {e}; training goes on eager")
+                self.graphs = None
+        elif self.graphs is not None:
+            self._note(
+                f"train.cuda_graphs: a call of {x.shape[1]} tokens at position {state.pos} is not aligned; it runs eager"
+            )
+
+        def forward(i: int, state: State | None) -> tuple[torch.Tensor, State]:
             with autocast_context(t.precision, self.device):
-                out = self.ddp(x, state=state, targets=y)
-        assert out.loss is not None  # targets were given
-        return out.loss, out.state
+                out = self.model(x, state=state, targets=y)
+            return out.loss, out.state
+
+        losses, self.state = backprop(forward, [1], state, t.grad_accum)
+        return losses[0]
+
+    def _note(self, msg: str) -> None:
+        """``msg`` on stderr (rank 0), once per run."""
+        if self.rank == 0 and msg not in self._said:
+            self._said.add(msg)
+            tqdm.write(msg, file=sys.stderr)
 
     def _mean_over_ranks(self, x: float) -> float:
         """The mean of ``x`` over the ranks, so that every rank logs (and stops on) the same number."""
@@ -667,31 +833,30 @@ class Trainer:
         unread, so the step queues its work without waiting for the device (the loop reads the
         loss once per log interval and before a checkpoint: ``read_loss``)."""
         t = self.cfg.train
-        lr = lr_at(self.step, t.lr, t.min_lr, t.warmup, t.steps)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        total: Any = 0.0
+        self.update.begin(self.step)
         truncation = self._apply_schedule()
         seq_len = self.streams.seq_len
-        groups = t.grad_accum // truncation
-        for gi in range(groups):
-            sync = gi == groups - 1
-            # self.ddp is a DistributedDataParallel when world > 1
-            ctx = self.ddp.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()  # type: ignore[operator]
-            with ctx:
-                loss_sum = torch.zeros((), device=self.device)
-                state = self.state
-                for si in range(truncation):
-                    loss, state = self._segment(self.streams.next_batch(), state, gi * truncation + si)
-                    loss_sum = loss_sum + loss
-                assert state is not None
-                (loss_sum / t.grad_accum).backward()
-                self.state = state.detach()  # the TBPTT boundary
-                total = total + loss_sum.detach()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+
+        def sync_last(window: int) -> Any:  # DDP all-reduces the gradients in the step's last window only
+            last = window == t.grad_accum // truncation - 1
+            return self.ddp.no_sync() if (self.world > 1 and not last) else contextlib.nullcontext()  # type: ignore[operator]
+
+        if self.graphs is not None and truncation > 1:
+            self._note(
+                f"train.cuda_graphs: truncation {truncation} backpropagates through several calls; those steps run eager"
+            )
+        if self.graphs is not None and truncation == 1:
+            losses = [self._replay(self.streams.next_batch(), i) for i in range(t.grad_accum)]
+        else:
+            losses, self.state = backprop(
+                lambda i, state: self._segment(self.streams.next_batch(), state, i),
+                [truncation] * (t.grad_accum // truncation),
+                self.state,
+                t.grad_accum,
+                sync_last,
+            )
+        self.update.finish()
+        total: Any = sum(losses)
         self.step += 1
         self.tokens_seen += t.grad_accum * t.batch_size * seq_len * self.world
         mean = (total / t.grad_accum).float()
@@ -734,17 +899,8 @@ class Trainer:
         self.model.train()
         return self._mean_over_ranks(float(np.mean(losses)))
 
-    def log(self, record: dict[str, Any]) -> None:
-        try:
-            for sink in self.sinks:
-                sink.log(record, record["step"])
-        except OSError as e:
-            raise RecurformerError(f"cannot write the run's logs in {self.out_dir}: {e.strerror or e}") from None
-
     def close_loggers(self) -> None:
-        for sink in self.sinks:
-            sink.close()
-        self.sinks = []
+        self.logs.close()
 
     def _say(self, msg: str) -> None:
         if self.show_progress:
@@ -794,25 +950,18 @@ class Trainer:
     def _loop(self, bar: Any) -> dict[str, Any]:
         t = self.cfg.train
         last: dict[str, Any] = {}
-        t0, tok0 = time.perf_counter(), self.tokens_seen
-        run_time, run_tokens = 0.0, 0  # training time (no eval, no saving) and tokens of this process's steps
+        self.meter.start(self.tokens_seen)
         while self.step < t.steps:
             loss_t = self.train_step(read=False)  # no wait for the device until the log interval
             bar.update(1)
             if self.step % t.log_every == 0 or self.step == t.steps:
                 loss = self.read_loss(loss_t)  # waits for the queued steps, so the clock below counts them
-                dt = time.perf_counter() - t0
-                tps = (self.tokens_seen - tok0) / max(dt, 1e-9)  # over the steps since the previous log line
-                run_time, run_tokens = run_time + dt, run_tokens + self.tokens_seen - tok0
-                mean_tps = run_tokens / max(run_time, 1e-9)
-                t0, tok0 = time.perf_counter(), self.tokens_seen
-                mfu = mean_tps * self.flops_per_token / (self.peak_flops * self.world)
-                lr = lr_at(self.step - 1, t.lr, t.min_lr, t.warmup, t.steps)
+                tps, mean_tps, mfu = self.meter.lap(self.tokens_seen)
                 # tok_per_s: the last log interval's rate; mean_tok_per_s and mfu: the run so far
                 last = {
                     "step": self.step,
                     "loss": loss,
-                    "lr": lr,
+                    "lr": self.update.lr_at(self.step - 1),
                     "tokens": self.tokens_seen,
                     "tok_per_s": tps,
                     "mean_tok_per_s": mean_tps,
@@ -821,25 +970,24 @@ class Trainer:
                 bar.set_postfix(
                     loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mean_tok_s=f"{mean_tps:,.0f}", mfu=f"{mfu:.0%}"
                 )
-                self.log(last)
-            paused = time.perf_counter()  # tokens/s counts training time only
-            if self.step % t.eval_every == 0 or self.step == t.steps:
-                val = self.evaluate()
-                last = {**last, "step": self.step, "val_loss": val}
-                self.log({"step": self.step, "val_loss": val, "tokens": self.tokens_seen})
-                self._say(f"step {self.step}: val loss {val:.4f}")
-            stop = self._stop_requested() if self.step < t.steps else None  # a finished run just finishes
-            if self.step % t.save_every == 0 or self.step == t.steps or stop:
-                if self._unread is not None:  # never save a model whose loss went non-finite
-                    self.read_loss(loss_t)
-                path = self.save()
-                if path is not None:
-                    self._say(f"saved {path}")
-            if stop:
-                raise TrainingInterrupted(
-                    stop, self.step, self.out_dir / f"step_{self.step:06d}", self.out_dir, self.style
-                )
-            t0 += time.perf_counter() - paused
+                self.logs.log(last)
+            with self.meter.paused():  # tokens/s counts training time only
+                if self.step % t.eval_every == 0 or self.step == t.steps:
+                    val = self.evaluate()
+                    last = {**last, "step": self.step, "val_loss": val}
+                    self.logs.log({"step": self.step, "val_loss": val, "tokens": self.tokens_seen})
+                    self._say(f"step {self.step}: val loss {val:.4f}")
+                stop = self._stop_requested() if self.step < t.steps else None  # a finished run just finishes
+                if self.step % t.save_every == 0 or self.step == t.steps or stop:
+                    if self._unread is not None:  # never save a model whose loss went non-finite
+                        self.read_loss(loss_t)
+                    path = self.save()
+                    if path is not None:
+                        self._say(f"saved {path}")
+                if stop:
+                    raise TrainingInterrupted(
+                        stop, self.step, self.out_dir / f"step_{self.step:06d}", self.out_dir, self.style
+                    )
         return last
 
 

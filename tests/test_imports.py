@@ -28,7 +28,7 @@ FLOORS: list[list[str]] = [
         "data.sources",
     ],
     # 2: file formats and helpers on the state types
-    ["checkpoint", "flops", "data.prepare", "data.synthetic"],
+    ["checkpoint", "flops", "data.prepare", "data.synthetic", "capture"],
     ["data", "loggers"],
     # 4: loading models from disk or the Hub (the Hub methods of a model, as a mixin)
     ["hub"],
@@ -37,11 +37,16 @@ FLOORS: list[list[str]] = [
     # 6: the model around a stack of layers
     ["nn"],
     # 7: what reads a model; Llama, which other architectures build on
-    ["layers", "evaluate", "probe", "models.llama", "hf", "lm_eval", "curriculum", "capture"],
+    ["layers", "evaluate", "probe", "models.llama", "hf", "lm_eval", "curriculum"],
     # 8: the architectures (``models.*`` files not named elsewhere live on this floor too)
     [],
     ["models", "reference"],
-    ["statesize", "readout", "niah"],  # measure a built model: its state; whether it reads its memory (a command)
+    [
+        "statesize",
+        "tbptt",
+        "readout",
+        "niah",
+    ],  # measure a built model: its state; one step of truncated BPTT; whether it reads its memory
     ["synth", "train"],
     ["api"],
     ["__init__"],  # the package's public names

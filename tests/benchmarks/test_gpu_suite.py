@@ -53,8 +53,30 @@ def test_dry_run_writes_every_stage(tmp_path: Path) -> None:
         ]
     assert {n: x["checkpoint_step"] for n, x in r["paper"]["runs"].items()} == dict.fromkeys(gpu_suite.PAPER_RUNS, 2)
     assert set(r["paper"]["eval"]["results"]) == set(gpu_suite.PAPER_RUNS)
+    # graphed training and decoding: the capture protocol's gradients equal eager ones under
+    # accumulation 2 for every model, and every row measured both kinds
+    graphs = {x["model"]: x for x in r["graphs"]["rows"]}
+    assert set(graphs) == set(gpu_suite.GRAPH_MODELS), r["graphs"]
+    for x in graphs.values():
+        assert x["grad_check"]["ok"] and x["grad_check"]["max_diff_over_max_grad"] == 0.0, x
+        assert all(
+            x["train"][k]["tokens_per_s"] > 0 and x["generate"][k]["tokens_per_s"] > 0 for k in ("eager", "graphed")
+        )
+        assert all(x["profile"][k]["operators"] > 0 for k in ("eager", "graphed"))
     summary = (tmp_path / "summary.md").read_text()
     assert all(f"## {n}" in summary for n in gpu_suite.STAGES)
+
+
+def test_graphs_stage_measures_only_the_models_a_partial_json_lacks(tmp_path: Path) -> None:
+    """A first call cut off after four models (and during the fifth): the second call keeps the
+    four rows, measures the fifth again, and rewrites graphs.json after it."""
+    kept = [dict(model=n, train={}, generate={"eager": {}}) for n in gpu_suite.GRAPH_MODELS if n != "memory_attention"]
+    cut = dict(model="memory_attention", train={})  # no generate: cut off
+    (tmp_path / "graphs.json").write_text(json.dumps(dict(status="partial", result=dict(rows=[*kept, cut]))))
+    ctx = gpu_suite.Ctx(out=tmp_path, dry=True, device=torch.device("cpu"), seconds=300, scratch=tmp_path)
+    r = gpu_suite.stage_graphs(ctx)
+    assert r["rows"][:4] == kept and r["rows"][4]["model"] == "memory_attention" and "generate" in r["rows"][4], r
+    assert json.loads((tmp_path / "graphs.json").read_text())["result"]["rows"] == r["rows"]
 
 
 def test_tests_stage_counts_what_ran(tmp_path: Path) -> None:
