@@ -12,9 +12,9 @@ from helpers import TEST_CONFIGS
 
 import recurformer.capture as capture
 from recurformer import RecurformerError
-from recurformer.api import generate_text
 from recurformer.capture import DecodeGraphs
-from recurformer.generate import new_session, stream
+from recurformer.cli import main as cli_main
+from recurformer.generate import generate_text, new_session, stream
 from recurformer.models import build_model, model_names
 from recurformer.nn import StreamingLM
 
@@ -41,10 +41,7 @@ def test_the_models_held_are_the_bounded_shift_invariant_ones() -> None:
 
 @pytest.mark.parametrize("backend", ["eager", "trace"])
 @pytest.mark.parametrize("name", HELD)
-def test_captured_decoding_generates_what_the_model_does(name, backend, request) -> None:
-    if name == "rmt" and backend == "trace":  # strict: passes, and so fails, once RMT no longer reads the device
-        reason = "RMT's own layer pass reads the device inside a segment (bool(state.fresh.any()))"
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+def test_captured_decoding_generates_what_the_model_does(name, backend) -> None:
     model = make(name)
     n = 2 * model.reset_boundary + 3
     want, want_logits = decode(model, None, n)
@@ -79,10 +76,14 @@ def test_a_failed_capture_is_one_line_and_decoding_goes_on(monkeypatch) -> None:
     assert "CUDA out of memory. Tried to allocate 1.00 GiB" in notes[0] and "eagerly" in notes[0]
 
 
-def test_cuda_graphs_on_the_cpu_is_one_line_before_any_work(tmp_path) -> None:
+def test_cuda_graphs_on_the_cpu_is_one_line_before_any_work(tmp_path, capsys) -> None:
     with pytest.raises(RecurformerError) as e:  # no such checkpoint: the flag is refused before it is read
-        generate_text(tmp_path / "missing", "hi", cuda_graphs=True, device="cpu", style="cli")
-    assert str(e.value).count("\n") == 0 and "--cuda-graphs needs a CUDA GPU" in str(e.value), e.value
+        generate_text(tmp_path / "missing", "hi", cuda_graphs=True, device="cpu")
+    assert str(e.value).count("\n") == 0 and "cuda_graphs needs a CUDA GPU" in str(e.value), e.value
+    argv = ["generate", "--checkpoint", str(tmp_path / "missing"), "--cuda-graphs", "--device", "cpu"]
+    assert cli_main(argv) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--cuda-graphs needs a CUDA GPU" in err, err
 
 
 def test_a_replay_leaves_the_states_it_returned_alone() -> None:
