@@ -71,7 +71,7 @@ def train(
     from .train import train_main
 
     resumed = str(resume) if resume is not None else None
-    trainer, metrics = train_main(config, _overrides(overrides), resumed, overwrite, progress, "python")
+    trainer, metrics = train_main(config, _overrides(overrides), resumed, overwrite, progress)
     try:
         last = ckpt.resolve(trainer.out_dir)
     except RecurformerError:

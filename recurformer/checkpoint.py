@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .compat import FORMAT, upgrade_weights
-from .config import RecurformerError
+from .config import RecurformerError, opt
 from .files import atomic_dir, atomic_write_text
 from .files import atomic_write as atomic_write  # re-exported: its home is files.py
 from .files import check_writable as check_writable  # re-exported
@@ -289,23 +289,13 @@ def copy_metrics(source: Path, target: Path, until: int) -> None:
     atomic_write_text(target, text, "metrics file")
 
 
-def spelled(style: str, key: str, value: str = "") -> str:
-    """An option of ``train`` / ``export`` as its caller writes it (``style``, as in
-    ``config.option_name``): ``--resume DIR``, ``--overwrite``, ``--set train.out_dir=DIR`` on the
-    command line (``"cli"``); ``resume=DIR``, ``overwrite=True``, ``train={"out_dir": DIR}`` in Python."""
-    section, _, name = key.rpartition(".")
-    if style == "cli":
-        return f"--set {key}={value}" if section else f"--{key.replace('_', '-')}" + (f" {value}" if value else "")
-    return f'{section}={{"{name}": {value}}}' if section else f"{key}={value or True}"
-
-
-def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool, style: str = "cli") -> None:
-    """Refuse (one line, its options spelled for ``style``) to write into a run directory that is
+def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool) -> None:
+    """Refuse (one line, naming its options with ``config.opt``) to write into a run directory that is
     not writable, or that holds a model of its own (an exported or pretrained directory: never
     replaced), another run, or checkpoints beyond the resumed step (``resumed`` is what
     ``load_checkpoint`` returned with the train state); with ``overwrite``, delete those."""
     check_writable(out, "run directory", is_dir=True)
-    elsewhere = spelled(style, "train.out_dir", "DIR")
+    elsewhere = opt("train.out_dir", "DIR", True)
     if (out / "model.safetensors").is_file():
         raise RecurformerError(
             f"{out} holds a model (model.safetensors: an exported or pretrained directory), not a run; "
@@ -317,8 +307,8 @@ def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool, st
         if later and not overwrite:
             raise RecurformerError(
                 f"{out} has checkpoints after step {step} ({', '.join(later)}); continuing from step {step} would mix two "
-                f"histories: resume the newest with {spelled(style, 'resume', quoted(out, style))}, write elsewhere "
-                f"with {elsewhere}, or pass {spelled(style, 'overwrite')} to delete them"
+                f"histories: resume the newest with {opt('resume', str(out))}, write elsewhere "
+                f"with {elsewhere}, or pass {opt('overwrite', True)} to delete them"
             )
         if later:
             clear_run(out, keep_until=step)
@@ -327,21 +317,16 @@ def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool, st
     if found and not overwrite and not checkpoints(out):  # e.g. a run killed before its first save
         raise RecurformerError(
             f"{out} holds the logs of a run that wrote no checkpoint ({', '.join(found)}), so nothing to resume; "
-            f"train into another directory ({elsewhere}), or pass {spelled(style, 'overwrite')} to replace them"
+            f"train into another directory ({elsewhere}), or pass {opt('overwrite', True)} to replace them"
         )
     if found and not overwrite:
-        how = f"continue it with {spelled(style, 'resume', quoted(out, style))}, " if resumed is None else ""
+        how = f"continue it with {opt('resume', str(out))}, " if resumed is None else ""
         raise RecurformerError(
             f"{out} already holds a run ({', '.join(found[-3:])}); {how}train into another directory "
-            f"({elsewhere}), or pass {spelled(style, 'overwrite')} to replace it"
+            f"({elsewhere}), or pass {opt('overwrite', True)} to replace it"
         )
     if found:
         clear_run(out)
-
-
-def quoted(path: Path | str, style: str) -> str:
-    """``path`` as a value of ``spelled``: as is on the command line, a string literal in Python."""
-    return str(path) if style == "cli" else repr(str(path))
 
 
 def entries(out: Path) -> set[str] | None:

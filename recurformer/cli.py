@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recurformer: error: {cli_spelling(args.command)(ValueError.__str__(e))}", file=sys.stderr)
         return 2
     except TrainingInterrupted as e:
-        print(f"recurformer: {e}", file=sys.stderr)
+        print(f"recurformer: {e.said(cli=True)}", file=sys.stderr)
         return 128 + e.signum
     except (KeyboardInterrupt, _Terminated) as e:
         print("recurformer: interrupted", file=sys.stderr)

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from . import checkpoint as ckpt
 from . import loggers
 from .capture import Backend, CaptureFailed, StepGraphs
-from .config import RecurformerError, check_options, from_dict, load_yaml, merge, parse_overrides, suggest
+from .config import RecurformerError, check_options, from_dict, load_yaml, merge, opt, parse_overrides, suggest
 from .curriculum import Schedule, check_state_init_share, schedule_from
 from .data import DataConfig
 from .device import autocast_context, configure, out_of_memory, pick_device, resolve_precision, to_device
@@ -338,20 +338,21 @@ class CarriedState:
 
 
 class TrainingInterrupted(Exception):
-    """SIGINT or SIGTERM stopped training (after writing a checkpoint, when there was a step to save)."""
+    """SIGINT or SIGTERM stopped training (after writing a checkpoint, when there was a step to save);
+    ``str``: the message with the Python call that resumes, ``said(cli=True)``: with the command."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None, run_dir: Path, style: str = "cli") -> None:
-        self.signum = signum
-        name = signal.Signals(signum).name
-        if checkpoint is None:
-            super().__init__(f"stopped by {name} before training step {step + 1}; nothing new to save")
-        else:
-            how = (
-                f"recurformer train --resume {run_dir}"
-                if style == "cli"
-                else f"recurformer.train({ckpt.spelled(style, 'resume', ckpt.quoted(run_dir, style))})"
-            )
-            super().__init__(f"stopped by {name} after step {step}; saved {checkpoint}; continue with: {how}")
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, run_dir: Path) -> None:
+        self.signum, self.step, self.checkpoint, self.run_dir = signum, step, checkpoint, run_dir
+        super().__init__(self.said(cli=False))
+
+    def said(self, cli: bool) -> str:
+        name = signal.Signals(self.signum).name
+        if self.checkpoint is None:
+            return f"stopped by {name} before training step {self.step + 1}; nothing new to save"
+        how = (
+            f"recurformer train --resume {self.run_dir}" if cli else f"recurformer.train(resume={str(self.run_dir)!r})"
+        )
+        return f"stopped by {name} after step {self.step}; saved {self.checkpoint}; continue with: {how}"
 
 
 class StopNow(KeyboardInterrupt):
@@ -563,8 +564,8 @@ class Trainer:
 
     ``train.out_dir`` is never silently reused: it must not hold another run, unless ``resume``
     continues that very run (from its newest checkpoint, or from an older one when ``overwrite``
-    allows deleting the later ones) or ``overwrite`` allows replacing it. Messages name options as
-    ``style`` does (``"cli"``: ``--resume``; ``"python"``: ``resume=``)."""
+    allows deleting the later ones) or ``overwrite`` allows replacing it. Messages name options
+    with ``config.opt`` (``--resume`` on the command line, ``resume=`` in Python)."""
 
     def __init__(
         self,
@@ -573,9 +574,8 @@ class Trainer:
         show_progress: bool = True,
         overwrite: bool = False,
         stop: StopSignals | None = None,
-        style: str = "cli",
     ) -> None:
-        self.cfg, self.style, t = cfg, style, cfg.train
+        self.cfg, t = cfg, cfg.train
         self.device, self.rank, self.world = join_processes(t.device)
         if t.cuda_graphs and (self.device.type != "cuda" or self.world > 1):
             where = f"on {self.world} processes" if self.device.type == "cuda" else f"on {self.device}"
@@ -591,7 +591,7 @@ class Trainer:
             )
         self.resumed_from: Path | None = resumed["dir"] if resumed is not None else None
         if self.rank == 0:  # before the data is prepared: fail fast
-            ckpt.claim_run_dir(self.out_dir, resumed, overwrite, style)
+            ckpt.claim_run_dir(self.out_dir, resumed, overwrite)
         self.data = run_data(cfg.data, resumed, self.rank, self.world)
         self.meta, self.val_tokens, self.tokenizer, self.data_dir = (
             self.data.meta,
@@ -922,12 +922,12 @@ class Trainer:
             if self.resumed_from is not None and self.step >= t.steps:
                 self._say(
                     f"{self.resumed_from} is already at step {self.step} of train.steps={t.steps}: the run is finished "
-                    f"(raise it with {ckpt.spelled(self.style, 'train.steps', 'N')} to train further)"
+                    f"(raise it with {opt('train.steps', 'N', True)} to train further)"
                 )
                 return {}
             stop = self._stop_requested()
             if stop:  # a signal while the run was being set up
-                raise TrainingInterrupted(stop, self.step, None, self.out_dir, self.style)
+                raise TrainingInterrupted(stop, self.step, None, self.out_dir)
             if self.show_progress:
                 print("\n".join(self.header), flush=True)
             else:  # without the header, still say why a run will be slow
@@ -985,9 +985,7 @@ class Trainer:
                     if path is not None:
                         self._say(f"saved {path}")
                 if stop:
-                    raise TrainingInterrupted(
-                        stop, self.step, self.out_dir / f"step_{self.step:06d}", self.out_dir, self.style
-                    )
+                    raise TrainingInterrupted(stop, self.step, self.out_dir / f"step_{self.step:06d}", self.out_dir)
         return last
 
 
@@ -1015,17 +1013,16 @@ def train_main(
     resume: str | None = None,
     overwrite: bool = False,
     show_progress: bool = True,
-    style: str = "cli",
 ) -> tuple[Trainer, dict[str, Any]]:
     """Train (or ``resume``) a run to ``train.steps``; returns the trainer and its last metrics.
     SIGINT/SIGTERM are handled from the start: a signal while the run is set up stops it before
     its first step. A run that fails before its first checkpoint takes its own files with it
     (``checkpoint.discard_unsaved``), so a retry finds no run in the way; running out of memory is
-    one line naming the sizes (``out_of_memory``). Errors name options as ``style`` does."""
+    one line naming the sizes (``out_of_memory``). Errors name options with ``config.opt``."""
     cfg = resolve_run_config(config, over, resume)
     stop = StopSignals()
-    with stop.installed(), out_of_memory(*training_sizes(cfg, style)):
-        trainer = Trainer(cfg, resume=resume, show_progress=show_progress, overwrite=overwrite, stop=stop, style=style)
+    with stop.installed(), out_of_memory(*training_sizes(cfg)):
+        trainer = Trainer(cfg, resume=resume, show_progress=show_progress, overwrite=overwrite, stop=stop)
         finished = False
         try:
             last = trainer.run()
@@ -1039,7 +1036,7 @@ def train_main(
                 dist.destroy_process_group()
 
 
-def training_sizes(cfg: RunConfig, style: str) -> tuple[str, str]:
+def training_sizes(cfg: RunConfig) -> tuple[str, str]:
     """What a training step holds in memory (model, streams x segment length) and what to lower,
     for ``out_of_memory``."""
     t, m = cfg.train, cfg.model
@@ -1049,8 +1046,8 @@ def training_sizes(cfg: RunConfig, style: str) -> tuple[str, str]:
     )
     doing = f"training {m['name']}{f' ({size})' if size else ''} at {per_step} tokens per backward pass"
     lower = (
-        f"lower train.batch_size ({ckpt.spelled(style, 'train.batch_size', str(max(1, t.batch_size // 2)))}; "
-        f"{ckpt.spelled(style, 'train.grad_accum', str(2 * t.grad_accum))} keeps the tokens per step) or "
+        f"lower train.batch_size ({opt('train.batch_size', max(1, t.batch_size // 2))}; "
+        f"{opt('train.grad_accum', 2 * t.grad_accum)} keeps the tokens per step) or "
         f"train.seq_len, or the model's size"
     )
     return doing, lower
