@@ -46,6 +46,7 @@ class _RMSNorm(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, float], output: tuple[Tensor, Tensor, Tensor]) -> None:
         _, r, n = output
         ctx.mark_non_differentiable(r, n)
+        ctx.set_materialize_grads(False)  # no zero gradients filled in for r and n
         ctx.save_for_backward(inputs[0], inputs[1], r, n)
 
     @staticmethod

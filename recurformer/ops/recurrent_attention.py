@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import Tensor
@@ -281,6 +281,24 @@ def _tiled_forward(
     return torch.cat(As, 2), torch.cat(lses, 2), (torch.cat(zs, 1), torch.cat(ks, 2), torch.cat(vs, 2))
 
 
+def finish_vjp(finish: Finish, a: Tensor, s: int, e: int, grads: Sequence[Tensor], traced: bool) -> Tensor:
+    """dL/da of finish's outputs (z, k, v) at a for their gradients ``grads``: finish recomputed
+    and its vector-Jacobian product taken with respect to a only. Eagerly through
+    ``torch.autograd.grad`` (the lighter call: one graph, no transform); under Dynamo
+    (``traced``) through ``torch.func.vjp``, which it traces where it cannot trace a nested
+    ``torch.autograd.grad`` (the training step then captures as one graph). The same numbers."""
+    if traced:
+        with torch.enable_grad():
+            outs, vjp = torch.func.vjp(lambda a_: finish(a_, s, e), a)
+        return cast(Tensor, vjp(tuple(g.to(o.dtype) for o, g in zip(outs, grads)))[0])
+    a = a.detach().requires_grad_()
+    with torch.enable_grad():
+        outs = finish(a, s, e)
+    pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, grads) if o.requires_grad]
+    (da,) = torch.autograd.grad([o for o, _ in pairs], a, [g for _, g in pairs], allow_unused=True)
+    return torch.zeros_like(a) if da is None else da
+
+
 class _TiledRecurrentAttention(torch.autograd.Function):
     """The backward of the tiled op. Its forward is the identity on z, k, v = finish(a) (computed
     over all positions at once by the caller, under autograd) and saves only inputs: the tiled
@@ -292,8 +310,7 @@ class _TiledRecurrentAttention(torch.autograd.Function):
     contribution of every later query that attended to (k_t, v_t). Those queries belong to the
     tiles whose key range holds t, i.e. tiles t' >= t, so running tile t's backward (dq of its
     queries, dk/dv of its keys, from the already known da of blocks > t) completes dk_t, dv_t;
-    then finish's vector-Jacobian product at a_t (``torch.func.vjp``: finish recomputed, no
-    autograd graph) gives da_t. The temporaries' and the cache's part of dq and their own
+    then finish's vector-Jacobian product at a_t (``finish_vjp``: finish recomputed) gives da_t. The temporaries' and the cache's part of dq and their own
     gradients are batched after the loop (the paper's §"The backward pass"). The gradients of
     what finish reads (layer input, parameters) are not computed here: the returned dk, dv
     (outputs' plus attention's) flow on through the caller's batched finish, whose autograd gives
@@ -367,10 +384,9 @@ class _Backward:
                 self.dv[:, :, k0:k1] += dv
             s0, e0 = edges[t], edges[t + 1]
             at = a[:, :, s0:e0]
-            with torch.enable_grad(), autocast():
-                outs, vjp = torch.func.vjp(lambda a_t: tiling.finish(a_t, s0, e0), at)
             grads = (dz[:, s0:e0], self.dk[:, :, s0:e0], self.dv[:, :, s0:e0])
-            (da,) = vjp(tuple(g.to(o.dtype) for o, g in zip(outs, grads)))
+            with autocast():
+                da = finish_vjp(tiling.finish, at, s0, e0, grads, torch.compiler.is_dynamo_compiling())
             self.da[:, :, s0:e0] = da
             self.delta[:, :, s0:e0] = (da * at).sum(-1)
 
@@ -439,8 +455,9 @@ def recurrent_attention_tiled(
     gradient (the layer input, the parameters); finish must act on each position separately.
     With it, the custom backward of ``_TiledRecurrentAttention`` runs: the tiled forward without
     a graph, then finish once over all positions under autograd (what the tensors finish reads
-    get their gradients through), O(N d) saved by the op, scores recomputed, and no
-    ``torch.autograd.grad`` inside (a training step traces as one graph). Plain autograd through the forward (O(N^2) saved scores and probabilities) is the
+    get their gradients through), O(N d) saved by the op, scores recomputed; under Dynamo without
+    ``torch.autograd.grad`` inside (a training step traces as one graph). Plain autograd through
+    the forward (O(N^2) saved scores and probabilities) is the
     fallback when ``finish_inputs`` is None (finish's closure unknown) or when ``bias_fn``'s output
     requires grad (a learned bias). The custom backward is once differentiable (no double
     backward) and recomputes finish, so finish must be deterministic."""
