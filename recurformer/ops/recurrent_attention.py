@@ -289,7 +289,7 @@ def finish_vjp(finish: Finish, a: Tensor, s: int, e: int, grads: Sequence[Tensor
     ``torch.autograd.grad`` (the training step then captures as one graph). The same numbers."""
     if traced:
         with torch.enable_grad():
-            outs, vjp = torch.func.vjp(lambda a_: finish(a_, s, e), a)
+            outs, vjp = torch.func.vjp(lambda a_: finish(a_, s, e), a)  # type: ignore[misc]
         return cast(Tensor, vjp(tuple(g.to(o.dtype) for o, g in zip(outs, grads)))[0])
     a = a.detach().requires_grad_()
     with torch.enable_grad():
@@ -473,7 +473,7 @@ def recurrent_attention_tiled(
         with torch.no_grad():
             a, lse, _ = _tiled_forward(tiling, *tensors, finish_last=False)
         z, k_grad, v_grad = finish(a, 0, q.shape[2])  # the same values, under autograd: see the class
-        return _TiledRecurrentAttention.apply(tiling, a, lse, z, k_grad, v_grad, *tensors)  # type: ignore[no-any-return]
+        return _TiledRecurrentAttention.apply(tiling, a, lse, z, k_grad, v_grad, *tensors)
     out = _tiled_forward(tiling, *tensors)[2]
     assert out is not None
     return out
