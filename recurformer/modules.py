@@ -35,16 +35,24 @@ class _RMSNorm(torch.autograd.Function):
     """y = n * g with n = (x r) in x's dtype, r = 1 / sqrt(mean(x^2) + eps) in at least float32,
     and its gradient written out: dg = sum(dy * n), dx = r (dn - x r^2 mean(dn * x)) with
     dn = dy * g. Fewer passes over x than autograd's graph of the same ops (pow, mean, rsqrt, two
-    products and their backwards); equal to it to rounding (tests/test_modules.py)."""
+    products and their backwards); equal to it to rounding (tests/test_modules.py). Returns
+    (y, r, n), r and n not differentiable; a separate ``setup_context`` lets ``torch.func``
+    transforms (``vjp``) run it."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    def forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
         r, n = _rms_normalize(x, eps)
-        ctx.save_for_backward(x, weight, r, n)
-        return n * weight
+        return n * weight, r, n
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, float], output: tuple[Tensor, Tensor, Tensor]) -> None:
+        _, r, n = output
+        ctx.mark_non_differentiable(r, n)
+        ctx.set_materialize_grads(False)  # no zero gradients filled in for r and n
+        ctx.save_for_backward(inputs[0], inputs[1], r, n)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor, *_: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, weight, r, n = ctx.saved_tensors
         dw = (dy * n).flatten(0, -2).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         if not ctx.needs_input_grad[0]:
@@ -66,7 +74,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return cast(Tensor, _RMSNorm.apply(x, self.weight, self.eps))
+            return cast(Tensor, _RMSNorm.apply(x, self.weight, self.eps)[0])
         return _rms_normalize(x, self.eps)[1] * self.weight  # no graph: the ops alone, fewer calls (decoding)
 
 
@@ -163,12 +171,15 @@ class _RoPE(torch.autograd.Function):
     """y = R(θ) x on each pair, and its gradient dx = R(θ)^T dy = R(-θ) dy written out: one
     rotation each way, where autograd's graph of the same products takes four products, a negation,
     two sums and a cat in the backward. cos/sin are tables (no gradient). Equal to the plain ops to
-    rounding (tests/test_modules.py)."""
+    rounding (tests/test_modules.py). A separate ``setup_context`` lets ``torch.func`` run it."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        ctx.save_for_backward(cos, sin)
+    def forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return _rotate(x, cos, sin, 1.0)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(inputs[1], inputs[2])
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor, None, None]:

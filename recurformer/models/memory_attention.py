@@ -48,6 +48,7 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
 
 from .. import tap
 from ..config import RecurformerError, check_options
@@ -223,6 +224,15 @@ class MemoryAttentionLayer(Layer):
         j = torch.arange(C, device=dev)
         return cos, sin, torch.cat((torch.ones(C, C, dtype=torch.bool, device=dev), j[None, :] <= j[:, None]), dim=1)
 
+    def chunk_mask(self, mask: Tensor, r: int, n: int, cuda: bool) -> Tensor:
+        """The mask of queries at chunk offsets r..r+n-1 over [memory; chunk keys 0..r+n-1]: all C
+        memory slots and the chunk's keys up to the query's own, i.e. causal aligned to the lower
+        right of the [n, C + r + n] grid (query i sees keys j <= i + C + r). On CUDA as PyTorch's
+        lower-right causal bias, so SDPA runs FlashAttention without a mask tensor; elsewhere the
+        slice of the call's boolean ``tables`` (no operator)."""
+        C = self.cfg.chunk_size
+        return causal_lower_right(n, C + r + n) if cuda else mask[r : r + n, : C + r + n]
+
     def forward(self, x: Tensor, st: MemoryState, call: Call) -> tuple[Tensor, MemoryState]:
         """x: [B, T, D] (normed) -> attention output after Wo [B, T, D] and the new state.
 
@@ -252,7 +262,8 @@ class MemoryAttentionLayer(Layer):
                 mem_k, mem_v = self.memory_kv(evolved, cos[:C], sin[:C], w_kv_memory)
             k = torch.cat((part_k, k_new), dim=2) if r else k_new
             v = torch.cat((part_v, v_new), dim=2) if r else v_new
-            o = merge_heads(attend(q, torch.cat((mem_k, k), 2), torch.cat((mem_v, v), 2), mask[r : r + n, : C + r + n]))
+            bias = self.chunk_mask(mask, r, n, q.is_cuda)
+            o = merge_heads(attend(q, torch.cat((mem_k, k), 2), torch.cat((mem_v, v), 2), bias))
             if tap.active():  # the read-out: attention mass on the C memory slots
                 tap.record(self, tap.attention_share(q, torch.cat((mem_k, k), 2), mask[r : r + n, : C + r + n], C))
             out = o if pre_wo else self.wo(o)

@@ -23,7 +23,8 @@ The recurrent depth over N positions is N/b.
 ``impl`` picks the evaluation: "tiled" (exact tiled forward, default) or "naive" (one block at a
 time over the growing prefix); see ``recurformer/ops/recurrent_attention.py``. Gradients: "tiled"
 has a custom backward (FlashAttention-style: O(N d) saved tensors per layer, tile scores and
-finish recomputed, blocks in reverse); "naive" runs plain autograd (O(N^2 d) saved: every
+finish's vector-Jacobian products recomputed, blocks in reverse; the parameters' gradients
+through one batched finish under autograd; it traces as one graph); "naive" runs plain autograd (O(N^2 d) saved: every
 step keeps its concatenated prefix of persistent pairs and its attention probabilities).
 
 Streaming: the state holds per layer the persistent pairs of every past position of the current

@@ -28,14 +28,14 @@ block), so a sequence split across calls gives the same result as one call. Auto
 through the naive one (the running max is detached: o / l does not depend on it, so the gradient
 is exact). The tiled one has its own backward (``_TiledRecurrentAttention``) that saves only
 O(N d) tensors and recomputes the tile scores, like FlashAttention, run over the blocks in
-reverse because finish() sits inside the recurrence.
+reverse because finish() sits inside the recurrence (its vector-Jacobian product per block).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import Tensor
@@ -219,10 +219,20 @@ def _tile_bias(
 
 
 def _tiled_forward(
-    tiling: _Tiling, q: Tensor, tk: Tensor, tv: Tensor, past_k: Tensor, past_v: Tensor, past_tk: Tensor, past_tv: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The tiled schedule. Returns z, k, v and, for the backward, a [B, H, T, d] (finish's inputs)
-    and lse = m + log l [B, H, T] (each query's final softmax statistics)."""
+    tiling: _Tiling,
+    q: Tensor,
+    tk: Tensor,
+    tv: Tensor,
+    past_k: Tensor,
+    past_v: Tensor,
+    past_tk: Tensor,
+    past_tv: Tensor,
+    finish_last: bool = True,
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+    """The tiled schedule. Returns a [B, H, T, d] (finish's inputs), lse = m + log l [B, H, T]
+    (each query's final softmax statistics) and z, k, v; without ``finish_last`` (the caller
+    runs finish itself), finish is left out at the last block, which no query waits for, and
+    z, k, v are None."""
     finish, chunk, scale = tiling.finish, tiling.query_chunk, tiling.scale
     stats = temporary_stats(q, tk, tv, past_tk, past_tv, tiling.block, scale, tiling.bias_fn)
     if past_k.shape[2]:
@@ -241,6 +251,8 @@ def _tiled_forward(
         s0, e0 = edges[t], edges[t + 1]
         As.append(os_[t] / ls[t].unsqueeze(-1))  # block t is complete
         lses.append(ms[t] + torch.log(ls[t]))
+        if t == n_blocks - 1 and not finish_last:
+            return torch.cat(As, 2), torch.cat(lses, 2), None
         z, k, v = finish(As[t], s0, e0)
         zs.append(z)
         ks.append(k)
@@ -266,66 +278,70 @@ def _tiled_forward(
         else:
             part = sizes[lo : hi + 1]
             ms[lo : hi + 1], ls[lo : hi + 1], os_[lo : hi + 1] = m.split(part, 2), l.split(part, 2), o.split(part, 2)
-    return torch.cat(zs, 1), torch.cat(ks, 2), torch.cat(vs, 2), torch.cat(As, 2), torch.cat(lses, 2)
+    return torch.cat(As, 2), torch.cat(lses, 2), (torch.cat(zs, 1), torch.cat(ks, 2), torch.cat(vs, 2))
 
 
-def _output_grad(
-    outs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor]
-) -> tuple[Tensor | None, ...]:
-    """torch.autograd.grad of the outputs that depend on something (None where nothing does)."""
+def finish_vjp(finish: Finish, a: Tensor, s: int, e: int, grads: Sequence[Tensor], traced: bool) -> Tensor:
+    """dL/da of finish's outputs (z, k, v) at a for their gradients ``grads``: finish recomputed
+    and its vector-Jacobian product taken with respect to a only. Eagerly through
+    ``torch.autograd.grad`` (the lighter call: one graph, no transform); under Dynamo
+    (``traced``) through ``torch.func.vjp``, which it traces where it cannot trace a nested
+    ``torch.autograd.grad`` (the training step then captures as one graph). The same numbers."""
+    if traced:
+        with torch.enable_grad():
+            outs, vjp = torch.func.vjp(lambda a_: finish(a_, s, e), a)  # type: ignore[misc]
+        return cast(Tensor, vjp(tuple(g.to(o.dtype) for o, g in zip(outs, grads)))[0])
+    a = a.detach().requires_grad_()
+    with torch.enable_grad():
+        outs = finish(a, s, e)
     pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, grads) if o.requires_grad]
-    if not pairs or not inputs:
-        return (None,) * len(inputs)
-    return torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+    (da,) = torch.autograd.grad([o for o, _ in pairs], a, [g for _, g in pairs], allow_unused=True)
+    return torch.zeros_like(a) if da is None else da
 
 
 class _TiledRecurrentAttention(torch.autograd.Function):
-    """The tiled forward with a backward that saves O(N d): q, k~, v~, the state of earlier calls,
-    the finish inputs a, lse and the persistent pairs k, v, plus ``finish_inputs`` (the tensors
-    finish reads, e.g. the layer input and parameters).
+    """The backward of the tiled op. Its forward is the identity on z, k, v = finish(a) (computed
+    over all positions at once by the caller, under autograd) and saves only inputs: the tiled
+    forward's a (finish's inputs) and lse = m + log l, the queries, temporary pairs, persistent
+    pairs k, v and the state of earlier calls, O(N d).
 
     Backward, blocks t = nB..1 (reverse): the gradient reaching a_t is that of finish at a_t
     applied to (dz_t, dk_t, dv_t), where dk_t, dv_t collect the output gradient and the
     contribution of every later query that attended to (k_t, v_t). Those queries belong to the
     tiles whose key range holds t, i.e. tiles t' >= t, so running tile t's backward (dq of its
     queries, dk/dv of its keys, from the already known da of blocks > t) completes dk_t, dv_t;
-    then finish is recomputed for block t under grad to give da_t. Everything that does not feed
-    the recurrence is done after the loop in a batched way (the paper's §"The backward pass"): the
-    temporaries' and the cache's part of dq and their own gradients, and one recomputation of
-    finish over all positions for the gradients of ``finish_inputs`` (finish acts on each
-    position separately, so finish(a, 0, T) is finish of every block at once)."""
+    then finish's vector-Jacobian product at a_t (``finish_vjp``: finish recomputed) gives da_t. The temporaries' and the cache's part of dq and their own
+    gradients are batched after the loop (the paper's §"The backward pass"). The gradients of
+    what finish reads (layer input, parameters) are not computed here: the returned dk, dv
+    (outputs' plus attention's) flow on through the caller's batched finish, whose autograd gives
+    them for all positions in one pass (finish acts on each position separately)."""
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, tiling: _Tiling, q: Tensor, tk: Tensor, tv: Tensor,
-        past_k: Tensor, past_v: Tensor, past_tk: Tensor, past_tv: Tensor, *finish_inputs: Tensor,
+        ctx: FunctionCtx, tiling: _Tiling, a: Tensor, lse: Tensor, z: Tensor, k: Tensor, v: Tensor,
+        q: Tensor, tk: Tensor, tv: Tensor, past_k: Tensor, past_v: Tensor, past_tk: Tensor, past_tv: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        z, k, v, a, lse = _tiled_forward(tiling, q, tk, tv, past_k, past_v, past_tk, past_tv)
         device = q.device.type
         ctx.tiling = tiling  # type: ignore[attr-defined]
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))  # type: ignore[attr-defined]
-        ctx.save_for_backward(q, tk, tv, past_k, past_v, past_tk, past_tv, a, lse, k, v, *finish_inputs)
-        return z, k, v
+        ctx.save_for_backward(q, tk, tv, past_k, past_v, past_tk, past_tv, a, lse, k, v)
+        return z.view_as(z), k.view_as(k), v.view_as(v)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dz: Tensor, dk_out: Tensor, dv_out: Tensor) -> tuple[Tensor | None, ...]:
-        q, tk, tv, past_k, past_v, past_tk, past_tv, a, lse, k, v, *inputs = ctx.saved_tensors
-        tiling: _Tiling = ctx.tiling
+        q, tk, tv, past_k, past_v, past_tk, past_tv, a, lse, k, v = ctx.saved_tensors
         autocast = lambda: torch.autocast(*ctx.autocast)  # noqa: E731 (finish is recomputed as it ran in forward)
-        bwd = _Backward(tiling, q, lse, dk_out.to(a.dtype, copy=True), dv_out.to(a.dtype, copy=True))
+        bwd = _Backward(ctx.tiling, q, lse, dk_out.to(a.dtype, copy=True), dv_out.to(a.dtype, copy=True))
         bwd.recurrence(k, v, a, dz, autocast)
         d_past = bwd.cache(past_k, past_v)
         dtk, dtv = bwd.temporaries(tk, tv, past_tk, past_tv)
-        needs = ctx.needs_input_grad[8:]
-        with torch.enable_grad(), autocast():
-            outs = tiling.finish(a.detach(), 0, q.shape[2])
-        d_inputs = iter(_output_grad(outs, (dz, bwd.dk, bwd.dv), [x for x, need in zip(inputs, needs) if need]))
         r0 = past_tk.shape[2]
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         return (
-            None, cast(bwd.dq, q), cast(dtk[:, :, r0:], tk), cast(dtv[:, :, r0:], tv), cast(d_past[0], past_k), cast(d_past[1], past_v),
-            cast(dtk[:, :, :r0], past_tk), cast(dtv[:, :, :r0], past_tv), *(next(d_inputs) if need else None for need in needs),
+            None, None, None, dz, cast(bwd.dk, k), cast(bwd.dv, v), cast(bwd.dq, q), cast(dtk[:, :, r0:], tk),
+            cast(dtv[:, :, r0:], tv), cast(d_past[0], past_k), cast(d_past[1], past_v), cast(dtk[:, :, :r0], past_tk),
+            cast(dtv[:, :, :r0], past_tv),
         )  # fmt: skip
 
 
@@ -349,8 +365,8 @@ class _Backward:
         return dk, dv
 
     def recurrence(self, k: Tensor, v: Tensor, a: Tensor, dz: Tensor, autocast: Callable[[], Any]) -> None:
-        """Blocks in reverse: tile t's backward completes dk, dv of block t, then finish,
-        recomputed at a_t, gives da_t (the tiles of blocks < t need it)."""
+        """Blocks in reverse: tile t's backward completes dk, dv of block t, then finish's
+        vector-Jacobian product at a_t gives da_t (the tiles of blocks < t need it)."""
         tiling, q = self.tiling, self.q
         edges = block_edges(tiling.pos0, q.shape[2], tiling.block)
         bias_cache: dict[tuple[int, int, int], Tensor] = {}
@@ -367,13 +383,12 @@ class _Backward:
                 self.dk[:, :, k0:k1] += dk
                 self.dv[:, :, k0:k1] += dv
             s0, e0 = edges[t], edges[t + 1]
-            at = a[:, :, s0:e0].detach().requires_grad_()
-            with torch.enable_grad(), autocast():
-                outs = tiling.finish(at, s0, e0)
-            (da,) = _output_grad(outs, (dz[:, s0:e0], self.dk[:, :, s0:e0], self.dv[:, :, s0:e0]), (at,))
-            if da is not None:
-                self.da[:, :, s0:e0] = da
-                self.delta[:, :, s0:e0] = (da * at.detach()).sum(-1)
+            at = a[:, :, s0:e0]
+            grads = (dz[:, s0:e0], self.dk[:, :, s0:e0], self.dv[:, :, s0:e0])
+            with autocast():
+                da = finish_vjp(tiling.finish, at, s0, e0, grads, torch.compiler.is_dynamo_compiling())
+            self.da[:, :, s0:e0] = da
+            self.delta[:, :, s0:e0] = (da * at).sum(-1)
 
     def cache(self, past_k: Tensor, past_v: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """The cache's part of dq, and the gradients of the cache (None if empty)."""
@@ -438,8 +453,11 @@ def recurrent_attention_tiled(
 
     Gradients. ``finish_inputs`` lists every tensor that finish reads and that may need a
     gradient (the layer input, the parameters); finish must act on each position separately.
-    With it, the custom backward of ``_TiledRecurrentAttention`` runs: O(N d) saved tensors, scores
-    recomputed. Plain autograd through the forward (O(N^2) saved scores and probabilities) is the
+    With it, the custom backward of ``_TiledRecurrentAttention`` runs: the tiled forward without
+    a graph, then finish once over all positions under autograd (what the tensors finish reads
+    get their gradients through), O(N d) saved by the op, scores recomputed; under Dynamo without
+    ``torch.autograd.grad`` inside (a training step traces as one graph). Plain autograd through
+    the forward (O(N^2) saved scores and probabilities) is the
     fallback when ``finish_inputs`` is None (finish's closure unknown) or when ``bias_fn``'s output
     requires grad (a learned bias). The custom backward is once differentiable (no double
     backward) and recomputes finish, so finish must be deterministic."""
@@ -452,8 +470,13 @@ def recurrent_attention_tiled(
         and any(t.requires_grad for t in (*tensors, *finish_inputs))
     )
     if custom and not _bias_needs_grad(bias_fn, q.device):
-        return _TiledRecurrentAttention.apply(tiling, *tensors, *finish_inputs)  # type: ignore[misc]  # not None when custom
-    return _tiled_forward(tiling, *tensors)[:3]
+        with torch.no_grad():
+            a, lse, _ = _tiled_forward(tiling, *tensors, finish_last=False)
+        z, k_grad, v_grad = finish(a, 0, q.shape[2])  # the same values, under autograd: see the class
+        return _TiledRecurrentAttention.apply(tiling, a, lse, z, k_grad, v_grad, *tensors)
+    out = _tiled_forward(tiling, *tensors)[2]
+    assert out is not None
+    return out
 
 
 def recurrent_attention_naive(

@@ -12,7 +12,7 @@ import torch
 from helpers import DEVICES, randomize_params
 
 from recurformer import build_model
-from recurformer.ops.recurrent_attention import recurrent_attention_naive, recurrent_attention_tiled
+from recurformer.ops.recurrent_attention import finish_vjp, recurrent_attention_naive, recurrent_attention_tiled
 
 BASE = dict(vocab_size=53, dim=16, n_layers=1, n_heads=2)
 CUSTOM = "_TiledRecurrentAttentionBackward"
@@ -161,6 +161,30 @@ def test_model_training_path_uses_custom_backward() -> None:
     model = build_model("recurrent_transformer", dict(BASE, n_layers=2))
     out = model(torch.randint(0, BASE["vocab_size"], (2, 9)))
     assert CUSTOM in _graph_nodes(out.logits)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_finish_vjp_traced_equals_eager(rope) -> None:
+    """The two ways of finish's vector-Jacobian product (``torch.func.vjp`` under Dynamo,
+    ``torch.autograd.grad`` eagerly) give the same da, on a real layer's finish (RMSNorm, RoPE)."""
+    torch.manual_seed(1)
+    model = build_model("recurrent_transformer", dict(BASE, position="rope" if rope else "alibi")).double()
+    randomize_params(model, 0.3)
+    layer, B, T = model.layers[0], 2, 6
+    x = torch.randn(B, T, layer.cfg.dim, dtype=torch.float64)
+    cos_sin, _ = layer.position_signal(0, T, x.device, x.dtype)
+
+    def finish(a, s, e):
+        h = x[:, s:e] + layer.wo(a.transpose(1, 2).reshape(B, e - s, -1))
+        z = h + layer.ffn(layer.ffn_norm(h))
+        return (z, *layer.kv(z, None if cos_sin is None else (cos_sin[0][s:e], cos_sin[1][s:e])))
+
+    a = torch.randn(B, layer.n_heads, 3, layer.cfg.head_dim, dtype=torch.float64)
+    outs = finish(a, 2, 5)
+    grads = [torch.randn_like(o) for o in outs]
+    eager, traced = (finish_vjp(finish, a, 2, 5, grads, t) for t in (False, True))
+    assert eager.abs().sum() > 0
+    torch.testing.assert_close(traced, eager, rtol=1e-12, atol=1e-12)
 
 
 def test_learned_bias_falls_back_to_autograd() -> None:
