@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from recurformer.train import RunConfig
 
 # tests that run on every device: CUDA rows are skipped (not failed) on a machine without a GPU
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
@@ -292,3 +295,32 @@ def tiny_config(corpus: Path, tmp: Path, tokenizer: str = "byte") -> dict:
 
 def ckpt_steps(run: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in run.glob("step_*"))
+
+
+def run_config(corpus: Path, tmp: Path, **train) -> RunConfig:
+    """The trainer tests' run: a 2-layer Memory Attention model, 6 steps on ``corpus``; ``train``: overrides."""
+    from recurformer.train import load_run_config
+
+    over = [
+        "model.name=memory_attention",
+        "model.dim=32",
+        "model.n_layers=2",
+        "model.n_heads=2",
+        "model.chunk_size=8",
+        "data.dataset=null",
+        f"data.text_files=[{corpus}]",
+        "data.tokenizer=byte",
+        f"data.dir={tmp / 'prepared'}",
+        f"train.out_dir={tmp / 'run'}",
+        "train.batch_size=3",
+        "train.seq_len=32",
+        "train.steps=6",
+        "train.warmup=2",
+        "train.precision=fp32",
+        "train.eval_every=3",
+        "train.eval_batches=2",
+        "train.save_every=3",
+        "train.log_every=1",
+    ]
+    over += [f"train.{k}={v}" for k, v in train.items()]
+    return load_run_config(None, over)

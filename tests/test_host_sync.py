@@ -22,8 +22,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from helpers import TEST_CONFIGS
-from test_train import corpus, run_config  # noqa: F401  (the fixture)
+from helpers import TEST_CONFIGS, run_config
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 

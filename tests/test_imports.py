@@ -27,12 +27,13 @@ FLOORS: list[list[str]] = [
         "data.streams",
         "data.sources",
     ],
-    # 2: file formats and helpers on the state types
+    # 2: file formats and helpers on the state types; the captured step (a model's calls replayed)
     ["checkpoint", "flops", "data.prepare", "data.synthetic", "capture"],
+    # 3
     ["data", "loggers"],
     # 4: loading models from disk or the Hub (the Hub methods of a model, as a mixin)
     ["hub"],
-    # generation, and ``recurformer generate`` (which loads through ``hub``; a mixin of the model)
+    # 5: generation, and ``recurformer generate`` (which loads through ``hub``; a mixin of the model)
     ["generate"],
     # 6: the model around a stack of layers
     ["nn"],
@@ -40,13 +41,10 @@ FLOORS: list[list[str]] = [
     ["layers", "evaluate", "probe", "models.llama", "hf", "lm_eval", "curriculum"],
     # 8: the architectures (``models.*`` files not named elsewhere live on this floor too)
     [],
+    # 9
     ["models", "reference"],
-    [
-        "statesize",
-        "tbptt",
-        "readout",
-        "niah",
-    ],  # measure a built model: its state; one step of truncated BPTT; whether it reads its memory
+    # 10: measure a built model's state; one step of truncated BPTT; whether a model reads its memory
+    ["statesize", "tbptt", "readout", "niah"],
     ["synth", "train"],
     ["api"],
     ["__init__"],  # the package's public names

@@ -9,51 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DEVICES
+from helpers import DEVICES, WORDS, run_config
 
 import recurformer.checkpoint as ckpt
 from recurformer import RecurformerError
 from recurformer.cli import main as cli_main
-from recurformer.train import RunConfig, Trainer, load_run_config
-
-WORDS = "the a cat dog ran sat on mat big small red blue happy sad tree house went saw".split()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) + "." for _ in range(300)]
-    path = d / "corpus.txt"
-    path.write_text("<|endoftext|>".join(docs))
-    return path
-
-
-def run_config(corpus: Path, tmp: Path, **train) -> RunConfig:
-    over = [
-        "model.name=memory_attention",
-        "model.dim=32",
-        "model.n_layers=2",
-        "model.n_heads=2",
-        "model.chunk_size=8",
-        "data.dataset=null",
-        f"data.text_files=[{corpus}]",
-        "data.tokenizer=byte",
-        f"data.dir={tmp / 'prepared'}",
-        f"train.out_dir={tmp / 'run'}",
-        "train.batch_size=3",
-        "train.seq_len=32",
-        "train.steps=6",
-        "train.warmup=2",
-        "train.precision=fp32",
-        "train.eval_every=3",
-        "train.eval_batches=2",
-        "train.save_every=3",
-        "train.log_every=1",
-    ]
-    over += [f"train.{k}={v}" for k, v in train.items()]
-    return load_run_config(None, over)
-
+from recurformer.train import Trainer, load_run_config
 
 RESUME_CASES = {  # data order, precision and truncation: a resume continues each exactly
     "default": {},
