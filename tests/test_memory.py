@@ -454,8 +454,9 @@ def test_synth_config_files(tmp_path, capsys) -> None:
     assert "has section 'train'; valid sections: model, task, synth" in capsys.readouterr().err
     memory = [n for n in bundled_configs() if n.startswith("memory/")]
     # 6 recipes x 2 tasks, MQAR's twostage, twostage-mixed and recall-first, 6 whole experiments (best
-    # results), the Block-Recurrent LSTM gate on passkey and MQAR
-    assert len(memory) == 23
+    # results), the Block-Recurrent LSTM gate on passkey and MQAR, the stage of the passkey's curriculum
+    # over segment counts
+    assert len(memory) == 24
     for name in memory:
         raw = load_yaml(name)
         task = name.split("/")[1].split("-")[0]
@@ -597,3 +598,40 @@ def test_key_signal_sees_a_carried_key_and_the_exact_zero_of_a_window() -> None:
     assert min(full) > 0.01
     memory = key_signal.key_signal(model("memory_attention", n_layers=2, chunk_size=8), 6, 8, 8, 0, 32, 4, 16)
     assert min(memory) > 0.01
+
+
+def test_segment_curriculum_chains_stages_from_the_last_model_and_resumes(tmp_path) -> None:
+    """experiments/memory/passkey_segments.sh: stage n trains on rows of n segments of 32 tokens
+    (L = 32 n - 8) from stage n/2's saved model, a stage whose JSON exists is skipped, and the last
+    model is tested with synth --evaluate. Stage 1 is trained at lr 1e-2 alone; stage 2 at lr 1e-30
+    then holds stage 1's weights exactly if, and only if, it started from them (a fresh model of the
+    same seed is stage 1's untrained start)."""
+    import os
+    import subprocess
+    import sys as _sys
+    from pathlib import Path as P
+
+    from recurformer.checkpoint import load_checkpoint
+
+    root = P(__file__).resolve().parent.parent
+    tiny = ["model.dim=16", "model.n_heads=2", "model.ffn_hidden=32", "model.n_layers=1", "synth.steps=2"]
+    tiny += ["synth.batch_size=4", "synth.n_val=4", "synth.n_test=4", "synth.eval_every=0"]
+
+    def chain(stages: str, lr: str) -> None:
+        sets = [a for kv in [*tiny, f"synth.lrs=[{lr}]"] for a in ("--set", kv)]
+        env = {**os.environ, "PYTHON": _sys.executable, "STAGES": stages, "LENGTHS": "24"}
+        script = root / "experiments" / "memory" / "passkey_segments.sh"
+        subprocess.run(["bash", str(script), "0", str(tmp_path), *sets], env=env, check=True, capture_output=True)
+
+    chain("1", "1e-2")
+    first = (tmp_path / "stage1.log").stat().st_mtime_ns
+    chain("1 2", "1e-30")
+    assert (tmp_path / "stage1.log").stat().st_mtime_ns == first  # done, so skipped
+    for n in (1, 2):
+        r = json.loads((tmp_path / f"stage{n}.json").read_text())
+        assert r["task_params"]["length"] == 32 * n - 8
+        assert make_split("passkey", 1, 0, r["task_params"]).inputs.shape[1] == 32 * n
+    a, b = (load_checkpoint(tmp_path / f"stage{n}.model")["model"] for n in (1, 2))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    e = json.loads((tmp_path / "eval.stage2.json").read_text())
+    assert e["checkpoint"] == str(tmp_path / "stage2.model") and set(e["by_length"]) == {"24"}

@@ -62,8 +62,9 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write {checkpoint: [signal per segment]} here")
+    ap.add_argument("--plot", help="draw the key signal against the tokens read (log scale) into this PNG")
     args = ap.parse_args()
-    result = {}
+    result, segments = {}, {}
     for path in args.checkpoint:
         loaded = load(path)
         model, name, cfg = loaded.model, loaded.name, loaded.config
@@ -75,12 +76,35 @@ def main() -> int:
         sig = key_signal(
             model, args.segments, segment, args.rows, args.seed, task["vocab_size"], task["key_len"], task["key_vocab"]
         )
-        result[path] = sig
+        result[path], segments[path] = sig, segment
         print(f"{path} ({name}, segments of {segment}): key signal after segment 1..{args.segments}")
         print("  " + " ".join(f"{s:.3f}" for s in sig))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        plot(result, segments, args.plot)
     return 0
+
+
+def plot(result: dict[str, list[float]], segments: dict[str, int], out: str) -> None:
+    """One line per checkpoint: the key signal after each segment against the tokens read so far."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for path, sig in result.items():
+        tokens = [(k + 1) * segments[path] for k in range(len(sig))]
+        ax.plot(tokens, sig, label=Path(path).name)
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens read (the key first, then filler)")
+    ax.set_ylabel("key signal ||S(A) - S(B)|| / ||S(A)||")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
 
 
 if __name__ == "__main__":
