@@ -275,7 +275,9 @@ class DecodeGraphs:
                     outputs, replay = record(self.function(state, state.pos), inputs, self.backend, self.warmup)
                 except RuntimeError as e:
                     what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    raise CaptureFailed(f"capturing the {self.backend} forward step of {tuple(tokens.shape)} tokens failed: {what}") from None
+                    raise CaptureFailed(
+                        f"capturing the {self.backend} forward step of {tuple(tokens.shape)} tokens failed: {what}"
+                    ) from None
                 self.graphs[key] = Graph(state.pos, inputs, outputs, replay)
             graph = self.graphs[key]
             shift = graph.pos - state.pos  # a multiple of the reset boundary
