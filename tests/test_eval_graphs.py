@@ -54,9 +54,11 @@ def test_a_shorter_last_call_reads_eagerly_with_one_line() -> None:
     w = windows(model, 4, 3 * P + 2)  # calls of 2P tokens, then P + 1: not aligned
     want = score_rows(model, w, P, 2 * P, batch_size=2)
     notes: list[str] = []
-    got = score_rows(model, w, P, 2 * P, batch_size=2, step=DecodeGraphs(model, "trace").or_eager(notes.append, True))
+    graphs = DecodeGraphs(model, "trace")
+    got = score_rows(model, w, P, 2 * P, batch_size=2, step=graphs.or_eager(notes.append, True))
     torch.testing.assert_close(got[0], want[0], rtol=1e-9, atol=1e-9)
-    assert len(notes) == 1 and "not aligned" in notes[0] and "eagerly" in notes[0], notes
+    assert len(notes) == 1 and f"of {P + 1} tokens at position {2 * P}" in notes[0] and "eagerly" in notes[0], notes
+    assert len(graphs.graphs) == 1  # the aligned calls of 2P tokens did go through the captured step
 
 
 @pytest.mark.parametrize("name", ["llama", "gated_deltanet"])
