@@ -45,7 +45,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .config import RecurformerError
 from .state import IGNORE_INDEX, State
 
-StreamingLM = Any  # an ``nn.StreamingLM`` (a floor above: ``generate`` captures its decoding step through here)
+StreamingLM = Any  # an ``nn.StreamingLM`` (a floor above: ``generate`` and ``evaluate`` capture their forward steps here)
 
 Backend = Literal["eager", "trace", "cuda"]
 
