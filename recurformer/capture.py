@@ -45,7 +45,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .config import RecurformerError
 from .state import IGNORE_INDEX, State
 
-StreamingLM = Any  # an ``nn.StreamingLM`` (a floor above: ``generate`` and ``evaluate`` capture their forward steps here)
+StreamingLM = (
+    Any  # an ``nn.StreamingLM`` (a floor above: ``generate`` and ``evaluate`` capture their forward steps here)
+)
 
 Backend = Literal["eager", "trace", "cuda"]
 
