@@ -115,13 +115,17 @@ def evaluate(
     """Length extrapolation as ``recurformer eval``: loss (with a 95% bootstrap interval over
     documents) and accuracy on the last ``last`` tokens of windows of each length, on ``tokens``
     or a dataset's val split or text files; ``options``: the fields of ``evaluate.LengthOptions``
-    (``lengths``, ``last``, ``windows``, ``chunk``, ``batch_size``, ``warm_state``, ``context``).
+    (``lengths``, ``last``, ``windows``, ``chunk``, ``batch_size``, ``warm_state``, ``context``,
+    ``cuda_graphs``: every aligned chunk read through a CUDA graph, a model on a CUDA GPU).
     The windows are deterministic: ``windows`` evenly spaced ones (default ``DEFAULT_WINDOWS``),
     or all of them with ``windows=None`` (the scored blocks tile the text);
     ``evaluate.paired_differences`` compares two models' results on the same tokens."""
     from .device import out_of_memory
 
     o = make_options(LengthOptions, options)  # evaluate_lengths checks how they fit together
+    device = model.tok_emb.weight.device
+    if o.cuda_graphs and device.type != "cuda":
+        raise RecurformerError(f"{opt('cuda_graphs')} needs a CUDA GPU; this model is on {device}")
     data = np.asarray(tokens, dtype=np.int64) if tokens is not None else _tokens(tokenizer, dataset, text)
     with out_of_memory(*eval_sizes("the model", model, o.batch_size, o.chunk, o.lengths)):
         return evaluate_lengths(
@@ -135,6 +139,7 @@ def evaluate(
             o.batch_size,
             o.context,
             tokenizer.bos_id if tokenizer is not None else None,
+            graphs="cuda" if o.cuda_graphs else None,
         )
 
 

@@ -45,7 +45,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .config import RecurformerError
 from .state import IGNORE_INDEX, State
 
-StreamingLM = Any  # an ``nn.StreamingLM`` (a floor above: ``generate`` captures its decoding step through here)
+StreamingLM = (
+    Any  # an ``nn.StreamingLM`` (a floor above: ``generate`` and ``evaluate`` capture their forward steps here)
+)
 
 Backend = Literal["eager", "trace", "cuda"]
 
@@ -124,6 +126,13 @@ def record(
     return outputs, cuda_graph.replay
 
 
+def aligned(model: StreamingLM, tokens: Tensor, state: State) -> bool:
+    """Whether a call of ``tokens`` from ``state`` can be captured: its length and position
+    multiples of the model's reset boundary (no partial chunk)."""
+    P = model.reset_boundary
+    return tokens.shape[-1] % P == 0 and state.pos % P == 0
+
+
 class StepGraphs:
     """Training calls of ``model`` through captured steps (see the module docstring):
     ``loss, state = steps(tokens, targets, state)`` equals ``out = model(tokens, state, targets)``,
@@ -163,10 +172,7 @@ class StepGraphs:
         return Graph(state.pos, inputs, outputs, replay)
 
     def aligned(self, tokens: Tensor, state: State) -> bool:
-        """Whether a call of ``tokens`` from ``state`` can be captured: its length and position
-        multiples of the model's reset boundary (no partial chunk)."""
-        P = self.model.reset_boundary
-        return tokens.shape[-1] % P == 0 and state.pos % P == 0
+        return aligned(self.model, tokens, state)
 
     def check(self, tokens: Tensor, targets: Tensor, state: State) -> None:
         """Aligned shapes, and token ids in the vocabulary (a host read unless the model's check is off)."""
@@ -271,7 +277,9 @@ class DecodeGraphs:
                     outputs, replay = record(self.function(state, state.pos), inputs, self.backend, self.warmup)
                 except RuntimeError as e:
                     what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    raise CaptureFailed(f"capturing the {self.backend} decoding step failed: {what}") from None
+                    raise CaptureFailed(
+                        f"capturing the {self.backend} forward step of {tuple(tokens.shape)} tokens failed: {what}"
+                    ) from None
                 self.graphs[key] = Graph(state.pos, inputs, outputs, replay)
             graph = self.graphs[key]
             shift = graph.pos - state.pos  # a multiple of the reset boundary
@@ -284,21 +292,33 @@ class DecodeGraphs:
         new = unflatten(state, flat, state.pos + tokens.shape[1])
         return logits, dataclasses.replace(new, any_fresh=False, start_floor=state.start_floor)
 
-    def or_eager(self, note: Callable[[str], object]) -> Callable[[Tensor, State], tuple[Tensor, State]]:
-        """This as a decoding step that says in one line (to ``note``) why it decodes eagerly
-        instead, for a model it cannot hold or a capture that fails (then for the rest)."""
-        plain = False
+    def or_eager(
+        self, note: Callable[[str], object], only_aligned: bool = False, doing: str = "decoding"
+    ) -> Callable[[Tensor, State], tuple[Tensor, State]]:
+        """This as a step that says in one line (to ``note``) why it runs eagerly instead, for a
+        model it cannot hold or a capture that fails (then for the rest); ``only_aligned``: a call
+        whose length or position is not a multiple of the reset boundary (``aligned``) runs
+        eagerly, the first one said in one line (a chunked reader's shorter last call)."""
+        plain, told = False, False
         if self.why_not is not None:
-            note(f"[{self.backend} graphs: {self.why_not}; decoding eagerly]")
+            note(f"[{self.backend} graphs: {self.why_not}; {doing} eagerly]")
             plain = True
 
         def step(tokens: Tensor, state: State) -> tuple[Tensor, State]:
-            nonlocal plain
-            if not plain:
+            nonlocal plain, told
+            if only_aligned and not plain and not aligned(self.model, tokens, state):
+                if not told:
+                    P = self.model.reset_boundary
+                    note(
+                        f"[{self.backend} graphs: a call of {tokens.shape[-1]} tokens at position {state.pos} is not "
+                        f"aligned to the reset boundary {P}; such calls run eagerly]"
+                    )
+                    told = True
+            elif not plain:
                 try:
                     return self(tokens, state)
                 except CaptureFailed as e:
-                    note(f"[{e}; decoding eagerly]")
+                    note(f"[{e}; {doing} eagerly]")
                     plain = True
             out = self.model(tokens, state=state)
             return out.logits, out.state

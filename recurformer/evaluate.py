@@ -27,10 +27,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .capture import Backend, DecodeGraphs
 from .config import RecurformerError, check_fields, make_options, opt, option, say
 from .data.tokenizer import Tokenizer
 from .device import cpu_threads, device_option, peak_memory_mb, reset_peak_memory, synchronize
 from .files import atomic_write
+from .generate import Step
 from .nn import NonFiniteLogits, StreamingLM
 
 BOOTSTRAP_SAMPLES = 2000
@@ -87,10 +89,12 @@ def score_rows(
     chunk: int,
     batch_size: int = 8,
     progress: Callable[[int], object] | None = None,
+    step: Step | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """windows: [K, N + 1], read ``chunk`` tokens per call. Returns the cross-entropy and the
-    argmax hits of the last ``last`` targets of each window, both [K, last] (float64);
-    ``progress(n)`` is called after each batch of n windows."""
+    """windows: [K, N + 1], read ``chunk`` tokens per call (through ``step`` when given, as
+    ``StreamingLM.read``). Returns the cross-entropy and the argmax hits of the last ``last``
+    targets of each window, both [K, last] (float64); ``progress(n)`` is called after each batch
+    of n windows."""
     device = model.tok_emb.weight.device
     losses, hits = [], []
     for rows in windows.split(batch_size):
@@ -99,7 +103,7 @@ def score_rows(
         T = x.shape[1]
         first_scored = T - last
         row_loss, row_hits = [], []
-        for a, out in zip(range(0, T, chunk), model.read(x, chunk)):
+        for a, out in zip(range(0, T, chunk), model.read(x, chunk, step=step)):
             b = min(a + chunk, T)
             lo = max(a, first_scored)
             if lo < b:
@@ -218,6 +222,9 @@ class LengthOptions:
         "same value to compare runs with different lengths on the same tokens",
         range=">= 1",
     )
+    cuda_graphs: bool = option(
+        False, "read each aligned chunk through a captured CUDA graph (a CUDA GPU; other calls run eagerly)"
+    )
 
 
 @dataclass
@@ -275,16 +282,21 @@ def evaluate_lengths(
     bos: int | None = None,
     progress: Callable[[int], object] | None = None,
     done: Callable[[LengthResult], object] | None = None,
+    graphs: Backend | None = None,
+    note: Callable[[str], object] = say,
 ) -> list[LengthResult]:
     """Loss on the last ``last`` tokens of windows of each length in ``lengths``, after reading
     ``warm`` unscored tokens first. ``context`` (default: warm + the longest length) fixes where
     the windows end (``window_ends``); ``bos`` marks the documents the bootstrap resamples (None:
-    each window is a unit); ``progress(n)`` is called after each batch of n windows read, ``done(result)`` after each length."""
+    each window is a unit); ``progress(n)`` is called after each batch of n windows read, ``done(result)`` after each length.
+    ``graphs``: every aligned call read through captured forward steps of that backend
+    (``capture.DecodeGraphs``; "cuda": CUDA graphs), the others eagerly, said in one line to ``note``."""
     if int(tokens.max()) >= model.config.vocab_size:
         raise RecurformerError(
             f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}"
         )
     context = check_lengths(LengthOptions(lengths, last, windows, chunk, batch_size, warm, context))
+    step = DecodeGraphs(model, graphs).or_eager(note, True, "reading") if graphs else None
     ends = window_ends(len(tokens), context, last, windows)
     targets = ends[:, None] - last + np.arange(last)  # stream positions of the scored tokens
     by_window = np.repeat(np.arange(len(ends)), last)
@@ -305,7 +317,7 @@ def evaluate_lengths(
         reset_peak_memory(device)
         t0 = time.perf_counter()
         try:
-            loss, hits = score_rows(model, w, last, chunk, batch_size, progress)
+            loss, hits = score_rows(model, w, last, chunk, batch_size, progress, step)
         except NonFiniteLogits as e:
             raise NonFiniteLogits(f"non-finite logits (NaN/inf) at length {L}") from e
         synchronize(device)
@@ -362,7 +374,8 @@ def evaluate_checkpoints(
     them with None), ``window`` W evaluating a dense model with a sliding window; logs a table,
     writes ``out`` (JSON with ``meta``; default ``eval.json`` in the first checkpoint's run
     directory) and its PNG plot. The JSON is rewritten (atomically) as each length finishes, with
-    ``"complete": false`` until the end, so an interrupted eval keeps what it finished; progress
+    ``"complete": false`` until the end, ``cuda_graphs`` reads every aligned chunk through a CUDA
+    graph (``evaluate_lengths``'s ``graphs``), so an interrupted eval keeps what it finished; progress
     shows as a bar on a terminal, as lines through ``log`` elsewhere. Every option is checked
     before any work."""
     from .device import memory_kind, out_of_memory, pick_device
@@ -383,12 +396,14 @@ def evaluate_checkpoints(
         o.context,
     )
     window, data, dataset, text = o.window, o.data, o.dataset, o.text
+    dev = pick_device(o.device)
+    if o.cuda_graphs and dev.type != "cuda":
+        raise RecurformerError(f"{opt('cuda_graphs')} needs a CUDA GPU; this evaluation runs on {dev}")
     dirs = [locate(p) for p in checkpoints]  # a Hub id fetched once, before any work
     labels = eval_labels(checkpoints, dirs)
     path_out = default_output(out, checkpoints[0], "eval.json")
     check_writable(path_out, f"{opt('out')} file")  # before the work, not after it
     check_writable(path_out.with_suffix(".png"), "plot")
-    dev = pick_device(o.device)
     results: dict[str, list[LengthResult]] = {}
     cache: dict[Any, Any] = {}
     trained: dict[str, Any] = {}
@@ -438,6 +453,8 @@ def evaluate_checkpoints(
                     tok.bos_id if tok is not None else None,
                     progress=progress.update,
                     done=keep,
+                    graphs="cuda" if o.cuda_graphs else None,
+                    note=log,
                 )
         except NonFiniteLogits as e:
             kept = f"{path_out} keeps the results before it" if results else "nothing written"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -403,7 +403,7 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
 
     def read(
         self, tokens: Tensor, chunk: int, state: State | None = None, targets: Tensor | None = None,
-        precision: str = "fp32",
+        precision: str = "fp32", step: Callable[[Tensor, State], tuple[Tensor, State]] | None = None,
     ) -> Iterator[Output]:  # fmt: skip
         """``tokens`` [B, T] read ``chunk`` tokens per call with the state carried (the last call
         reads the T mod chunk left), one ``Output`` per call: the logits promoted to at least
@@ -412,22 +412,40 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
         and the state after the call. Every call runs under ``precision``'s autocast
         (``device.autocast_context``: bf16 autocast for bf16; for fp32 none of its own, so an outer
         autocast stays in force). Whole == chunked: the logits equal ``forward``'s over all of
-        ``tokens`` (the streaming contract). Gradients flow unless the caller turns them off."""
+        ``tokens`` (the streaming contract). Gradients flow unless the caller turns them off.
+        ``step(tokens, state) -> (logits, state)`` (e.g. a captured step, ``capture.DecodeGraphs``)
+        makes each call instead of the model's own, from ``init_state`` when no state is given;
+        it gives no loss, so it takes no ``targets``."""
         check_token_shape(tokens)
         if chunk < 1:
             raise RecurformerError(f"chunk must be >= 1, got {chunk}")
         if targets is not None:
             check_targets(tokens, targets)
-        return self._read(tokens, chunk, state, targets, precision)
+            if step is not None:
+                raise RecurformerError("read through a step gives logits only: it takes no targets")
+        return self._read(tokens, chunk, state, targets, precision, step)
 
     def _read(
-        self, tokens: Tensor, chunk: int, state: State | None, targets: Tensor | None, precision: str
+        self,
+        tokens: Tensor,
+        chunk: int,
+        state: State | None,
+        targets: Tensor | None,
+        precision: str,
+        step: Callable[[Tensor, State], tuple[Tensor, State]] | None,
     ) -> Iterator[Output]:
         T, device = tokens.shape[1], self.tok_emb.weight.device
+        if step is not None and state is None:
+            state = self.init_state(tokens.shape[0], device)
         for a in range(0, T, chunk):
             b = min(a + chunk, T)
             with autocast_context(precision, device):
-                out = self(tokens[:, a:b], state, None if targets is None else targets[:, a:b])
+                if step is None:
+                    out = self(tokens[:, a:b], state, None if targets is None else targets[:, a:b])
+                else:
+                    assert state is not None
+                    logits, after = step(tokens[:, a:b], state)
+                    out = Output(logits, None, after)
             logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
             if not bool(torch.isfinite(logits).all()):
                 raise NonFiniteLogits(

@@ -33,6 +33,10 @@ CLI = [
     (["eval", "--checkpoint", MISSING, "--lengths", "a"], "--lengths must be comma-separated integers, got 'a'"),
     (["eval", "--checkpoint", MISSING, "--lengths", "100"], "--lengths: 100 is shorter than --last 256"),
     (["eval", "--checkpoint", MISSING, "--window", "0"], "--window must be >= 1, got 0"),
+    (
+        ["eval", "--checkpoint", MISSING, "--cuda-graphs", "--device", "cpu"],
+        "--cuda-graphs needs a CUDA GPU; this evaluation runs on cpu",
+    ),
     (["probe", "--checkpoint", MISSING, "--docs", "0"], "--docs must be >= 1, got 0"),
     (["probe", "--checkpoint", MISSING, "--task", "nope"], "unknown probe task 'nope'; valid tasks: repeat, swap"),
     (
@@ -81,6 +85,13 @@ PYTHON = [
     ("generate", "generate_text", (MISSING,), {"top_q": 0.5}, "unknown option 'top_q' (did you mean 'top_p'?)"),
     ("evaluate", "evaluate_checkpoints", ([MISSING],), {"windows": 0}, "windows must be >= 1, got 0"),
     ("evaluate", "evaluate_checkpoints", ([MISSING],), {"lengths": [0]}, "lengths must be >= 1, got 0"),
+    (
+        "evaluate",
+        "evaluate_checkpoints",
+        ([MISSING],),
+        {"cuda_graphs": True, "device": "cpu"},
+        "cuda_graphs needs a CUDA GPU; this evaluation runs on cpu",
+    ),
     ("probe", "probe_checkpoints", ([MISSING],), {"warm": (-1, 5)}, "warm must be >= 0, got -1"),
     ("probe", "probe_checkpoints", ([MISSING],), {"passage": 0}, "passage must be >= 1, got 0"),
     ("readout", "readout_checkpoint", (MISSING,), {"rows": 0}, "rows must be >= 1, got 0"),
