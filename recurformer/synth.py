@@ -730,10 +730,10 @@ class SynthCommandOptions:
         metavar="FILE",
     )
     set: list[str] = option([], "override a config value (repeatable)", action="append", metavar="KEY=VALUE")
-    steps: int | None = option(None, "optimizer steps per learning rate (default 500)")
+    steps: int | None = option(None, f"optimizer steps per learning rate (default {SynthConfig.steps})")
     lrs: str | None = option(None, "comma-separated learning rates to sweep (default 5e-4,1e-3,3e-3)")
     n_train: int | None = option(None, "training examples (default: the task's MAD baseline)")
-    n_test: int | None = option(None, "test examples (default 1280)")
+    n_test: int | None = option(None, f"test examples (default {SynthConfig.n_test})")
     device: str = device_option()
     json: str | None = option(None, "write the full result as JSON here")
     save: str | None = option(
