@@ -710,6 +710,8 @@ __all__ = [
     "result_dict",
 ]
 
+EVALUATE_ROWS = 128  # rows per length of ``synth --evaluate`` without --n-test
+
 
 @dataclass
 class SynthCommandOptions:
@@ -741,7 +743,8 @@ class SynthCommandOptions:
     )
     evaluate: str | None = option(
         None,
-        "instead of training, score a model saved by --save on its task at --lengths (--n-test rows each, default 128)",
+        "instead of training, score a model saved by --save on its task at --lengths (--n-test rows each, default "
+        f"{EVALUATE_ROWS})",
         metavar="DIR",
     )
     lengths: list[int] | None = option(
@@ -823,7 +826,7 @@ def synth_evaluate(args: SynthCommandOptions) -> None:
     if task is None:
         raise RecurformerError(f"{args.evaluate} holds no synthetic task (task.name): not saved by synth --save")
     params.update(task_over)
-    rows = args.n_test or 128
+    rows = args.n_test or EVALUATE_ROWS
     scores = score_lengths(model, task, params, lengths, rows, synth_config(synth_over))
     print(f"{args.evaluate}: {name} on {task}, {rows} rows per length")
     print("| length | exact match | token accuracy |\n|---|---|---|")

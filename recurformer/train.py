@@ -1106,7 +1106,7 @@ class TrainOptions:
     text_field: str | None = option(
         None,
         "the field / column holding the text in JSONL, Parquet and datasets inputs of data.text_files, as for "
-        "prepare (same as --set data.text_field=...; default: text)",
+        f"prepare (same as --set data.text_field=...; default: {DataConfig.text_field})",
     )
 
 
