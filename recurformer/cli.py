@@ -124,40 +124,10 @@ def _add_set(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    from .config import load_yaml, merge
-    from .models import build_model
-    from .statesize import state_size_line
-    from .train import merge_config
+    from .train import InfoOptions, model_info
 
-    over = parse_overrides(args.set)  # "dim=288" and "model.dim=288" both accepted
-    values = merge(over.pop("model", {}), over)
-    if args.model:
-        values.setdefault("name", args.model)
-    if args.config:  # the model a run of this config trains (its per_model entry included)
-        values = dict(merge_config(load_yaml(args.config), {"model": values}).get("model", {}))
-    name = values.pop("name", None)
-    if not name:
-        raise RecurformerError("give --model NAME (or a --config with model.name)")
-    model = build_model(name, values)
-    if args.config:
-        print(f"model: {name}, the model section of {args.config}" + (" with --set overrides" if args.set else ""))
-    else:
-        print(
-            f"model: {name}, its defaults (the size of its paper)"
-            + (" with --set overrides" if args.set else "")
-            + "; --config tinystories-cpu shows the model the bundled default run trains"
-        )
-    for k, v in vars(model.config).items():
-        print(f"  {k}: {v}")
-    n = model.num_params()
-    print(
-        f"parameters: {n:,} ({n / 1e6:.2f}M; token embedding {model.tok_emb.weight.numel():,}, tied with the output head)"
-    )
-    for group, count in model.param_groups().items():
-        print(f"  {group}: {count:,}")
-    for line in model.info_lines():
+    for line in model_info(InfoOptions(**options_of(InfoOptions, args)), parse_overrides(args.set)):
         print(line)
-    print(state_size_line(model))  # measured (statesize.py)
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -183,19 +153,9 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from .device import cpu_threads
-    from .train import train_main
+    from .train import TrainOptions, train_command
 
-    if not args.config and not args.resume:
-        raise RecurformerError("give --config FILE (see configs/) or --resume DIR")
-    sets = (
-        args.set
-        + (["train.compile=true"] if args.compile else [])
-        + ([f"train.device={args.device}"] if args.device else [])
-        + ([f"data.text_field={args.text_field}"] if args.text_field else [])
-    )
-    with cpu_threads():  # the errors of a run name the command line's flags (train.py's default)
-        _, last = train_main(args.config, parse_overrides(sets), args.resume, args.overwrite)
+    last = train_command(TrainOptions(**options_of(TrainOptions, args)), args.set)
     if last:  # the run's mean speed first; the last log interval's rate named as such
         names = {"tok_per_s": "last_interval_tok_per_s"}
         last = {k: last[k] for k in ("step", "loss", "val_loss", "mean_tok_per_s", "mfu") if k in last} | last
@@ -303,8 +263,11 @@ def _options_classes() -> dict[str, type[Any]]:
     from .probe import ProbeCommandOptions
     from .readout import ReadoutOptions
     from .synth import SynthCommandOptions
+    from .train import InfoOptions, TrainOptions
 
     return {
+        "info": InfoOptions,
+        "train": TrainOptions,
         "export": ExportOptions,
         "prepare": DataConfig,
         "eval": EvalOptions,
@@ -341,50 +304,25 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluate import EvalOptions
     from .generate import GenerateOptions
     from .hub import ExportOptions
-    from .models import model_names
     from .niah import NiahOptions
     from .probe import ProbeCommandOptions
     from .readout import ReadoutOptions
     from .synth import SynthCommandOptions
+    from .train import InfoOptions, TrainOptions
 
     summary = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")  # the docstring's first paragraph
     ap = argparse.ArgumentParser(prog="recurformer", description=summary)
     ap.add_argument("--version", action="version", version=f"recurformer {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", formatter_class=_Help, help="print a model's configuration and parameter counts")
-    p.add_argument("--model", help=f"one of: {', '.join(model_names())}")
-    p.add_argument("--config", help="a YAML config file (its model section is used)")
+    add_options(p, InfoOptions)
     _add_set(p)
 
     p = sub.add_parser("prepare", formatter_class=_Help, help="tokenize a corpus into train/val token files")
     add_options(p, DataConfig)
 
     p = sub.add_parser("train", formatter_class=_Help, help="train a model (stateful TBPTT) from a YAML config")
-    p.add_argument("--config", help="YAML file with model/data/train sections (see configs/)")
-    p.add_argument(
-        "--resume",
-        help="a run or checkpoint directory to continue exactly (written into that run "
-        "directory unless --set train.out_dir=... is given)",
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the run in train.out_dir (or, with --resume of an "
-        "older checkpoint, delete the run's later checkpoints)",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile every layer (regional compilation; same as --set train.compile=true)",
-    )
-    p.add_argument(
-        "--device", help="auto (CUDA when present; the default), cpu, cuda or cuda:N (same as --set train.device=...)"
-    )
-    p.add_argument(
-        "--text-field",
-        help="the field / column holding the text in JSONL, Parquet and datasets inputs of data.text_files, as for "
-        "prepare (same as --set data.text_field=...; default: text)",
-    )
+    add_options(p, TrainOptions)
     _add_set(p)
 
     p = sub.add_parser(

@@ -107,16 +107,42 @@ def logits_fn(model: Any, chunk: int) -> Callable[[torch.Tensor, int], torch.Ten
     return lambda x, first: model(input_ids=x).logits[:, first:].float()
 
 
+@dataclass
+class NiahOptions:
+    """``recurformer niah`` (``niah_checkpoint``): the grid of depths x lengths and how it is read."""
+
+    checkpoint: str = option(None, "a run, checkpoint or pretrained directory, or a Hub repo id", required=True)
+    lengths: list[int] = option([256, 512, 1024, 2048], "context lengths in tokens", range=">= 1")
+    depths: list[float] = option([0, 25, 50, 75, 100], "needle depths in percent of the haystack")
+    trials: int = option(4, "prompts per cell (random passkeys and haystack offsets)", range=">= 1")
+    chunk: int = option(256, "tokens per model call (the state carries the rest)", range=">= 1")
+    text: list[str] | None = option(
+        None, "haystack text files (default: the bundled books, val split)", nargs="+", metavar="FILE"
+    )
+    via: str = option(
+        "recurformer",
+        "transformers: load and run the model through AutoModelForCausalLM (needs recurformer[hf])",
+        choices=["recurformer", "transformers"],
+    )
+    seed: int = option(0, "passkeys and haystack offsets")
+    device: str = device_option()
+    out: str | None = option(
+        None,
+        "output JSON, the heatmap PNG beside it (default: niah.json in the checkpoint's run directory)",
+        flag="--json",
+    )
+
+
 @torch.no_grad()
 def niah(
     model: Any,
     tokenizer: Tokenizer,
     lengths: Sequence[int] = (256, 512, 1024),
     depths: Sequence[float] = (0, 25, 50, 75, 100),
-    trials: int = 4,
-    chunk: int = 256,
+    trials: int = NiahOptions.trials,
+    chunk: int = NiahOptions.chunk,
     text: Sequence[str | Path] | None = None,
-    seed: int = 0,
+    seed: int = NiahOptions.seed,
 ) -> list[Cell]:
     """Every (depth, length) cell: ``trials`` prompts (one batch), scored at the answer."""
     for d in depths:
@@ -212,32 +238,6 @@ def save(cells: Sequence[Cell], path: Path, meta: dict[str, Any]) -> None:
 
 
 __all__ = ["Cell", "NEEDLE", "QUESTION", "figure", "make_prompt", "niah", "plot", "save", "table"]
-
-
-@dataclass
-class NiahOptions:
-    """``recurformer niah`` (``niah_checkpoint``): the grid of depths x lengths and how it is read."""
-
-    checkpoint: str = option(None, "a run, checkpoint or pretrained directory, or a Hub repo id", required=True)
-    lengths: list[int] = option([256, 512, 1024, 2048], "context lengths in tokens", range=">= 1")
-    depths: list[float] = option([0, 25, 50, 75, 100], "needle depths in percent of the haystack")
-    trials: int = option(4, "prompts per cell (random passkeys and haystack offsets)", range=">= 1")
-    chunk: int = option(256, "tokens per model call (the state carries the rest)", range=">= 1")
-    text: list[str] | None = option(
-        None, "haystack text files (default: the bundled books, val split)", nargs="+", metavar="FILE"
-    )
-    via: str = option(
-        "recurformer",
-        "transformers: load and run the model through AutoModelForCausalLM (needs recurformer[hf])",
-        choices=["recurformer", "transformers"],
-    )
-    seed: int = option(0, "passkeys and haystack offsets")
-    device: str = device_option()
-    out: str | None = option(
-        None,
-        "output JSON, the heatmap PNG beside it (default: niah.json in the checkpoint's run directory)",
-        flag="--json",
-    )
 
 
 @cpu_threads()

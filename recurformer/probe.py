@@ -389,9 +389,9 @@ def make_samples(
 def row_losses(
     model: StreamingLM,
     rows: Sequence[np.ndarray],
-    chunk: int = 256,
-    batch_size: int = 16,
-    precision: str = "fp32",
+    chunk: int = ProbeOptions.chunk,
+    batch_size: int = ProbeOptions.batch_size,
+    precision: str = ProbeOptions.precision,
     progress: Callable[[int], None] | None = None,
 ) -> list[np.ndarray]:
     """Per-position losses of each row: ``out[r][p]`` = cross-entropy of token p given tokens < p
@@ -531,10 +531,10 @@ def probe_model(
     model: StreamingLM,
     samples: Sequence[Sample],
     metrics: Sequence[str],
-    chunk: int = 256,
-    batch_size: int = 16,
-    precision: str = "fp32",
-    seed: int = 0,
+    chunk: int = ProbeOptions.chunk,
+    batch_size: int = ProbeOptions.batch_size,
+    precision: str = ProbeOptions.precision,
+    seed: int = ProbeOptions.seed,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, list[BinStat]]:
     """Read every row of every sample and aggregate each metric by distance bin."""

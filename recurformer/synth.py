@@ -710,6 +710,8 @@ __all__ = [
     "result_dict",
 ]
 
+EVALUATE_ROWS = 128  # rows per length of ``synth --evaluate`` without --n-test
+
 
 @dataclass
 class SynthCommandOptions:
@@ -730,10 +732,10 @@ class SynthCommandOptions:
         metavar="FILE",
     )
     set: list[str] = option([], "override a config value (repeatable)", action="append", metavar="KEY=VALUE")
-    steps: int | None = option(None, "optimizer steps per learning rate (default 500)")
+    steps: int | None = option(None, f"optimizer steps per learning rate (default {SynthConfig.steps})")
     lrs: str | None = option(None, "comma-separated learning rates to sweep (default 5e-4,1e-3,3e-3)")
     n_train: int | None = option(None, "training examples (default: the task's MAD baseline)")
-    n_test: int | None = option(None, "test examples (default 1280)")
+    n_test: int | None = option(None, f"test examples (default {SynthConfig.n_test})")
     device: str = device_option()
     json: str | None = option(None, "write the full result as JSON here")
     save: str | None = option(
@@ -741,7 +743,8 @@ class SynthCommandOptions:
     )
     evaluate: str | None = option(
         None,
-        "instead of training, score a model saved by --save on its task at --lengths (--n-test rows each, default 128)",
+        "instead of training, score a model saved by --save on its task at --lengths (--n-test rows each, default "
+        f"{EVALUATE_ROWS})",
         metavar="DIR",
     )
     lengths: list[int] | None = option(
@@ -823,7 +826,7 @@ def synth_evaluate(args: SynthCommandOptions) -> None:
     if task is None:
         raise RecurformerError(f"{args.evaluate} holds no synthetic task (task.name): not saved by synth --save")
     params.update(task_over)
-    rows = args.n_test or 128
+    rows = args.n_test or EVALUATE_ROWS
     scores = score_lengths(model, task, params, lengths, rows, synth_config(synth_over))
     print(f"{args.evaluate}: {name} on {task}, {rows} rows per length")
     print("| length | exact match | token accuracy |\n|---|---|---|")

@@ -38,15 +38,26 @@ from tqdm import tqdm
 from . import checkpoint as ckpt
 from . import loggers
 from .capture import Backend, CaptureFailed, StepGraphs
-from .config import RecurformerError, check_options, from_dict, load_yaml, merge, opt, parse_overrides, suggest
+from .config import (
+    RecurformerError,
+    check_options,
+    from_dict,
+    load_yaml,
+    merge,
+    opt,
+    option,
+    parse_overrides,
+    suggest,
+)
 from .curriculum import Schedule, check_state_init_share, schedule_from
 from .data import DataConfig
-from .device import autocast_context, configure, out_of_memory, pick_device, resolve_precision, to_device
+from .device import autocast_context, configure, cpu_threads, out_of_memory, pick_device, resolve_precision, to_device
 from .flops import reference_peak, train_flops_per_token
 from .models import build_model, make_config, model_names
 from .nn import State, StreamingLM, check_compile
 from .optim import make_optimizer, optimizer_from_flat, optimizer_to_flat
 from .registry import config_keys
+from .statesize import state_size_line
 from .tbptt import Update, backprop, start_state
 
 SCHEDULED = ("seq_len", "truncation")  # the train keys a schedule may change
@@ -190,6 +201,43 @@ def for_model(base: dict[str, Any], over: dict[str, Any]) -> tuple[dict[str, Any
         keys = config_keys(name)
         base["model"] = {k: v for k, v in model.items() if k == "name" or k in keys}
     return merge(base, per.get(name, {}) if isinstance(name, str) else {}), over
+
+
+@dataclass
+class InfoOptions:
+    """``recurformer info`` (``model_info``): the model to describe, by name or by a run config."""
+
+    model: str | None = option(None, f"one of: {', '.join(model_names())}")
+    config: str | None = option(None, "a YAML config file (its model section is used)")
+
+
+def model_info(o: InfoOptions, over: dict[str, Any]) -> list[str]:
+    """The lines of ``recurformer info``: the configuration of the model that ``o`` names (with the
+    config overrides ``over``), its parameter counts by group, and its state size (``statesize``)."""
+    overridden, over = " with --set overrides" if over else "", dict(over)
+    values = merge(over.pop("model", {}), over)  # "dim=288" and "model.dim=288" both accepted
+    if o.model:
+        values.setdefault("name", o.model)
+    if o.config:  # the model a run of this config trains (its per_model entry included)
+        values = dict(merge_config(load_yaml(o.config), {"model": values}).get("model", {}))
+    name = values.pop("name", None)
+    if not name:
+        raise RecurformerError("give --model NAME (or a --config with model.name)")
+    model = build_model(name, values)
+    if o.config:
+        lines = [f"model: {name}, the model section of {o.config}{overridden}"]
+    else:
+        lines = [
+            f"model: {name}, its defaults (the size of its paper){overridden}"
+            "; --config tinystories-cpu shows the model the bundled default run trains"
+        ]
+    lines += [f"  {k}: {v}" for k, v in vars(model.config).items()]
+    n = model.num_params()
+    lines.append(
+        f"parameters: {n:,} ({n / 1e6:.2f}M; token embedding {model.tok_emb.weight.numel():,}, tied with the output head)"
+    )
+    lines += [f"  {group}: {count:,}" for group, count in model.param_groups().items()]
+    return lines + model.info_lines() + [state_size_line(model)]  # measured (statesize.py)
 
 
 def load_run_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
@@ -1034,6 +1082,48 @@ def train_main(
                 ckpt.discard_unsaved(trainer.out_dir, trainer.existing)
             if trainer.world > 1 and dist.is_initialized():
                 dist.destroy_process_group()
+
+
+@dataclass
+class TrainOptions:
+    """``recurformer train`` (``train_command``): the config to train or the run to resume, and
+    switches for config keys (``--set`` overrides any other)."""
+
+    config: str | None = option(None, "YAML file with model/data/train sections (see configs/)")
+    resume: str | None = option(
+        None,
+        "a run or checkpoint directory to continue exactly (written into that run directory unless "
+        "--set train.out_dir=... is given)",
+    )
+    overwrite: bool = option(
+        False,
+        "replace the run in train.out_dir (or, with --resume of an older checkpoint, delete the run's later checkpoints)",
+    )
+    compile: bool = option(False, "torch.compile every layer (regional compilation; same as --set train.compile=true)")
+    device: str | None = option(
+        None, "auto (CUDA when present; the default), cpu, cuda or cuda:N (same as --set train.device=...)"
+    )
+    text_field: str | None = option(
+        None,
+        "the field / column holding the text in JSONL, Parquet and datasets inputs of data.text_files, as for "
+        f"prepare (same as --set data.text_field=...; default: {DataConfig.text_field})",
+    )
+
+
+def train_command(o: TrainOptions, sets: list[str]) -> dict[str, Any]:
+    """``recurformer train``: ``train_main`` with the config overrides ``sets`` (``key=value``)
+    and the switches of ``o`` after them; returns the last metrics."""
+    if not o.config and not o.resume:
+        raise RecurformerError("give --config FILE (see configs/) or --resume DIR")
+    sets = (
+        sets
+        + (["train.compile=true"] if o.compile else [])
+        + ([f"train.device={o.device}"] if o.device else [])
+        + ([f"data.text_field={o.text_field}"] if o.text_field else [])
+    )
+    with cpu_threads():
+        _, last = train_main(o.config, parse_overrides(sets), o.resume, o.overwrite)
+    return last
 
 
 def training_sizes(cfg: RunConfig) -> tuple[str, str]:

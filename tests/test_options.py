@@ -158,6 +158,31 @@ def test_every_option_has_help_and_top_level_help_is_plain(capsys, monkeypatch) 
             assert "{repeat,swap}" in text
 
 
+def test_every_commands_flags_come_from_its_options_dataclass() -> None:
+    """Each command's flags are the fields of its options dataclass (``cli.add_options``), beside
+    the few the command line adds itself; no command's flags are written by hand."""
+    import dataclasses
+
+    from recurformer.cli import COMMANDS, _options_classes, build_parser, flag_of
+
+    own = {
+        "info": {"--set"},
+        "train": {"--set"},
+        "eval": {"--all"},
+        "generate": {"--stats"},
+        "readout": {"--set"},
+        "probe": {"--checkpoint", "--merge", "--warm-min", "--warm-max"},  # --checkpoint or --merge
+    }
+    (sub,) = [a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction"]
+    classes = _options_classes()
+    assert set(classes) == set(COMMANDS)
+    for name, cls in classes.items():
+        fields = {flag_of(f) for f in dataclasses.fields(cls) if f.metadata["cli"].get("cli", True)}
+        flags = {s for a in sub.choices[name]._actions for s in a.option_strings if s.startswith("--")}
+        flags -= {"--help"} | {f.replace("--", "--no-", 1) for f in fields}
+        assert flags == fields | own.get(name, set()), name
+
+
 def test_eval_and_probe_write_beside_the_checkpoint(pretrained, tmp_path, monkeypatch, capsys) -> None:
     import shutil
 
