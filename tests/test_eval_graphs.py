@@ -92,14 +92,14 @@ def test_a_failed_capture_is_one_line_and_the_evaluation_goes_on(monkeypatch) ->
     model = make("rmt")
     P = model.reset_boundary
     w = windows(model, 2, 4 * P + 1)
-    want = score_rows(model, w, P, P)
+    want = score_rows(model, w, P, P, batch_size=8)
 
     def oom(*args: object) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB\ndetail")
 
     monkeypatch.setattr(capture, "record", oom)
     notes: list[str] = []
-    got = score_rows(model, w, P, P, step=DecodeGraphs(model).or_eager(notes.append, True, "reading"))
+    got = score_rows(model, w, P, P, batch_size=8, step=DecodeGraphs(model).or_eager(notes.append, True, "reading"))
     torch.testing.assert_close(got[0], want[0], rtol=1e-9, atol=1e-9)
     assert len(notes) == 1 and "CUDA out of memory. Tried to allocate 1.00 GiB" in notes[0], notes
     assert "reading eagerly" in notes[0]
