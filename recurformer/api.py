@@ -149,7 +149,7 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, label: str = "model", **o
     ``probe.ProbeOptions``): per-distance-bin means with bootstrap intervals. ``dataset`` defaults
     to ``tinystories-repeat`` for ``repeat``."""
     from .models import model_name
-    from .probe import METRICS, ProbeOptions, check_probe, make_samples, probe_model, receptive_field
+    from .probe import METRICS, ProbeOptions, check_probe, probe_model, receptive_field, samples_for
 
     o = make_options(ProbeOptions, options)
     check_probe(o)
@@ -158,20 +158,7 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, label: str = "model", **o
         if o.task != "repeat":
             raise RecurformerError("the swap probe needs dataset=NAME or text=[FILE, ...]")
         dataset = "tinystories-repeat"
-    files = [str(f) for f in o.text] if o.text else None
-    samples = make_samples(
-        tokenizer,
-        o.task,
-        dataset,
-        files,
-        model.config.vocab_size,
-        docs=o.docs,
-        passage=o.passage,
-        distances=list(o.distances),
-        span=o.span,
-        warm=tuple(o.warm),  # type: ignore[arg-type]
-        seed=o.seed,
-    )
+    samples = samples_for(o, tokenizer, dataset, model.config.vocab_size)
     with torch.no_grad():
         metrics = probe_model(model, samples, METRICS[o.task], o.chunk, o.batch_size, o.precision, o.seed)
     facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
