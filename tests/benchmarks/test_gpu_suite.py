@@ -88,14 +88,25 @@ def test_dry_run_writes_every_stage(tmp_path: Path) -> None:
     assert all(f"## {n}" in summary for n in gpu_suite.STAGES)
 
 
-def test_graphs_stage_measures_only_the_models_a_partial_json_lacks(tmp_path: Path) -> None:
+def test_graphs_stage_measures_only_the_models_a_partial_json_lacks(tmp_path: Path, monkeypatch) -> None:
     """A first call cut off after four models (and during the fifth): the second call keeps the
-    four rows, measures the fifth again, and rewrites graphs.json after it."""
+    four rows, measures the fifth again, and rewrites graphs.json after it. (graphs_bench.py's
+    process stands in here: the dry run's test runs it.)"""
     kept = [dict(model=n, train={}, generate={"eager": {}}) for n in gpu_suite.GRAPH_MODELS if n != "memory_attention"]
     cut = dict(model="memory_attention", train={})  # no generate: cut off
     (tmp_path / "graphs.json").write_text(json.dumps(dict(status="partial", result=dict(rows=[*kept, cut]))))
+    measured = []
+
+    def bench(cmd: list[str], timeout: float, log: Path | None = None) -> dict:
+        model, out = cmd[cmd.index("--model") + 1], Path(cmd[cmd.index("--out") + 1])
+        measured.append(model)
+        out.write_text(json.dumps(dict(model=model, train={"eager": {}}, generate={"eager": {}})))
+        return dict(rc=0, timed_out=False, tail="")
+
+    monkeypatch.setattr(gpu_suite, "run", bench)
     ctx = gpu_suite.Ctx(out=tmp_path, dry=True, device=torch.device("cpu"), seconds=300, scratch=tmp_path)
     r = gpu_suite.stage_graphs(ctx)
+    assert measured == ["memory_attention"], measured
     assert r["rows"][:4] == kept and r["rows"][4]["model"] == "memory_attention" and "generate" in r["rows"][4], r
     assert json.loads((tmp_path / "graphs.json").read_text())["result"]["rows"] == r["rows"]
 
