@@ -6,7 +6,9 @@ Measured, each written to ``--out`` as soon as it is done (a run cut off keeps w
 * ``train``: tokens/s of a training step (forward + backward with the state carried, then AdamW)
   eager, graphed (``StepGraphs``: the model's call captured once per shape and replayed, the
   optimizer eager) and, with ``--compile``, compiled + graphed (``compile_layers`` first); each as
-  a fraction of the measured matmul peak (``flops.reference_peak``) at ``flops.train_flops_per_token``.
+  a fraction of the measured matmul peak, as the trainer reports it (``train.Throughput``).
+  The step is the trainer's parts: its optimizer (``optim.make_optimizer``, ``tbptt.Update``), its
+  backward pass (``tbptt.backprop``) and its autocast (``device.autocast_context``).
 * ``grad_check``: two calls with the carried state and gradient accumulation 2, graphed against
   eager from the same weights: the largest gradient difference over the largest gradient.
 * ``profile``: one training step of each kind under ``torch.profiler``: GPU kernels and kernel
@@ -22,7 +24,6 @@ Measured, each written to ``--out`` as soon as it is done (a run cut off keeps w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import tempfile
@@ -34,11 +35,13 @@ import torch
 from throughput import CONFIGS, model_config
 
 from recurformer.capture import DecodeGraphs, StepGraphs
-from recurformer.device import synchronize
-from recurformer.flops import reference_peak, train_flops_per_token
+from recurformer.device import autocast_context, synchronize
 from recurformer.generate import new_session, stream
 from recurformer.models import build_model
 from recurformer.nn import State, StreamingLM
+from recurformer.optim import make_optimizer
+from recurformer.tbptt import Update, backprop
+from recurformer.train import Throughput
 
 Step = Callable[[torch.Tensor, torch.Tensor, State], State]
 
@@ -54,9 +57,11 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.dev = args, torch.device(args.device)
         self.bf16 = self.dev.type == "cuda"
-        self.amp = (
-            (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if self.bf16 else (lambda: contextlib.nullcontext())
-        )
+        self.amp = lambda: autocast_context("bf16" if self.bf16 else "fp32", self.dev)
+
+    def meter(self, model: StreamingLM) -> Throughput:
+        """The trainer's FLOP count and matmul peak (one process)."""
+        return Throughput(model, self.args.seq, self.dev, "bf16" if self.bf16 else "fp32", 1)
 
     def model(self) -> StreamingLM:
         torch.manual_seed(0)
@@ -68,13 +73,17 @@ class Bench:
         V, T = model.config.vocab_size, self.args.seq
         return [torch.randint(0, V, (B, T), generator=g).to(self.dev) for _ in range(2)]
 
-    def eager(self, model: StreamingLM) -> Step:
+    def eager(self, model: StreamingLM, grad_accum: int = 1) -> Step:
+        """One call backpropagated as the trainer does (``tbptt.backprop``: loss / ``grad_accum``)."""
+
         def step(x: torch.Tensor, y: torch.Tensor, state: State) -> State:
-            with self.amp():
-                out = model(x, state=state, targets=y)
-            assert out.loss is not None
-            out.loss.backward()
-            return out.state.detach()
+            def forward(i: int, state: State | None) -> tuple[torch.Tensor, State]:
+                with self.amp():
+                    out = model(x, state=state, targets=y)
+                assert out.loss is not None
+                return out.loss, out.state
+
+            return backprop(forward, [1], state, grad_accum)[1]
 
         return step
 
@@ -95,9 +104,10 @@ class Bench:
             return state
         return model.init_state(self.args.batch, self.dev)
 
-    def train_rate(self, model: StreamingLM, step: Step) -> float:
-        """Training tokens/s over ``--steps`` steps, after two (the graphs' capture among them)."""
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    def train_rate(self, model: StreamingLM, step: Step, meter: Throughput) -> dict[str, float]:
+        """Training tokens/s over ``--steps`` steps, after two (the graphs' capture among them), and
+        its fraction of the matmul peak (``Throughput.fraction``); the trainer's AdamW, unclipped."""
+        update = Update(model, make_optimizer(model, 1e-4, 0.01, (0.9, 0.999)), 1e-4, 1e-4, 0, 1, 0.0)
         x, y = self.batch(model, self.args.batch)
         state = model.init_state(self.args.batch, self.dev)
         model.check_tokens = False
@@ -106,10 +116,10 @@ class Bench:
                 synchronize(self.dev)
                 t0 = time.perf_counter()
             state = self.carry(model, step(x, y, state))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            update.finish()
         synchronize(self.dev)
-        return self.args.batch * self.args.seq * self.args.steps / (time.perf_counter() - t0)
+        rate = self.args.batch * self.args.seq * self.args.steps / (time.perf_counter() - t0)
+        return dict(tokens_per_s=rate, fraction_of_peak=meter.fraction(rate))
 
     def grad_check(self) -> dict[str, Any]:
         """Two calls, accumulation 2, the state carried: graphed against eager from the same weights."""
@@ -117,18 +127,11 @@ class Bench:
         for graphed in (False, True):
             model = self.model()
             model.check_tokens = False
-            graphs = StepGraphs(model, 2, self.args.backend) if graphed else None
+            step = self.graphed(model, 2) if graphed else self.eager(model, 2)
             state, g = model.init_state(2, self.dev), torch.Generator().manual_seed(3)
             for _ in range(2):
                 x, y = self.batch(model, 2, g)
-                with self.amp():
-                    if graphs is not None:
-                        _, state = graphs(x, y, state)
-                    else:
-                        out = model(x, state=state, targets=y)
-                        assert out.loss is not None
-                        (out.loss / 2).backward()
-                        state = out.state.detach()
+                state = step(x, y, state)
             grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None]))
         diff = float((grads[0] - grads[1]).abs().max() / grads[0].abs().max().clamp(min=1e-30))
         return dict(max_diff_over_max_grad=diff, ok=diff <= (1e-2 if self.bf16 else 1e-5), precision=self.precision)
@@ -224,14 +227,19 @@ def main() -> None:
     if args.seq % P:
         raise SystemExit(f"graphs_bench.py: error: --seq {args.seq} is not a multiple of {args.model}'s chunk ({P})")
     row["seq"] = args.seq
-    flops = train_flops_per_token(model, args.seq, b.dev)
-    peak, source = reference_peak(torch.bfloat16 if b.bf16 else torch.float32, b.dev)
-    row.update(train_flops_per_token=flops, peak_flops=peak, peak_source=source, train={})
+    meter = b.meter(model)
+
+    def peak() -> dict[str, Any]:  # re-measured where a fraction came out above 1 (Throughput.fraction)
+        return dict(
+            train_flops_per_token=meter.flops_per_token, peak_flops=meter.peak_flops, peak_source=meter.peak_source
+        )
+
+    row.update(peak(), train={})
     write(args.out, row)
     kinds: list[tuple[str, Callable[[StreamingLM], Step]]] = [("eager", b.eager), ("graphed", b.graphed)]
     for kind, make in kinds:
-        rate = b.train_rate(model, make(model))
-        row["train"][kind] = dict(tokens_per_s=rate, fraction_of_peak=rate * flops / peak)
+        row["train"][kind] = b.train_rate(model, make(model), meter)
+        row.update(peak())
         write(args.out, row)
     row["grad_check"] = b.grad_check()
     write(args.out, row)
@@ -241,8 +249,8 @@ def main() -> None:
     write(args.out, row)
     if args.compile:
         model.compile_layers()
-        rate = b.train_rate(model, b.graphed(model))
-        row["train"]["compiled+graphed"] = dict(tokens_per_s=rate, fraction_of_peak=rate * flops / peak)
+        row["train"]["compiled+graphed"] = b.train_rate(model, b.graphed(model), meter)
+        row.update(peak())
         write(args.out, row)
 
 

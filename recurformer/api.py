@@ -25,7 +25,7 @@ import torch
 from .config import RecurformerError, make_options, merge, opt
 from .data import Tokenizer
 from .device import cpu_threads
-from .evaluate import LengthOptions, LengthResult, eval_sizes, evaluate_lengths
+from .evaluate import LengthOptions, LengthResult, evaluate_options
 from .nn import StreamingLM
 from .probe import ProbeResult
 
@@ -120,27 +120,12 @@ def evaluate(
     The windows are deterministic: ``windows`` evenly spaced ones (default ``DEFAULT_WINDOWS``),
     or all of them with ``windows=None`` (the scored blocks tile the text);
     ``evaluate.paired_differences`` compares two models' results on the same tokens."""
-    from .device import out_of_memory
-
     o = make_options(LengthOptions, options)  # evaluate_lengths checks how they fit together
     device = model.tok_emb.weight.device
     if o.cuda_graphs and device.type != "cuda":
         raise RecurformerError(f"{opt('cuda_graphs')} needs a CUDA GPU; this model is on {device}")
     data = np.asarray(tokens, dtype=np.int64) if tokens is not None else _tokens(tokenizer, dataset, text)
-    with out_of_memory(*eval_sizes("the model", model, o.batch_size, o.chunk, o.lengths)):
-        return evaluate_lengths(
-            model,
-            data,
-            o.lengths,
-            o.last,
-            o.windows,
-            o.chunk,
-            o.warm_state,
-            o.batch_size,
-            o.context,
-            tokenizer.bos_id if tokenizer is not None else None,
-            graphs="cuda" if o.cuda_graphs else None,
-        )
+    return evaluate_options("the model", model, data, o, tokenizer.bos_id if tokenizer is not None else None)
 
 
 @cpu_threads()
@@ -149,7 +134,7 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, label: str = "model", **o
     ``probe.ProbeOptions``): per-distance-bin means with bootstrap intervals. ``dataset`` defaults
     to ``tinystories-repeat`` for ``repeat``."""
     from .models import model_name
-    from .probe import METRICS, ProbeOptions, check_probe, make_samples, probe_model, receptive_field
+    from .probe import METRICS, ProbeOptions, check_probe, probe_model, receptive_field, samples_for
 
     o = make_options(ProbeOptions, options)
     check_probe(o)
@@ -158,20 +143,7 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, label: str = "model", **o
         if o.task != "repeat":
             raise RecurformerError("the swap probe needs dataset=NAME or text=[FILE, ...]")
         dataset = "tinystories-repeat"
-    files = [str(f) for f in o.text] if o.text else None
-    samples = make_samples(
-        tokenizer,
-        o.task,
-        dataset,
-        files,
-        model.config.vocab_size,
-        docs=o.docs,
-        passage=o.passage,
-        distances=list(o.distances),
-        span=o.span,
-        warm=tuple(o.warm),  # type: ignore[arg-type]
-        seed=o.seed,
-    )
+    samples = samples_for(o, tokenizer, dataset, model.config.vocab_size)
     with torch.no_grad():
         metrics = probe_model(model, samples, METRICS[o.task], o.chunk, o.batch_size, o.precision, o.seed)
     facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .capture import Backend, DecodeGraphs
 from .config import RecurformerError, check_fields, make_options, opt, option, say
 from .data.tokenizer import Tokenizer
-from .device import cpu_threads, device_option, peak_memory_mb, reset_peak_memory, synchronize
+from .device import cpu_threads, device_option, out_of_memory, peak_memory_mb, reset_peak_memory, synchronize
 from .files import atomic_write
 from .generate import Step
 from .nn import NonFiniteLogits, StreamingLM
@@ -358,6 +358,38 @@ def eval_sizes(label: str, model: StreamingLM, batch_size: int, chunk: int, leng
     return doing, f"lower {opt('batch_size')} or {opt('chunk')} (a state that grows with the text: {opt('lengths')})"
 
 
+def evaluate_options(
+    label: str,
+    model: StreamingLM,
+    tokens: np.ndarray,
+    o: LengthOptions,
+    bos: int | None,
+    progress: Callable[[int], object] | None = None,
+    done: Callable[[LengthResult], object] | None = None,
+    note: Callable[[str], object] = say,
+) -> list[LengthResult]:
+    """``evaluate_lengths`` with every field of the options ``o`` (``recurformer eval`` and
+    ``recurformer.evaluate`` alike, so a new field reaches both), an out-of-memory error naming
+    ``label`` and what to lower (``eval_sizes``)."""
+    with out_of_memory(*eval_sizes(label, model, o.batch_size, o.chunk, o.lengths)):
+        return evaluate_lengths(
+            model,
+            tokens,
+            o.lengths,
+            o.last,
+            o.windows,
+            o.chunk,
+            o.warm_state,
+            o.batch_size,
+            o.context,
+            bos,
+            progress=progress,
+            done=done,
+            graphs="cuda" if o.cuda_graphs else None,
+            note=note,
+        )
+
+
 @cpu_threads()
 def evaluate_checkpoints(
     checkpoints: Sequence[str],
@@ -378,7 +410,7 @@ def evaluate_checkpoints(
     graph (``evaluate_lengths``'s ``graphs``), so an interrupted eval keeps what it finished; progress
     shows as a bar on a terminal, as lines through ``log`` elsewhere. Every option is checked
     before any work."""
-    from .device import memory_kind, out_of_memory, pick_device
+    from .device import memory_kind, pick_device
     from .files import check_writable
     from .hub import default_output, eval_labels, load, locate
     from .loggers import Progress
@@ -386,15 +418,7 @@ def evaluate_checkpoints(
     given = {"checkpoint": list(checkpoints), "out": out} | ({"lengths": list(lengths)} if lengths is not None else {})
     o = make_options(EvalOptions, given | options)
     check_lengths(o)
-    lengths, last, windows, chunk, warm_state, batch_size, context = (
-        o.lengths,
-        o.last,
-        o.windows,
-        o.chunk,
-        o.warm_state,
-        o.batch_size,
-        o.context,
-    )
+    lengths, last, windows, warm_state, context = o.lengths, o.last, o.windows, o.warm_state, o.context  # the log's
     window, data, dataset, text = o.window, o.data, o.dataset, o.text
     dev = pick_device(o.device)
     if o.cuda_graphs and dev.type != "cuda":
@@ -439,23 +463,8 @@ def evaluate_checkpoints(
 
         progress = Progress(n * len(lengths), label, "window", log)
         try:
-            with out_of_memory(*eval_sizes(label, model, batch_size, chunk, lengths)):
-                evaluate_lengths(
-                    model,
-                    tokens,
-                    lengths,
-                    last,
-                    windows,
-                    chunk,
-                    warm_state,
-                    batch_size,
-                    context,
-                    tok.bos_id if tok is not None else None,
-                    progress=progress.update,
-                    done=keep,
-                    graphs="cuda" if o.cuda_graphs else None,
-                    note=log,
-                )
+            bos = tok.bos_id if tok is not None else None
+            evaluate_options(label, model, tokens, o, bos, progress=progress.update, done=keep, note=log)
         except NonFiniteLogits as e:
             kept = f"{path_out} keeps the results before it" if results else "nothing written"
             raise RecurformerError(f"{path} gives {e} although its weights load; {kept}") from None

@@ -5,7 +5,8 @@ The peak a training run divides by (``reference_peak``) is measured once per mac
 version, dtype and thread count, over a few seconds, and cached in the user's cache directory
 (``$RECURFORMER_CACHE/matmul_peak.json``, by default ``~/.cache/recurformer``, under
 ``$XDG_CACHE_HOME`` when set): two runs on one machine divide by the same number, so their
-fractions compare. Delete the file to re-measure.
+fractions compare. Delete the file to re-measure; a run whose fraction comes out above 1 (the peak
+cached while the machine was busy) measures it again and keeps the higher one.
 
 FLOPs are counted, not derived by hand: one no-grad forward of the real model over ``T`` tokens
 runs under ``torch.utils.flop_counter.FlopCounterMode`` (every matmul, attention included, 2 FLOPs
@@ -159,9 +160,13 @@ def peak_cache_file() -> Path:
     return Path(root) / "matmul_peak.json"
 
 
-def reference_peak(dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[float, str]:
+def reference_peak(
+    dtype: torch.dtype, device: torch.device | str = "cpu", remeasure: bool = False
+) -> tuple[float, str]:
     """(FLOP/s, where it comes from): the matmul peak for this machine, torch version, dtype and
-    thread count, read from the cache or measured now (``PEAK_SECONDS``) and cached."""
+    thread count, read from the cache or measured now (``PEAK_SECONDS``) and cached. ``remeasure``:
+    measured now even when cached (a cached peak below what a run reached was measured under
+    load), the higher of the two kept."""
     dev = torch.device(device)
     key = f"{machine_name(dev)} | torch {torch.__version__} | {str(dtype).removeprefix('torch.')}"
     key += f" | {torch.get_num_threads()} threads" if dev.type == "cpu" else ""
@@ -170,9 +175,10 @@ def reference_peak(dtype: torch.dtype, device: torch.device | str = "cpu") -> tu
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
         cache = {}
-    if isinstance(cache.get(key), (int, float)):
-        return float(cache[key]), f"cached in {path} for {key}"
-    peak = matmul_peak.__wrapped__(dtype, str(dev), seconds=PEAK_SECONDS)
+    cached = float(cache[key]) if isinstance(cache.get(key), (int, float)) else None
+    if cached is not None and not remeasure:
+        return cached, f"cached in {path} for {key}"
+    peak = max(matmul_peak.__wrapped__(dtype, str(dev), seconds=PEAK_SECONDS), cached or 0.0)
     cache = {**(cache if isinstance(cache, dict) else {}), key: peak}
     try:  # atomic, so two runs starting together never leave half a file
         path.parent.mkdir(parents=True, exist_ok=True)

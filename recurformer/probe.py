@@ -381,6 +381,25 @@ def make_samples(
     return samples
 
 
+def samples_for(o: ProbeOptions, tok: Tokenizer, dataset: str | None, vocab_size: int) -> list[Sample]:
+    """``make_samples`` with the documents, distances and seed of the options ``o``
+    (``recurformer probe`` and ``recurformer.probe`` alike); ``dataset``: the one resolved from
+    ``o.dataset`` and its defaults."""
+    return make_samples(
+        tok,
+        o.task,
+        dataset,
+        [str(f) for f in o.text] if o.text else None,
+        vocab_size,
+        docs=o.docs,
+        passage=o.passage,
+        distances=list(o.distances),
+        span=o.span,
+        warm=tuple(o.warm),  # type: ignore[arg-type]
+        seed=o.seed,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # reading rows through the streaming contract
 
@@ -601,19 +620,7 @@ def probe_checkpoints(
                 raise RecurformerError(
                     f"checkpoint {path} does not name a bundled dataset; give {opt('dataset')} or {opt('text')}"
                 )
-        samples = make_samples(
-            tok,
-            task,
-            dataset,
-            text,
-            model.config.vocab_size,
-            docs=o.docs,
-            passage=o.passage,
-            distances=list(o.distances),
-            span=o.span,
-            warm=tuple(o.warm),  # type: ignore[arg-type]
-            seed=seed,
-        )
+        samples = samples_for(o, tok, dataset, model.config.vocab_size)
         R = receptive_field(model)
         log(
             f"probing {label} ({name}, receptive field {'unbounded' if R is None else R}) on {len(samples)} documents, task {task}"

@@ -297,16 +297,12 @@ def ckpt_steps(run: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in run.glob("step_*"))
 
 
-def run_config(corpus: Path, tmp: Path, **train) -> RunConfig:
-    """The trainer tests' run: a 2-layer Memory Attention model, 6 steps on ``corpus``; ``train``: overrides."""
+def run_config(corpus: Path, tmp: Path, model: dict | None = None, **train) -> RunConfig:
+    """The trainer tests' run: a 2-layer Memory Attention model (``MODEL``; ``model``: another
+    one, its name among its keys), 6 steps on ``corpus``; ``train``: overrides."""
     from recurformer.train import load_run_config
 
-    over = [
-        "model.name=memory_attention",
-        "model.dim=32",
-        "model.n_layers=2",
-        "model.n_heads=2",
-        "model.chunk_size=8",
+    over = [f"model.{k}={v}" for k, v in (model or MODEL).items()] + [
         "data.dataset=null",
         f"data.text_files=[{corpus}]",
         "data.tokenizer=byte",

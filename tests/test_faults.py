@@ -620,14 +620,13 @@ def test_logs_of_a_killed_run_without_a_checkpoint_are_named_as_such(corpus, tmp
 
 def test_out_of_memory_in_eval_and_generate_is_one_line(trained, tmp_path, capsys, monkeypatch) -> None:
     import recurformer
-    import recurformer.api as api
     import recurformer.generate as gen
 
     def oom(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise CUDA_OOM
 
-    monkeypatch.setattr(api, "evaluate_lengths", oom)
-    monkeypatch.setattr(importlib.import_module("recurformer.evaluate"), "evaluate_lengths", oom)  # eval's own
+    # recurformer eval and recurformer.evaluate both read through evaluate.evaluate_options
+    monkeypatch.setattr(importlib.import_module("recurformer.evaluate"), "evaluate_lengths", oom)
     ev = ["eval", "--checkpoint", str(trained), "--lengths", "32,64", "--last", "16", "--windows", "1"]
     assert cli([*ev, "--chunk", "16", "--json", str(tmp_path / "e.json")]) == 2
     err = capsys.readouterr().err

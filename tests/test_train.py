@@ -263,6 +263,36 @@ def test_mfu_reference_is_cached_per_machine(corpus, tmp_path, monkeypatch) -> N
     assert any(second.peak_source in line for line in second.header)
 
 
+def test_mfu_above_one_measures_the_stale_peak_again(tmp_path, monkeypatch) -> None:
+    """A cached peak measured while the machine was busy (here 1 kFLOP/s) puts the mfu above 1:
+    the peak is measured again, once, the higher one cached, the fraction taken of it, and a note
+    says so; a re-measurement never lowers a cached peak."""
+    from recurformer import build_model, flops
+    from recurformer.train import Throughput
+
+    monkeypatch.setenv("RECURFORMER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(flops, "PEAK_SECONDS", 0.05)
+    model = build_model("memory_attention", dict(vocab_size=61, dim=32, n_layers=1, n_heads=2, chunk_size=8))
+    notes: list[str] = []
+    Throughput(model, 16, torch.device("cpu"), "fp32", 1, notes.append)  # measures and caches the peak
+    path = flops.peak_cache_file()
+    (key,) = json.loads(path.read_text())
+    path.write_text(json.dumps({key: 1e3}))
+    meter = Throughput(model, 16, torch.device("cpu"), "fp32", 1, notes.append)
+    assert meter.peak_flops == 1e3 and not notes
+    rate = 2e3 / meter.flops_per_token  # twice the stale peak
+    mfu = meter.fraction(rate)
+    assert meter.peak_flops > 1e6 and json.loads(path.read_text())[key] == meter.peak_flops
+    assert mfu == pytest.approx(rate * meter.flops_per_token / meter.peak_flops) and 0 < mfu < 1
+    assert len(notes) == 1 and "re-measured: mfu 2.00 against the earlier 0.0 GFLOP/s" in notes[0], notes
+    assert "re-measured" in meter.peak_source
+    peak = meter.peak_flops
+    assert meter.fraction(10 * peak / meter.flops_per_token) == pytest.approx(10) and meter.peak_flops == peak
+    assert len(notes) == 1  # once per run
+    path.write_text(json.dumps({key: 1e30}))
+    assert flops.reference_peak(torch.float32, "cpu", remeasure=True)[0] == 1e30
+
+
 @pytest.mark.parametrize("order", ["contiguous", "shuffled"])
 @pytest.mark.parametrize("mode", ["carry", "reset"])
 def test_loss_depends_on_previous_batch_only_when_carrying(corpus, tmp_path, mode, order) -> None:

@@ -82,14 +82,21 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: b
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("backend", ["eager", "trace"])
-def test_captured_steps_equal_the_plain_trainer(corpus, tmp_path, backend) -> None:
-    plain = trainer(corpus, tmp_path / "plain")
+@pytest.fixture(scope="module")
+def plain(corpus, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The plain trainer's run (``run``), which the captured ones are held to, once per module."""
+    tr = trainer(corpus, tmp_path_factory.mktemp("plain") / "plain")
     wrapped = []
-    read = plain.streams.next_batch
-    plain.streams.next_batch = lambda: (b := read(), wrapped.append(bool(b.wrapped.any())))[0]
-    expect = run(plain)
+    read = tr.streams.next_batch
+    tr.streams.next_batch = lambda: (b := read(), wrapped.append(bool(b.wrapped.any())))[0]  # type: ignore[method-assign]
+    expect = run(tr)
     assert any(wrapped[1:]), "the corpus must be so small that a stream wraps (a reset)"
+    return expect
+
+
+@pytest.mark.parametrize("backend", ["eager", "trace"])
+def test_captured_steps_equal_the_plain_trainer(corpus, tmp_path, plain, backend) -> None:
+    expect = plain
     tr = trainer(corpus, tmp_path / backend)
     tr.capture_steps(backend)
     assert tr.graphs is not None
@@ -102,8 +109,8 @@ def test_captured_steps_equal_the_plain_trainer(corpus, tmp_path, backend) -> No
     assert_same(got[3], expect[3], exact)
 
 
-def test_a_failed_capture_is_one_line_and_training_goes_on_eager(corpus, tmp_path, capsys, monkeypatch) -> None:
-    expect = run(trainer(corpus, tmp_path / "plain"))
+def test_a_failed_capture_is_one_line_and_training_goes_on_eager(corpus, tmp_path, plain, capsys, monkeypatch) -> None:
+    expect = plain
     tr = trainer(corpus, tmp_path / "fails")
     tr.capture_steps("eager")
     assert tr.graphs is not None

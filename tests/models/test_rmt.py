@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import randomize_params
+from helpers import randomize_params, run_config
 from safetensors.torch import load_file, save_file
 
 from recurformer import RecurformerError, build_model
 from recurformer.generate import new_session, read
 from recurformer.models.rmt import Associative
 from recurformer.modules import apply_rope, rope_cos_sin
-from recurformer.train import Trainer, load_run_config
+from recurformer.train import Trainer
 
 BASE = dict(vocab_size=61, dim=32, n_heads=4)
 ARMT = dict(BASE, associative=True, assoc_dim=4)
@@ -247,13 +247,10 @@ def test_trains_with_a_carried_state_and_refuses_a_segment_that_does_not_fit(tmp
     corpus.write_text(
         "<|endoftext|>".join(f"story {i}: the cat sat on the mat and ran to the tree." for i in range(200))
     )
-    over = [
-        "model.name=rmt", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.segment_len=8", "model.memory_size=3",
-        "data.dataset=null", f"data.text_files=[{corpus}]", "data.tokenizer=byte", f"data.dir={tmp_path / 'prepared'}",
-        f"train.out_dir={tmp_path / 'run'}", "train.batch_size=2", "train.seq_len=16", "train.steps=3", "train.warmup=1",
-        "train.precision=fp32", "train.eval_every=3", "train.eval_batches=1", "train.save_every=3", "train.grad_accum=2", "train.truncation=2",
-    ]  # fmt: skip
-    trainer = Trainer(load_run_config(None, over), show_progress=False)
+    rmt = dict(name="rmt", dim=32, n_layers=2, n_heads=2, segment_len=8, memory_size=3)
+    train = dict(batch_size=2, seq_len=16, steps=3, warmup=1, eval_every=3, eval_batches=1, save_every=3)
+    train.update(grad_accum=2, truncation=2)  # two segments backpropagated together
+    trainer = Trainer(run_config(corpus, tmp_path, rmt, **train), show_progress=False)
     losses = [trainer.train_step() for _ in range(3)]
     assert all(0 < loss < 10 for loss in losses) and trainer.state is not None and trainer.state.pos > 0
     with pytest.raises(
@@ -261,7 +258,7 @@ def test_trains_with_a_carried_state_and_refuses_a_segment_that_does_not_fit(tmp
         match=r"train.seq_len \(16\) must be a multiple of the model's chunk/segment/block length \(12\)",
     ):
         Trainer(
-            load_run_config(None, over + ["model.segment_len=12", f"train.out_dir={tmp_path / 'bad'}"]),
+            run_config(corpus, tmp_path, rmt | dict(segment_len=12), **train, out_dir=tmp_path / "bad"),
             show_progress=False,
         )
     assert not (tmp_path / "bad").exists()
