@@ -182,8 +182,9 @@ def stage_env(ctx: Ctx) -> dict:
         info.update(gpu=None, cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
     n = 256 if ctx.dry else None
     secs = 0.1 if ctx.dry else 1.0
-    info["bf16_matmul_tflops"] = round(matmul_peak.__wrapped__(torch.bfloat16, str(dev), n, secs) / 1e12, 3)
-    info["fp32_matmul_tflops"] = round(matmul_peak.__wrapped__(torch.float32, str(dev), n, secs) / 1e12, 3)
+    # 4 significant digits: a CPU's emulated bf16 under load can be far below 0.001 TFLOP/s, not 0
+    info["bf16_matmul_tflops"] = float(f"{matmul_peak.__wrapped__(torch.bfloat16, str(dev), n, secs) / 1e12:.4g}")
+    info["fp32_matmul_tflops"] = float(f"{matmul_peak.__wrapped__(torch.float32, str(dev), n, secs) / 1e12:.4g}")
     nbytes = (8 if ctx.dry else 1024) * 2**20
     a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
