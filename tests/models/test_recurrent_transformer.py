@@ -16,10 +16,10 @@ from recurformer import RecurformerError, build_model
 from recurformer.ops.recurrent_attention import (
     block_edges,
     kv_reads,
-    merge,
     recurrent_attention_naive,
     recurrent_attention_tiled,
     tile_schedule,
+    tile_update,
 )
 
 OPS = {"tiled": recurrent_attention_tiled, "naive": recurrent_attention_naive}
@@ -201,11 +201,18 @@ def test_kv_reads_n_log_n_vs_quadratic() -> None:
 
 
 def test_bf16_autocast_keeps_fp32_accumulators() -> None:
-    s = torch.randn(1, 2, 3, 4, dtype=torch.bfloat16)
-    stats = (torch.zeros(1, 2, 3), torch.ones(1, 2, 3), torch.zeros(1, 2, 3, 8))
+    """One tile update under bf16 autocast on bf16 queries, keys and values: the accumulators stay
+    fp32 and hold the float64 result on the same inputs up to the bf16 matmuls' rounding."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=g).bfloat16() for _ in range(3))
+    stats = (torch.zeros(1, 2, 3), torch.ones(1, 2, 3), torch.zeros(1, 2, 3, 4))
+    ref = tuple(t.double() for t in stats)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        m, l, o = merge(stats, s.float(), torch.randn(1, 2, 4, 8, dtype=torch.bfloat16))
-    assert m.dtype == l.dtype == o.dtype == torch.float32
+        tile_update(q, k, v, None, *stats)
+    tile_update(q.double(), k.double(), v.double(), None, *ref)
+    for low, high in zip(stats, ref):
+        assert low.dtype == torch.float32
+        torch.testing.assert_close(low.double(), high, rtol=2**-7, atol=2**-7)
 
 
 @pytest.mark.parametrize("block", [1, 4])
