@@ -22,11 +22,15 @@ Two exact evaluations:
   power of two dividing t the key tile of blocks t-P+1..t updates the queries of blocks t+1..t+P
   (truncated at nB; any nB). Every (query block > key block) pair is visited exactly once, and
   each key is read O(log N) times. Accumulators are kept in fp32 under bf16/fp16.
+  As in the authors' code, the queries, accumulators and persistent pairs sit in buffers
+  allocated once per call, position-major, so a block's write and a tile's read are contiguous
+  slices, and each tile update (``tile_update``) is one region ``torch.compile(dynamic=False)``
+  can compile (``compiled_tile_update``).
 
 Both take the state of earlier calls (persistent cache and the temporaries of an unfinished
 block), so a sequence split across calls gives the same result as one call. Autograd runs
-through the naive one (the running max is detached: o / l does not depend on it, so the gradient
-is exact). The tiled one has its own backward (``_TiledRecurrentAttention``) that saves only
+through the naive one. The tiled one records no graph (it writes its buffers in place) and has
+its own backward (``_TiledRecurrentAttention``) that saves only
 O(N d) tensors and recomputes the tile scores, like FlashAttention, run over the blocks in
 reverse because finish() sits inside the recurrence (its vector-Jacobian product per block).
 """

@@ -6,6 +6,7 @@ accumulators and the decoding cost."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -304,3 +305,33 @@ def test_ops_tiled_query_chunks_equal_naive(block, pos0, chunk) -> None:
     out = recurrent_attention_tiled(q, tk, tv, finish, query_chunk=chunk, **kw)
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "extra,p0", [(dict(), 5), (dict(position="rope", block_size=3), 7)], ids=["b=1-alibi", "b=3-rope"]
+)
+def test_compiled_tile_update_equals_eager(extra, p0) -> None:
+    """``compile`` (what the trainer's ``train.compile`` calls): the tile update under
+    ``torch.compile(dynamic=False)`` gives the eager logits and gradients, with a carried state
+    (cache and an unfinished block). Backend aot_eager (Dynamo capture and functionalisation of
+    the in-place update into the caller's buffers; inductor's code generation takes minutes on
+    a small CPU); the compiled region must have run."""
+    eager, _ = _pair(dict(extra, n_layers=2), torch.float64, 0.3)
+    compiled = copy.deepcopy(eager)
+    for layer in compiled.layers:
+        layer.compile(backend="aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    g = torch.Generator().manual_seed(p0)
+    pre, tokens, targets = (torch.randint(0, BASE["vocab_size"], (2, n), generator=g) for n in (p0, 21, 21))
+    outs = []
+    for model in (eager, compiled):
+        out = model(tokens, state=model(pre).state, targets=targets)
+        out.loss.backward()
+        outs.append((out.logits, {n: p.grad for n, p in model.named_parameters()}))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3
+    (le, ge), (lc, gc) = outs
+    torch.testing.assert_close(lc, le, rtol=1e-12, atol=1e-12)
+    for n in ge:
+        assert ge[n].abs().sum() > 0, n
+        torch.testing.assert_close(gc[n], ge[n], rtol=1e-12, atol=1e-12, msg=n)
