@@ -185,10 +185,11 @@ class RecurrentLayer(Layer):
             q = apply_rope(q, *rope)
         tk, tv = self.kv(x, rope)
         alpha = self.alpha
+        branch = (lambda t: t) if alpha == 1.0 else (lambda t: alpha * t)  # no multiply by 1 per block
 
         def finish(a: Tensor, s: int, e: int) -> tuple[Tensor, Tensor, Tensor]:
-            h = x[:, s:e] + alpha * self.wo(merge_heads(a.to(x.dtype)))
-            z = h + alpha * self.ffn(self.ffn_norm(h))
+            h = x[:, s:e] + branch(self.wo(merge_heads(a.to(x.dtype))))
+            z = h + branch(self.ffn(self.ffn_norm(h)))
             k, v = self.kv(z, None if rope is None else (rope[0][s:e], rope[1][s:e]))
             return z, k, v
 
