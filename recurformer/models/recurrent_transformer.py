@@ -26,6 +26,8 @@ has a custom backward (FlashAttention-style: O(N d) saved tensors per layer, til
 finish's vector-Jacobian products recomputed, blocks in reverse; the parameters' gradients
 through one batched finish under autograd; it traces as one graph); "naive" runs plain autograd (O(N^2 d) saved: every
 step keeps its concatenated prefix of persistent pairs and its attention probabilities).
+``compile`` (the trainer's ``train.compile``) compiles the tiled op's tile update alone, with
+``dynamic=False``, as the paper's authors do; the per-block finish stays eager.
 
 Streaming: the state holds per layer the persistent pairs of every past position of the current
 document (the KV cache; decoding costs one extra K/V projection per token and layer vs a
@@ -45,7 +47,15 @@ from torch import Tensor, nn
 from ..config import RecurformerError
 from ..modules import MLP, RMSNorm, acc_dtype, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
 from ..nn import Layer, ModelConfig, StreamingLM
-from ..ops.recurrent_attention import BiasFn, alibi_bias, recurrent_attention_naive, recurrent_attention_tiled
+from ..ops.recurrent_attention import (
+    BiasFn,
+    TileUpdate,
+    alibi_bias,
+    compiled_tile_update,
+    recurrent_attention_naive,
+    recurrent_attention_tiled,
+    tile_update,
+)
 from ..registry import register, register_layer
 from ..state import Call, LayerState
 
@@ -102,6 +112,16 @@ class RecurrentLayer(Layer):
         self.max_bias = cfg.alibi_max_bias
         self.register_buffer("slopes", torch.empty(cfg.n_heads, dtype=torch.float64), persistent=False)
         self.init_buffers()
+        self.tile_update: TileUpdate = tile_update  # compiled by ``compile``
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Regional compilation, as the paper's authors compile their layer: the tiled op's tile
+        update under ``torch.compile(dynamic=False)`` (``compiled_tile_update``; ``backend`` as
+        ``torch.compile``'s), the rest eager. What ``StreamingLM.compile_layers`` (the trainer's
+        ``train.compile``) calls; compiling the whole layer would unroll the loop over its blocks
+        into one graph per call length, and the per-block finish would recompile at every block
+        offset. The same numbers as eager."""
+        self.tile_update = compiled_tile_update(kwargs.get("backend", "inductor"))
 
     def init_buffers(self) -> None:
         """(Re)compute the non-persistent ALiBi slopes where the buffer lives: a model built on the
@@ -165,10 +185,11 @@ class RecurrentLayer(Layer):
             q = apply_rope(q, *rope)
         tk, tv = self.kv(x, rope)
         alpha = self.alpha
+        branch = (lambda t: t) if alpha == 1.0 else (lambda t: alpha * t)  # no multiply by 1 per block
 
         def finish(a: Tensor, s: int, e: int) -> tuple[Tensor, Tensor, Tensor]:
-            h = x[:, s:e] + alpha * self.wo(merge_heads(a.to(x.dtype)))
-            z = h + alpha * self.ffn(self.ffn_norm(h))
+            h = x[:, s:e] + branch(self.wo(merge_heads(a.to(x.dtype))))
+            z = h + branch(self.ffn(self.ffn_norm(h)))
             k, v = self.kv(z, None if rope is None else (rope[0][s:e], rope[1][s:e]))
             return z, k, v
 
@@ -177,7 +198,9 @@ class RecurrentLayer(Layer):
             start=start, bias_fn=bias_fn,
         )  # fmt: skip
         if (impl or self.cfg.impl) == "tiled":  # finish reads x and the parameters: the custom backward
-            z, k, v = recurrent_attention_tiled(q, tk, tv, finish, finish_inputs=(x, *self.parameters()), **kw)
+            z, k, v = recurrent_attention_tiled(
+                q, tk, tv, finish, finish_inputs=(x, *self.parameters()), update=self.tile_update, **kw
+            )
         else:
             z, k, v = recurrent_attention_naive(q, tk, tv, finish, **kw)
         r = (pos0 + x.shape[1]) % b  # positions of the unfinished block after this call

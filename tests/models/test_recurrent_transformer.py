@@ -6,6 +6,7 @@ accumulators and the decoding cost."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -16,10 +17,10 @@ from recurformer import RecurformerError, build_model
 from recurformer.ops.recurrent_attention import (
     block_edges,
     kv_reads,
-    merge,
     recurrent_attention_naive,
     recurrent_attention_tiled,
     tile_schedule,
+    tile_update,
 )
 
 OPS = {"tiled": recurrent_attention_tiled, "naive": recurrent_attention_naive}
@@ -201,11 +202,18 @@ def test_kv_reads_n_log_n_vs_quadratic() -> None:
 
 
 def test_bf16_autocast_keeps_fp32_accumulators() -> None:
-    s = torch.randn(1, 2, 3, 4, dtype=torch.bfloat16)
-    stats = (torch.zeros(1, 2, 3), torch.ones(1, 2, 3), torch.zeros(1, 2, 3, 8))
+    """One tile update under bf16 autocast on bf16 queries, keys and values: the accumulators stay
+    fp32 and hold the float64 result on the same inputs up to the bf16 matmuls' rounding."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=g).bfloat16() for _ in range(3))
+    stats = (torch.zeros(1, 2, 3), torch.ones(1, 2, 3), torch.zeros(1, 2, 3, 4))
+    ref = tuple(t.double() for t in stats)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        m, l, o = merge(stats, s.float(), torch.randn(1, 2, 4, 8, dtype=torch.bfloat16))
-    assert m.dtype == l.dtype == o.dtype == torch.float32
+        tile_update(q, k, v, None, *stats)
+    tile_update(q.double(), k.double(), v.double(), None, *ref)
+    for low, high in zip(stats, ref):
+        assert low.dtype == torch.float32
+        torch.testing.assert_close(low.double(), high, rtol=2**-7, atol=2**-7)
 
 
 @pytest.mark.parametrize("block", [1, 4])
@@ -297,3 +305,33 @@ def test_ops_tiled_query_chunks_equal_naive(block, pos0, chunk) -> None:
     out = recurrent_attention_tiled(q, tk, tv, finish, query_chunk=chunk, **kw)
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "extra,p0", [(dict(), 5), (dict(position="rope", block_size=3), 7)], ids=["b=1-alibi", "b=3-rope"]
+)
+def test_compiled_tile_update_equals_eager(extra, p0) -> None:
+    """``compile`` (what the trainer's ``train.compile`` calls): the tile update under
+    ``torch.compile(dynamic=False)`` gives the eager logits and gradients, with a carried state
+    (cache and an unfinished block). Backend aot_eager (Dynamo capture and functionalisation of
+    the in-place update into the caller's buffers; inductor's code generation takes minutes on
+    a small CPU); the compiled region must have run."""
+    eager, _ = _pair(dict(extra, n_layers=2), torch.float64, 0.3)
+    compiled = copy.deepcopy(eager)
+    for layer in compiled.layers:
+        layer.compile(backend="aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    g = torch.Generator().manual_seed(p0)
+    pre, tokens, targets = (torch.randint(0, BASE["vocab_size"], (2, n), generator=g) for n in (p0, 21, 21))
+    outs = []
+    for model in (eager, compiled):
+        out = model(tokens, state=model(pre).state, targets=targets)
+        out.loss.backward()
+        outs.append((out.logits, {n: p.grad for n, p in model.named_parameters()}))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3
+    (le, ge), (lc, gc) = outs
+    torch.testing.assert_close(lc, le, rtol=1e-12, atol=1e-12)
+    for n in ge:
+        assert ge[n].abs().sum() > 0, n
+        torch.testing.assert_close(gc[n], ge[n], rtol=1e-12, atol=1e-12, msg=n)

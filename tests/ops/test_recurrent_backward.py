@@ -201,6 +201,24 @@ def test_learned_bias_falls_back_to_autograd() -> None:
     torch.testing.assert_close(g_tiled, g_naive, rtol=1e-10, atol=1e-10)
 
 
+def test_finish_closure_found_without_finish_inputs() -> None:
+    """Without ``finish_inputs``, a finish that reads tensors requiring grad (x and W, none of them
+    the op's own inputs) is found by running it on the first block: the call records a graph
+    (through the naive op) and x and W get the naive path's gradients."""
+    tensors, finish, closed, start = _op_inputs(2, 5)
+    tensors = {n: t.detach() for n, t in tensors.items()}
+    q, tk, tv = (tensors.pop(n) for n in ("q", "tk", "tv"))
+    kw = dict(block=2, pos0=5, start=start, bias_fn=lambda dist: -0.3 * dist[None].double())
+    grads = []
+    for op in (recurrent_attention_tiled, recurrent_attention_naive):
+        z, k, _ = op(q, tk, tv, finish, **tensors, **kw)
+        assert z.requires_grad
+        grads.append(torch.autograd.grad(z.sum() + k.square().sum(), closed))
+    for gt, gn in zip(*grads):
+        assert gn.abs().sum() > 0
+        torch.testing.assert_close(gt, gn, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("custom", [True, False], ids=["custom", "autograd"])
 def test_saved_bytes_grow_linearly_in_n(custom) -> None:
     """Saved-tensor bytes at N and 4N: ~4x with the custom backward (O(N d)); autograd through
