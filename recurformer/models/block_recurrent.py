@@ -237,18 +237,23 @@ class BlockAttention(Layer):
         whole masked window (the keys left out weigh exp(-inf) = 0)."""
         n, W = q.shape[2], self.cfg.block_size
         m = min(self.cfg.query_tile, W, n)
-        sizes = [m] * (n // m) + ([n % m] if n % m else [])
-        outs, a = [], r
-        for qa in q.split(sizes, dim=2):
-            mt = qa.shape[2]
+        B, H, _, d = q.shape
+        G, nt = H // self.kv_heads, n // m  # query heads per key/value head; whole tiles
+        outs = []
+        if nt:  # the whole tiles in one batch: tile t reads keys r + t m .. r + t m + W + m - 1 (``unfold``: a view)
+            qt = q[:, :, : nt * m].unflatten(1, (self.kv_heads, G)).unflatten(3, (nt, m)).transpose(2, 3)
+            kt, vt = (u[:, :, r : r + nt * m + W].unfold(2, W + m, m).transpose(-1, -2) for u in (k, v))
+            o = biased_attend(qt.flatten(3, 4), kt, vt, self.tile_bias(m, dtype, q.device, call)[:, None])
+            outs.append(o.unflatten(3, (G, m)).transpose(2, 3).flatten(1, 2).flatten(2, 3))  # [B, H, nt m, d]
+        if n % m:  # the last, partial tile
+            a, mt = r + nt * m, n % m
             o = biased_attend(
-                group_heads(qa, self.kv_heads),
+                group_heads(q[:, :, nt * m :], self.kv_heads),
                 k[:, :, a : a + W + mt],
                 v[:, :, a : a + W + mt],
                 self.tile_bias(mt, dtype, q.device, call),
             )
             outs.append(ungroup_heads(o, self.n_heads))
-            a += mt
         return merge_heads(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0])
 
     def forward(self, x: Tensor, st: BlockRecurrentState, call: Call) -> tuple[Tensor, BlockRecurrentState]:
