@@ -59,6 +59,7 @@ from ..config import RecurformerError, check_options
 from ..modules import (
     apply_rope,
     biased_attend,
+    compiled_region,
     float32_under_cpu_autocast,
     group_bias,
     group_heads,
@@ -324,12 +325,12 @@ class BlockAttention(Layer):
         o = o.unflatten(0, (q2.shape[0], len(ns))).permute(0, 1, 3, 2, 4).flatten(1, 2).flatten(2, 3)  # [B, nb W, D]
         return o[:, call.pos % W : call.pos % W + T], cell
 
-    @torch.compiler.nested_compile_region
+    @compiled_region
     def block_step(self, cell: Tensor, kb: Tensor, vb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """One block of the recurrence: the state's keys/values (which the block's tokens read) and
         the state after the block, from the window keys/values kb, vb [B, Hkv, 2W, d] of the
-        previous block and this one. A compiled region (``torch.compiler.nested_compile_region``,
-        nothing eagerly): a compiled layer traces it once and runs the same graph for every block."""
+        previous block and this one. A compiled region (``modules.compiled_region``): a compiled
+        layer traces it once and runs the same graph for every block."""
         assert self.cell is not None
         kc, vc, qs, qs2 = self.cell.project(cell, queries=True)
         assert qs is not None and qs2 is not None

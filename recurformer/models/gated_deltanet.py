@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..modules import RMSNorm, acc_dtype, init_short_conv, short_conv
+from ..modules import RMSNorm, acc_dtype, compiled_region, init_short_conv, short_conv
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
 from ..state import Call, LayerState, reset_rows
@@ -145,7 +145,7 @@ def delta_rule_chunked(
     return o.flatten(2, 3)[:, :, :T], S.unflatten(0, (Bsz, H))
 
 
-@torch.compiler.nested_compile_region
+@compiled_region
 def chunk_step(S: Tensor, U0: Tensor, Wn: Tensor, Kg: Tensor, aC: Tensor) -> tuple[Tensor, Tensor]:
     """One chunk of ``delta_rule_chunked``'s recurrence, heads as the batch: S_0 [BH, d_v, d_k]
     -> (U [BH, C, d_v], S_n):
@@ -154,7 +154,8 @@ def chunk_step(S: Tensor, U0: Tensor, Wn: Tensor, Kg: Tensor, aC: Tensor) -> tup
 
     with ``Wn`` = -W, ``Kg`` = diag(e^{G_n - G}) K and ``aC`` = e^{G_n} [BH, 1, 1]: two
     ``baddbmm`` (whose gradient reaches the added term with no operator). A compiled region
-    (``torch.compiler.nested_compile_region``, nothing eagerly): a compiled layer traces it once and runs the same graph for every chunk."""
+    (``modules.compiled_region``): a compiled layer traces it once and runs the same graph for
+    every chunk."""
     U = torch.baddbmm(U0, Wn, S.transpose(-1, -2))
     return U, torch.baddbmm(aC * S, U.transpose(-1, -2), Kg)
 

@@ -82,6 +82,7 @@ from ..modules import (
     WriteGate,
     apply_rope,
     attend,
+    compiled_region,
     init_short_conv,
     merge_heads,
     pieces,
@@ -426,16 +427,15 @@ class RMT(StreamingLM):
         assert mask is not None
         return [cos, sin, cos_q, sin_q, mask]
 
-    @torch.compiler.nested_compile_region
+    @compiled_region
     def segment(
         self, x: Tensor, start: Tensor, tables: list[Tensor], carried: list[Tensor]
     ) -> tuple[Tensor, list[Tensor]]:
         """A whole segment x = [read slots; S tokens; write slots] [B, 2M + S, D] through the stack
         from empty caches -> the last layer's outputs at the tokens and write slots [B, S + M, D],
         and with ``associative`` the A, z of every layer after the segment's write (``carried``:
-        A_0, z_0, A_1, ...). A compiled region (``torch.compiler.nested_compile_region``, nothing
-        eagerly): a compiled model traces it once and runs the same graph for every segment
-        (``compile_layers`` compiles it as one graph). The layers read no position from the call
+        A_0, z_0, A_1, ...). A compiled region (``modules.compiled_region``): a compiled model
+        traces it once and runs the same graph for every segment. The layers read no position from the call
         (an RMT's positions restart every segment), only ``tables`` (``segment_tables``)."""
         c, (B, L, _) = self.config, x.shape
         M, dtype = c.memory_size, x.dtype
