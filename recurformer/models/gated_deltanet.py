@@ -213,9 +213,11 @@ class GatedDeltaNetLayer(Layer):
     def gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Write strengths b = sigmoid(W_b x + c_b) and log-decays g = log a = -softplus(W_a x +
         dt_bias) exp(A_log), each [B, H, T]."""
-        b = torch.sigmoid(self.wb(x))
-        g = -F.softplus(self.wa(x) + self.dt_bias) * self.A_log.exp()
-        return b.transpose(1, 2), g.transpose(1, 2)
+        xt = x.transpose(1, 2)  # [B, D, T]: the gates come out [B, H, T] contiguous (a compiled
+        # backward fails on the transposed gradient of a [B, T, H] projection)
+        b = torch.sigmoid(self.wb.weight @ xt + self.wb.bias[:, None])
+        g = -F.softplus(self.wa.weight @ xt + self.dt_bias[:, None]) * self.A_log.exp()[:, None]
+        return b, g
 
     def forward(self, x: Tensor, state: DeltaState, call: Call) -> tuple[Tensor, DeltaState]:
         """x [B, T, D] (normed) -> (y [B, T, D], the new state)."""
