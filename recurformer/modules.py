@@ -259,7 +259,7 @@ def compiled_region(fn: AnyFn) -> AnyFn:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        inline = torch._dynamo.config.trace_autograd_ops  # type: ignore[attr-defined]
+        inline = torch._dynamo.config.trace_autograd_ops
         return (fn if inline else region)(*args, **kwargs)
 
     return cast(AnyFn, run)

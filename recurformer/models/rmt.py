@@ -395,9 +395,9 @@ class RMT(StreamingLM):
                 x, carried = self.segment(x, call.start, self.segment_tables(x, call), carried)
                 if assoc:
                     layers = [
-                        dataclasses.replace(s, assoc=A, assoc_z=z)
+                        dataclasses.replace(cast(RMTState, s), assoc=A, assoc_z=z)
                         for s, A, z in zip(layers, carried[::2], carried[1::2])
-                    ]  # type: ignore[arg-type]
+                    ]
             else:
                 piece = dataclasses.replace(call, pos=pos + a)
                 for i, (layer, s) in enumerate(zip(self.layers, layers)):
@@ -448,7 +448,7 @@ class RMT(StreamingLM):
             conv = x.new_zeros(B, c.qkv_conv - 1, c.dim) if c.qkv_conv else None
             A, z = (carried[2 * i], carried[2 * i + 1]) if c.associative else (None, None)
             x, s = layer(x, RMTState(k=empty, v=empty, assoc=A, assoc_z=z, conv=conv), call)
-            out += [s.assoc, s.assoc_z] if c.associative else []  # type: ignore[attr-defined]
+            out += [s.assoc, s.assoc_z] if c.associative else []
         return x, out
 
     def next_memory(self, memory: Tensor, out: Tensor) -> Tensor:
