@@ -2,7 +2,8 @@
 for each (at small sizes a step is launch-bound, not FLOP-bound).
 
 One training step (forward, backward, AdamW) of every registered model at the Memory Attention paper's width
-(dim 288, 6 layers, 6 heads, vocab 4096; chunk / segment / block 32, sliding window 256), on the
+(dim 288, 6 layers, 6 heads, vocab 4096; chunk / segment / block 32, Gated DeltaNet's WY chunk
+32, sliding window 256), on the
 CPU under ``torch.profiler``, with the fused AdamW the trainer uses. Counted: the ATen
 operators that would launch a kernel, in forward, backward and the optimizer step: those that
 call no other launching operator, without the ones that launch nothing on a GPU (views,
@@ -34,6 +35,7 @@ EXTRA = {
     "sliding_window": dict(window=256),
     "transformer_xl": dict(segment_len=32),
     "block_recurrent": dict(block_size=32),
+    "gated_deltanet": dict(chunk_size=32),
 }
 NO_LAUNCH = {  # metadata-only operators: no kernel on a GPU
     "aten::view",

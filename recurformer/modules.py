@@ -245,6 +245,26 @@ def ungroup_heads(o: Tensor, n_heads: int) -> Tensor:
     return o if G == n_heads else o.reshape(B, n_heads, GT * G // n_heads, d)
 
 
+AnyFn = TypeVar("AnyFn", bound=Callable[..., Any])
+
+
+def compiled_region(fn: AnyFn) -> AnyFn:
+    """``fn``, the body of a loop over chunks (segments, blocks), as a compiled region
+    (``torch.compiler.nested_compile_region``): compiled, it is traced once and the same graph runs
+    at every call of the same shapes (one ``invoke_subgraph``), where the loop would be unrolled;
+    eagerly ``fn`` itself. Its arguments are tensors, lists of them and the module. Inlined while
+    dynamo traces a backward inside the graph (``trace_autograd_ops``, the captured training step's
+    check, tests/test_capture.py), which torch's ``invoke_subgraph`` does not run."""
+    region = torch.compiler.nested_compile_region(fn)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        inline = torch._dynamo.config.trace_autograd_ops
+        return (fn if inline else region)(*args, **kwargs)
+
+    return cast(AnyFn, run)
+
+
 def float32_under_cpu_autocast(fn: Fn) -> Fn:
     """``fn`` run in float32 under CPU autocast: its floating tensor arguments cast once, autocast
     off inside, the output cast to the autocast dtype; as it is otherwise. For attention, whose

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tap
@@ -58,6 +59,7 @@ from ..config import RecurformerError, check_options
 from ..modules import (
     apply_rope,
     biased_attend,
+    compiled_region,
     float32_under_cpu_autocast,
     group_bias,
     group_heads,
@@ -237,18 +239,23 @@ class BlockAttention(Layer):
         whole masked window (the keys left out weigh exp(-inf) = 0)."""
         n, W = q.shape[2], self.cfg.block_size
         m = min(self.cfg.query_tile, W, n)
-        sizes = [m] * (n // m) + ([n % m] if n % m else [])
-        outs, a = [], r
-        for qa in q.split(sizes, dim=2):
-            mt = qa.shape[2]
+        B, H, _, d = q.shape
+        G, nt = H // self.kv_heads, n // m  # query heads per key/value head; whole tiles
+        outs = []
+        if nt:  # the whole tiles in one batch: tile t reads keys r + t m .. r + t m + W + m - 1 (``unfold``: a view)
+            qt = q[:, :, : nt * m].unflatten(1, (self.kv_heads, G)).unflatten(3, (nt, m)).transpose(2, 3)
+            kt, vt = (u[:, :, r : r + nt * m + W].unfold(2, W + m, m).transpose(-1, -2) for u in (k, v))
+            o = biased_attend(qt.flatten(3, 4), kt, vt, self.tile_bias(m, dtype, q.device, call)[:, None])
+            outs.append(o.unflatten(3, (G, m)).transpose(2, 3).flatten(1, 2).flatten(2, 3))  # [B, H, nt m, d]
+        if n % m:  # the last, partial tile
+            a, mt = r + nt * m, n % m
             o = biased_attend(
-                group_heads(qa, self.kv_heads),
+                group_heads(q[:, :, nt * m :], self.kv_heads),
                 k[:, :, a : a + W + mt],
                 v[:, :, a : a + W + mt],
                 self.tile_bias(mt, dtype, q.device, call),
             )
             outs.append(ungroup_heads(o, self.n_heads))
-            a += mt
         return merge_heads(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0])
 
     def forward(self, x: Tensor, st: BlockRecurrentState, call: Call) -> tuple[Tensor, BlockRecurrentState]:
@@ -295,23 +302,40 @@ class BlockAttention(Layer):
         and values of ``forward`` (call token t at index W + r + t); ``rope``: its cos/sin table
         (RoPE only); cell [B, S, D]. Returns (cross [B, T, D], the new cell)."""
         assert self.cell is not None
-        W = self.cfg.block_size
-        ns = pieces(call.pos % W, q2.shape[2], W)
-        outs, r0, a = [], r, 0  # a: the call's tokens read so far; r: the piece's offset in its block
-        for qa, n in zip(self.qk2.query(q2).split(ns, dim=2), ns, strict=True):
-            done = r + n == W
-            kc, vc, qs, qs2 = self.cell.project(cell, queries=done)
-            kc = self.qk2.key(kc)
-            outs.append(grouped_attend(qa, kc, vc))
-            if done:  # block complete: update the state from this block and the previous one
-                assert qs is not None and qs2 is not None
-                lo = r0 + a - r  # index in kx of the previous block's first token
-                kb, vb = kx[:, :, lo : lo + 2 * W], vx[:, :, lo : lo + 2 * W]
-                if rope is not None:  # window positions 0 .. 2W - 1, as the block's queries saw them
-                    kb = apply_rope(kb, rope[0][: 2 * W], rope[1][: 2 * W])
-                cell = self.cell.update(cell, qs, qs2, kc, vc, kb, vb)
-            a, r = a + n, 0  # every later piece starts a block
-        return merge_heads(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]), cell
+        W, T = self.cfg.block_size, q2.shape[2]
+        ns = pieces(call.pos % W, T, W)
+        nd = len(ns) - bool((r + T) % W)  # the blocks the call completes: pieces 0 .. nd - 1
+        kcs, vcs = [], []
+        if nd:  # block i's window (the previous block and itself) is kx[i W : i W + 2W]: all of them, a view
+            kb, vb = (u[:, :, : (nd + 1) * W].unfold(2, 2 * W, W).transpose(-1, -2) for u in (kx, vx))
+            if rope is not None:  # window positions 0 .. 2W - 1, as the block's queries saw them
+                kb = apply_rope(kb, rope[0][: 2 * W], rope[1][: 2 * W])
+            for kbi, vbi in zip(kb.unbind(2), vb.unbind(2), strict=True):  # each block reads the state, then updates it
+                kc, vc, cell = self.block_step(cell, kbi, vbi)
+                kcs.append(kc)
+                vcs.append(vc)
+        if nd < len(ns):  # the call ends inside a block: its tokens read the state, which stays
+            kc, vc, _, _ = self.cell.project(cell, queries=False)
+            kcs.append(self.qk2.key(kc))
+            vcs.append(vc)
+        # the tokens' reads of the state, every block at once: the queries padded to whole blocks
+        qb = F.pad(self.qk2.query(q2), (0, 0, call.pos % W, len(ns) * W - T - call.pos % W))
+        qb = qb.unflatten(2, (len(ns), W)).transpose(1, 2).flatten(0, 1)  # [B nb, H, W, d]
+        o = grouped_attend(qb, torch.stack(kcs, dim=1).flatten(0, 1), torch.stack(vcs, dim=1).flatten(0, 1))
+        o = o.unflatten(0, (q2.shape[0], len(ns))).permute(0, 1, 3, 2, 4).flatten(1, 2).flatten(2, 3)  # [B, nb W, D]
+        return o[:, call.pos % W : call.pos % W + T], cell
+
+    @compiled_region
+    def block_step(self, cell: Tensor, kb: Tensor, vb: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """One block of the recurrence: the state's keys/values (which the block's tokens read) and
+        the state after the block, from the window keys/values kb, vb [B, Hkv, 2W, d] of the
+        previous block and this one. A compiled region (``modules.compiled_region``): a compiled
+        layer traces it once and runs the same graph for every block."""
+        assert self.cell is not None
+        kc, vc, qs, qs2 = self.cell.project(cell, queries=True)
+        assert qs is not None and qs2 is not None
+        kc = self.qk2.key(kc)
+        return kc, vc, self.cell.update(cell, qs, qs2, kc, vc, kb, vb)
 
 
 @register_layer("block_recurrent", BlockRecurrentConfig)

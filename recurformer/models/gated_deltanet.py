@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..modules import RMSNorm, acc_dtype, init_short_conv, short_conv
+from ..modules import RMSNorm, acc_dtype, compiled_region, init_short_conv, short_conv
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..registry import register, register_layer
 from ..state import Call, LayerState, reset_rows
@@ -110,10 +110,11 @@ def delta_rule_chunked(
         O   = diag(e^G) Q S_0^T + ((Q K^T) * M) U,    M_tj = e^{G_t - G_j}  (j <= t, else 0)
         S_n = e^{G_n} S_0 + U^T diag(e^{G_n - G}) K
 
-    Everything but S_0 is computed for all chunks at once; only the last three lines run chunk
-    after chunk. The last chunk is padded with tokens of b = 0, a = 1 and k = q = v = 0, which
-    leave the state exactly as it is (their outputs are dropped). Every exponent is <= 0 (decays
-    only), so nothing overflows."""
+    Everything but the states is computed for all chunks at once: only the recurrence of S_0 and
+    U runs chunk after chunk (``chunk_step``, one compiled region), the outputs of all chunks
+    after it in one batch. The last chunk is padded with tokens of b = 0, a = 1 and
+    k = q = v = 0, which leave the state exactly as it is (their outputs are dropped). Every
+    exponent is <= 0 (decays only), so nothing overflows."""
     T, dk, dv = q.shape[2], q.shape[3], v.shape[3]
     C = min(chunk, T)
     N = -(-T // C)
@@ -125,19 +126,38 @@ def delta_rule_chunked(
     lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     M = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, -math.inf).exp()  # [B, H, N, C, C]
     L = (b[..., None] * (k @ k.transpose(-1, -2)) * M).tril(-1)
-    rhs = torch.cat(((b * G.exp())[..., None] * k, b[..., None] * v), dim=-1)
+    eG = G.exp()
+    rhs = torch.cat(((b * eG)[..., None] * k, b[..., None] * v), dim=-1)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     W, U0 = torch.linalg.solve_triangular(eye + L, rhs, upper=False, unitriangular=True).split((dk, dv), dim=-1)
-    A = (q @ k.transpose(-1, -2)) * M
-    Qg = G.exp()[..., None] * q
     Kg = (G[..., -1:] - G).exp()[..., None] * k
     aC = G[..., -1, None, None].exp()  # [B, H, N, 1, 1]
-    outs = []
-    for n in range(N):
-        U = U0[:, :, n] - W[:, :, n] @ S.transpose(-1, -2)
-        outs.append(Qg[:, :, n] @ S.transpose(-1, -2) + A[:, :, n] @ U)
-        S = aC[:, :, n] * S + U.transpose(-1, -2) @ Kg[:, :, n]
-    return torch.stack(outs, dim=2).flatten(2, 3)[:, :, :T], S
+    Bsz, H = q.shape[:2]
+    states, us, S = [], [], S.flatten(0, 1)  # [B H, d_v, d_k]: heads as the batch of bmm
+    # unbind, not an index per chunk: its gradient is one stack, where each index's is a zero-filled copy
+    for u0, w, kg, ac in zip(*(t.flatten(0, 1).unbind(1) for t in (U0, -W, Kg, aC)), strict=True):
+        states.append(S)
+        U, S = chunk_step(S, u0, w, kg, ac)
+        us.append(U)
+    S0t = torch.stack(states, dim=1).unflatten(0, (Bsz, H)).transpose(-1, -2)  # [B, H, N, d_k, d_v]: every S_0^T
+    U = torch.stack(us, dim=1).unflatten(0, (Bsz, H))
+    o = (eG[..., None] * q) @ S0t + ((q @ k.transpose(-1, -2)) * M) @ U
+    return o.flatten(2, 3)[:, :, :T], S.unflatten(0, (Bsz, H))
+
+
+@compiled_region
+def chunk_step(S: Tensor, U0: Tensor, Wn: Tensor, Kg: Tensor, aC: Tensor) -> tuple[Tensor, Tensor]:
+    """One chunk of ``delta_rule_chunked``'s recurrence, heads as the batch: S_0 [BH, d_v, d_k]
+    -> (U [BH, C, d_v], S_n):
+
+        U = U_0 - W S_0^T,    S_n = e^{G_n} S_0 + U^T diag(e^{G_n - G}) K
+
+    with ``Wn`` = -W, ``Kg`` = diag(e^{G_n - G}) K and ``aC`` = e^{G_n} [BH, 1, 1]: two
+    ``baddbmm`` (whose gradient reaches the added term with no operator). A compiled region
+    (``modules.compiled_region``): a compiled layer traces it once and runs the same graph for
+    every chunk."""
+    U = torch.baddbmm(U0, Wn, S.transpose(-1, -2))
+    return U, torch.baddbmm(aC * S, U.transpose(-1, -2), Kg)
 
 
 class GatedDeltaNetLayer(Layer):
@@ -193,15 +213,21 @@ class GatedDeltaNetLayer(Layer):
     def gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Write strengths b = sigmoid(W_b x + c_b) and log-decays g = log a = -softplus(W_a x +
         dt_bias) exp(A_log), each [B, H, T]."""
-        b = torch.sigmoid(self.wb(x))
-        g = -F.softplus(self.wa(x) + self.dt_bias) * self.A_log.exp()
-        return b.transpose(1, 2), g.transpose(1, 2)
+        xt = x.transpose(1, 2)  # [B, D, T]: the gates come out [B, H, T] contiguous (a compiled
+        # backward fails on the transposed gradient of a [B, T, H] projection)
+        b = torch.sigmoid(self.wb.weight @ xt + self.wb.bias[:, None])
+        g = -F.softplus(self.wa.weight @ xt + self.dt_bias[:, None]) * self.A_log.exp()[:, None]
+        return b, g
 
     def forward(self, x: Tensor, state: DeltaState, call: Call) -> tuple[Tensor, DeltaState]:
         """x [B, T, D] (normed) -> (y [B, T, D], the new state)."""
         T, D = x.shape[1], x.shape[2]
         H, d = self.cfg.n_heads, self.cfg.head_dim
-        c, conv = short_conv(torch.cat((self.wq(x), self.wk(x), self.wv(x)), dim=-1), state.conv, self.conv_weight)
+        # q, k, v and the output gate's input in one matmul (the weights side by side)
+        qkv, gate = F.linear(x, torch.cat((self.wq.weight, self.wk.weight, self.wv.weight, self.wg.weight))).split(
+            (3 * D, D), dim=-1
+        )
+        c, conv = short_conv(qkv, state.conv, self.conv_weight)
         q, k, v = (t.unflatten(-1, (H, d)).transpose(1, 2) for t in c.split(D, dim=-1))  # [B, H, T, d]
         b, g = self.gates(x)
         f = acc_dtype(q.dtype)  # the recurrence in float32 at least, autocast off
@@ -211,7 +237,7 @@ class GatedDeltaNetLayer(Layer):
                 o, S = delta_rule_naive(*args, state.S.to(f))
             else:
                 o, S = delta_rule_chunked(*args, state.S.to(f), self.cfg.chunk_size)
-        o = self.out_norm(o.transpose(1, 2).to(x.dtype)) * F.silu(self.wg(x)).unflatten(-1, (H, d))
+        o = self.out_norm(o.transpose(1, 2).to(x.dtype)) * F.silu(gate).unflatten(-1, (H, d))
         y = self.wo(o.flatten(2))
         return y, DeltaState(S=S.to(state.S.dtype), conv=conv)
 

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +82,7 @@ from ..modules import (
     WriteGate,
     apply_rope,
     attend,
+    compiled_region,
     init_short_conv,
     merge_heads,
     pieces,
@@ -231,8 +232,9 @@ class RMTAttention(Layer):
         if conv is not None:  # qkv_conv: q/k/v read SiLU(conv(x)) over the extended segment so far
             x, conv = short_conv(x, conv, self.conv_weight)
         cos, sin, mask = call.shared(("rmt", c, n, x.dtype), lambda: self.tables(c, n, x))
-        k = torch.cat((state.k, apply_rope(split_heads(self.wk(x), H), cos, sin)), dim=2)
-        v = torch.cat((state.v, split_heads(self.wv(x), H)), dim=2)
+        k, v = apply_rope(split_heads(self.wk(x), H), cos, sin), split_heads(self.wv(x), H)
+        if c:  # a cache to continue (a piece that starts a segment has none)
+            k, v = torch.cat((state.k, k), dim=2), torch.cat((state.v, v), dim=2)
         if a:
             cos, sin, mask = call.shared(("rmt", c + a, n - a, x.dtype), lambda: self.tables(c + a, n - a, x))
         q = apply_rope(split_heads(self.wq(x[:, a:]), H), cos, sin)
@@ -373,33 +375,81 @@ class RMT(StreamingLM):
         through the whole stack, then, at a segment end, the new memory and empty caches (the
         fresh rows' memory is ``init_memory``; ``StreamingLM.body`` has reset their A and z)."""
         S, M, pos = self.config.segment_len, self.config.memory_size, call.pos
+        B, ns = h.shape[0], pieces(pos % S, h.shape[1], S)
         layers = list(layers)
         assoc = self.config.associative
         if assoc:  # the same slots every segment
-            memory = self.init_memory.to(h.dtype).expand(h.shape[0], M, -1)
+            memory = self.init_memory.to(h.dtype).expand(B, M, -1)
         else:
             # init_memory enters every call's graph (with no fresh row, with a zero gradient), so
             # that DDP finds every parameter used
             memory = reset_rows(fresh, getattr(layers[0], "memory"), self.init_memory)
             layers[0] = with_memory(layers[0], memory)
+        blank = None  # the states of a segment start, built once per call
         outs, a = [], 0
-        for n in pieces(pos % S, h.shape[1], S):
+        for hp, n in zip(h.split(ns, dim=1), ns, strict=True):  # split: its gradient is one cat
             r, done = (pos + a) % S, (pos + a) % S + n == S
-            x = torch.cat([memory] * (r == 0) + [h[:, a : a + n]] + [memory] * done, dim=1)
-            piece = dataclasses.replace(call, pos=pos + a, memo={})
-            for i, (layer, s) in enumerate(zip(self.layers, layers)):
-                x, layers[i] = layer(x, s, piece)
-            outs.append(x[:, :n])  # the last layer answers for the tokens [and the write slots] only
-            if done:  # the write slots' outputs are the next memory (or in A); the caches start over
-                new = self.init_state(h.shape[0], h.device).layers
+            x = torch.cat([memory] * (r == 0) + [hp] + [memory] * done, dim=1)
+            if r == 0 and done:  # a whole segment: one compiled region
+                carried = [t for s in layers for t in (s.assoc, s.assoc_z)] if assoc else []  # type: ignore[attr-defined]
+                x, carried = self.segment(x, call.start, self.segment_tables(x, call), carried)
                 if assoc:
-                    layers = [with_assoc(f, s) for f, s in zip(new, layers)]
+                    layers = [
+                        dataclasses.replace(cast(RMTState, s), assoc=A, assoc_z=z)
+                        for s, A, z in zip(layers, carried[::2], carried[1::2])
+                    ]
+            else:
+                piece = dataclasses.replace(call, pos=pos + a)
+                for i, (layer, s) in enumerate(zip(self.layers, layers)):
+                    x, layers[i] = layer(x, s, piece)
+            # the last layer answers for the tokens [and the write slots] only
+            out, slots = x.split((n, M), dim=1) if done else (x, None)
+            outs.append(out)
+            if slots is not None:  # the write slots' outputs are the next memory (or in A); the caches start over
+                if blank is None:
+                    blank = [layer.init_state(B, h.device, self.tok_emb.weight.dtype) for layer in self.layers]
+                if assoc:
+                    layers = [with_assoc(f, s) for f, s in zip(blank, layers)]
                 else:
-                    memory = self.next_memory(memory, x[:, -M:])
-                    layers = new
+                    memory = self.next_memory(memory, slots)
+                    layers = list(blank)
                     layers[0] = with_memory(layers[0], memory)
             a += n
         return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]), layers
+
+    def segment_tables(self, x: Tensor, call: Call) -> list[Tensor]:
+        """The RoPE tables of a whole segment x [B, 2M + S, D] (made once per call): cos/sin of
+        positions 0..2M+S-1, and of M.. with the mask, for the last layer's queries."""
+        M, L = self.config.memory_size, x.shape[1]
+        attn = cast(RMTAttention, cast(Block, self.layers[0]).attn)
+        cos, sin, _ = call.shared(("rmt", 0, L, x.dtype), lambda: attn.tables(0, L, x))
+        cos_q, sin_q, mask = call.shared(("rmt", M, L - M, x.dtype), lambda: attn.tables(M, L - M, x))
+        assert mask is not None
+        return [cos, sin, cos_q, sin_q, mask]
+
+    @compiled_region
+    def segment(
+        self, x: Tensor, start: Tensor, tables: list[Tensor], carried: list[Tensor]
+    ) -> tuple[Tensor, list[Tensor]]:
+        """A whole segment x = [read slots; S tokens; write slots] [B, 2M + S, D] through the stack
+        from empty caches -> the last layer's outputs at the tokens and write slots [B, S + M, D],
+        and with ``associative`` the A, z of every layer after the segment's write (``carried``:
+        A_0, z_0, A_1, ...). A compiled region (``modules.compiled_region``): a compiled model
+        traces it once and runs the same graph for every segment. The layers read no position from the call
+        (an RMT's positions restart every segment), only ``tables`` (``segment_tables``)."""
+        c, (B, L, _) = self.config, x.shape
+        M, dtype = c.memory_size, x.dtype
+        cos, sin, cos_q, sin_q, mask = tables
+        memo = {("rmt", 0, L, dtype): (cos, sin, None), ("rmt", M, L - M, dtype): (cos_q, sin_q, mask)}
+        call = Call(0, start, memo=memo)
+        empty = x.new_empty(B, c.n_heads, 0, c.head_dim)
+        out = []
+        for i, layer in enumerate(self.layers):
+            conv = x.new_zeros(B, c.qkv_conv - 1, c.dim) if c.qkv_conv else None
+            A, z = (carried[2 * i], carried[2 * i + 1]) if c.associative else (None, None)
+            x, s = layer(x, RMTState(k=empty, v=empty, assoc=A, assoc_z=z, conv=conv), call)
+            out += [s.assoc, s.assoc_z] if c.associative else []
+        return x, out
 
     def next_memory(self, memory: Tensor, out: Tensor) -> Tensor:
         """The memory of the next segment from this one's and the write slots' last-layer outputs

@@ -1,0 +1,72 @@
+"""The loop bodies as compiled regions (``modules.compiled_region``): RMT's whole segment
+(``RMT.segment``), Block-Recurrent's block step (``BlockAttention.block_step``) and Gated
+DeltaNet's chunk step (``gated_deltanet.chunk_step``). Compiled with ``fullgraph=True`` (no graph
+break), the model equals the eager one in logits, loss, state and every gradient over calls of
+several units, the second call continuing a partial unit from the first; and the compiled graph
+calls the region (``invoke_subgraph``) once per unit, one traced body for them all, where the
+loop would be unrolled."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from recurformer.models import build_model
+
+CASES = {
+    # (config, the lengths of two calls: several units, then the rest of a partial one and more)
+    "rmt": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=6, memory_size=3), (20, 16)),
+    "rmt-associative": (
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=6, memory_size=3, associative=True),
+        (18, 12),  # (associative: the caches start over at a segment end, so every call ends on one)
+    ),
+    "block_recurrent": (
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, block_size=4, query_tile=3, recurrent_layers=(0,)),
+        (14, 11),
+    ),
+    "gated_deltanet": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=4), (14, 11)),
+}
+
+
+def regions_seen(graphs: list[torch.fx.GraphModule]) -> tuple[int, int]:
+    """(calls of a region, distinct region bodies) in the graphs dynamo made."""
+    calls = [n for g in graphs for n in g.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    return len(calls), len({(id(g), n.args[0].target) for g in graphs for n in g.graph.nodes if n in calls})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_region_equals_eager_and_is_traced_once(case: str) -> None:
+    cfg, lengths = CASES[case]
+    torch.manual_seed(0)
+    eager = build_model(case.split("-")[0], cfg)
+    for p in eager.parameters():  # weights large enough that every path moves the output
+        p.data.normal_(0.0, 0.3)
+    model = copy.deepcopy(eager)
+    eager.check_tokens = model.check_tokens = False  # (the token check reads the device: a graph break)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
+    se = sc = None
+    for T in lengths:
+        x = torch.randint(0, 61, (2, T))
+        a, b = eager(x, se, x), compiled(x, sc, x)
+        torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+        for k, t in a.state.to_flat().items():
+            torch.testing.assert_close(b.state.to_flat()[k], t, rtol=1e-4, atol=1e-5, msg=k)
+        se, sc = a.state, b.state
+    a.loss.backward()
+    b.loss.backward()
+    for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    calls, bodies = regions_seen(graphs)
+    assert calls >= 4 and bodies < calls, (calls, bodies)  # every unit calls a region, few bodies serve them
