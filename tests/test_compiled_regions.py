@@ -2,9 +2,10 @@
 (``RMT.segment``), Block-Recurrent's block step (``BlockAttention.block_step``) and Gated
 DeltaNet's chunk step (``gated_deltanet.chunk_step``). Compiled with ``fullgraph=True`` (no graph
 break), the model equals the eager one in logits, loss, state and every gradient over calls of
-several units, the second call continuing a partial unit from the first; and the compiled graph
-calls the region (``invoke_subgraph``) once per unit, one traced body for them all, where the
-loop would be unrolled."""
+several units, the second call continuing a partial unit from the first. Without gradients the
+compiled graph calls the region (``invoke_subgraph``) once per unit, one traced body for them all,
+where the loop would be unrolled; with gradients the region is inlined (inductor's gradients
+through a region are wrong in torch 2.13: ``test_inductor_gradients_of_a_compiled_layer``)."""
 
 from __future__ import annotations
 
@@ -68,5 +69,34 @@ def test_compiled_region_equals_eager_and_is_traced_once(case: str) -> None:
     for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None, name
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert regions_seen(graphs) == (0, 0)  # with gradients: inlined
+    graphs.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
+    se = sc = None
+    with torch.no_grad():
+        for T in lengths:
+            x = torch.randint(0, 61, (2, T))
+            a, b = eager(x, se), compiled(x, sc)
+            torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-5)
+            se, sc = a.state, b.state
     calls, bodies = regions_seen(graphs)
     assert calls >= 4 and bodies < calls, (calls, bodies)  # every unit calls a region, few bodies serve them
+
+
+@pytest.mark.slow
+def test_inductor_gradients_of_a_compiled_layer() -> None:
+    """``train.compile`` (``compile_layers``, inductor) trains with the eager model's gradients.
+    Through a region, torch 2.13's inductor gave Gated DeltaNet's write-gate bias a gradient off by
+    a relative 4.7 (logits right): the reason ``compiled_region`` inlines under autograd."""
+    torch.manual_seed(0)
+    eager = build_model("gated_deltanet", dict(vocab_size=64, dim=32, n_layers=2, n_heads=2, chunk_size=8))
+    model = copy.deepcopy(eager)
+    model.compile_layers()
+    x = torch.randint(0, 64, (2, 40))
+    for m in (eager, model):  # two calls of 20 (chunks of 8, 8, 4), the state carried
+        first = m(x[:, :20], targets=x[:, :20])
+        (first.loss + m(x[:, 20:], first.state, x[:, 20:]).loss).backward()
+    for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-6, msg=name)
