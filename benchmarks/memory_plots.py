@@ -37,6 +37,11 @@ def state_bytes(name: str, config: dict[str, Any], length: int) -> int:
     return int(4 * measure(build_model(name, {k: v for k, v in config.items() if k != "name"})).at(length))
 
 
+def row_length(task: str, params: dict[str, Any], length: int) -> int:
+    """Tokens in a row of ``task`` (parameters ``params``) set to ``length`` (MQAR: the distance)."""
+    return int(make_split(task, 1, 0, get_task(task).at_length(params, length)).inputs.shape[1])
+
+
 LENGTH_LABEL = {
     "mqar": "distance from the pairs to the queries (tokens; 0 plotted at 1)",
     "passkey": "the passkey's filler length L (tokens)",
@@ -114,9 +119,9 @@ def main() -> None:
     for r in results:
         lab = label(r)
         if lab not in sizes:
-            p = get_task(r["task"]).at_length(r["task_params"], args.distance)
-            length = make_split(r["task"], 1, 0, p).inputs.shape[1]
-            sizes[lab] = state_bytes(r["model"], r["model_config"], length)
+            sizes[lab] = state_bytes(
+                r["model"], r["model_config"], row_length(r["task"], r["task_params"], args.distance)
+            )
     fig, ax = plt.subplots(figsize=(9.5, 4.5))
     for i, (lab, by_d) in enumerate(sorted(table.items())):
         accs = by_d.get(args.distance)
