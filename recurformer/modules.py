@@ -57,45 +57,10 @@ class _RMSNorm(torch.autograd.Function):
         dw = (dy * n).flatten(0, -2).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         if not ctx.needs_input_grad[0]:
             return None, dw, None
-        return _rms_normalize_backward(x, r, dy * weight), dw, None
-
-
-def _rms_normalize_backward(x: Tensor, r: Tensor, dn: Tensor) -> Tensor:
-    """dx = r (dn - x r^2 mean(dn * x)) for n = x r (``_rms_normalize``), in at least float32."""
-    xf = x.to(acc_dtype(x.dtype))
-    dn = dn.to(xf.dtype)
-    return ((dn - xf * (r * r * (dn * xf).mean(-1, keepdim=True))) * r).to(x.dtype)
-
-
-class _RMSNormalize(torch.autograd.Function):
-    """n = x r with r = 1 / sqrt(mean(x^2) + eps): ``_RMSNorm`` without the gain, its gradient
-    written out the same way. Returns (n, r), r not differentiable."""
-
-    @staticmethod
-    def forward(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        r, n = _rms_normalize(x, eps)
-        return n, r
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Tensor, float], output: tuple[Tensor, Tensor]) -> None:
-        ctx.mark_non_differentiable(output[1])
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(inputs[0], output[1])
-
-    @staticmethod
-    def backward(ctx: Any, dn: Tensor, *_: Tensor) -> tuple[Tensor, None]:
-        x, r = ctx.saved_tensors
-        return _rms_normalize_backward(x, r, dn), None
-
-
-def rms_normalize(x: Tensor, eps: float) -> Tensor:
-    """x / sqrt(mean(x^2) + eps): ``RMSNorm`` without its gain g, for a caller that folds g into
-    the weight W that reads the result, W (n * g) = (W diag(g)) n: one product per call instead
-    of one per use (and per use in the backward: no dn = dy * g, no gain gradient to reduce and
-    accumulate). The normalisation and its gradient are RMSNorm's."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return cast(Tensor, _RMSNormalize.apply(x, eps)[0])
-    return _rms_normalize(x, eps)[1]
+        xf = x.to(acc_dtype(x.dtype))
+        dn = (dy * weight).to(xf.dtype)
+        dx = (dn - xf * (r * r * (dn * xf).mean(-1, keepdim=True))) * r
+        return dx.to(x.dtype), dw, None
 
 
 class RMSNorm(nn.Module):
@@ -225,8 +190,7 @@ class _RoPE(torch.autograd.Function):
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate pairs (x[i], x[i + d/2]) of ``x`` [B, H, T, d] by angles given as cos/sin [T, d/2]
     (or [B, 1, T, d/2]): x[i] cos - x[i + d/2] sin, x[i + d/2] cos + x[i] sin."""
-    if x.dtype != cos.dtype:  # the result's dtype: one cast, not one per mixed-dtype product
-        x = x.to(torch.promote_types(x.dtype, cos.dtype))
+    x = x.to(torch.promote_types(x.dtype, cos.dtype))  # the result's dtype: one cast, not one per mixed-dtype product
     if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
         return cast(Tensor, _RoPE.apply(x, cos, sin))
     # no graph: the plain ops, fewer calls (one token: 15 us, against 31 us written out); compiled:

@@ -12,16 +12,7 @@ from helpers import conv_literal
 
 from recurformer import build_model
 from recurformer.config import RecurformerError
-from recurformer.modules import (
-    RMSNorm,
-    WriteGate,
-    _CrossEntropy,
-    apply_rope,
-    cross_entropy,
-    rms_normalize,
-    rope_cos_sin,
-    short_conv,
-)
+from recurformer.modules import RMSNorm, WriteGate, _CrossEntropy, apply_rope, cross_entropy, rope_cos_sin, short_conv
 
 
 def reference(logits: torch.Tensor, targets: torch.Tensor, scale: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,22 +111,6 @@ def test_rms_norm_gradient_matches_autograd_in_float64(shape: tuple[int, ...]) -
         assert torch.equal(norm(x), rms_norm_by_autograd(x, norm.weight, 1e-5))
     for a, b in zip(got, want):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-13)
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_rms_normalize_is_rms_norm_without_its_gain(dtype: torch.dtype) -> None:
-    """``rms_normalize`` (the gain folded into the next weight) is RMSNorm at gain 1: the same
-    values, and its written-out gradient is autograd's of the plain ops (float64 to rounding)."""
-    x = (torch.randn(3, 5, 48, dtype=dtype) * 3).requires_grad_()
-    dy = torch.randn(3, 5, 48, dtype=dtype)
-    ones = torch.ones(48, dtype=dtype)
-    assert torch.equal(rms_normalize(x, 1e-5), rms_norm_by_autograd(x, ones, 1e-5))
-    with torch.no_grad():
-        assert torch.equal(rms_normalize(x, 1e-5), rms_norm_by_autograd(x, ones, 1e-5))
-    (got,) = torch.autograd.grad(rms_normalize(x, 1e-5), x, dy)
-    (want,) = torch.autograd.grad(rms_norm_by_autograd(x, ones, 1e-5), x, dy)
-    tol = 1e-12 if dtype == torch.float64 else 2e-2
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 def test_rms_norm_under_bf16_autocast_and_without_an_input_gradient() -> None:

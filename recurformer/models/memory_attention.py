@@ -43,7 +43,7 @@ Its last K-1 inputs are kept in the state (``conv``), so any split into calls gi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal, NamedTuple
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +61,6 @@ from ..modules import (
     init_short_conv,
     merge_heads,
     pieces,
-    rms_normalize,
     rope_cos_sin,
     short_conv,
     split_heads,
@@ -120,18 +119,6 @@ class MemoryState(LayerState):
     part_v: Tensor
     part_o: Tensor
     conv: Tensor | None = None  # [B, K-1, D] (``qkv_conv``): the last K-1 inputs (zeros at a document start)
-
-
-class MemoryWeights(NamedTuple):
-    """A memory layer's weights for one call: ``qkv`` [Wq; Wk; Wv] [3D, D] for the chunk's tokens
-    (queries, keys and values in one matmul); ``kv`` [Wk; Wv] (or [Wkm; Wvm]) diag(g_out) [2D, D]
-    for the memory, the gain of eq. 2's output norm folded in; ``ffn`` ([W1; W3] diag(g_in)
-    [2F, D], W2 [D, F]) the memory FFN with the gain of its input norm folded in (empty without
-    ``memory_ffn``)."""
-
-    qkv: Tensor
-    kv: Tensor
-    ffn: tuple[Tensor, ...]
 
 
 class MemoryAttentionLayer(Layer):
@@ -198,61 +185,35 @@ class MemoryAttentionLayer(Layer):
             new["conv"] = reset_rows(fresh, state.conv, state.conv.new_zeros(()))
         return MemoryState(**{**state.tensors(), **new})
 
-    def memory_weights(self, x: Tensor) -> MemoryWeights:
-        """The weights of one call (``MemoryWeights``), built once, in the autocast dtype when
-        autocast is on, so that no cast or gain product is repeated per chunk."""
-        c, D = self.cfg, self.cfg.dim
-        qkv = torch.cat((self.wq.weight, self.wk.weight, self.wv.weight))
-        kv = torch.cat((self.wkm.weight, self.wvm.weight)) if c.memory_qkv == "separate" else qkv[D:]
-        if c.memory_norm:
-            kv = kv * self.mem_norm.weight
-        ffn: tuple[Tensor, ...] = ()
-        if c.memory_ffn:
-            mlp = self.mem_ffn
-            ffn = (torch.cat((mlp.w1.weight, mlp.w3.weight)) * self.mem_ffn_norm.weight, mlp.w2.weight)
-        dev = x.device.type
-        if torch.is_autocast_enabled(dev):
-            low = torch.get_autocast_dtype(dev)
-            qkv, kv, *rest = (w.to(low) for w in (qkv, kv, *ffn))
-            ffn = tuple(rest)
-        return MemoryWeights(qkv, kv, ffn)
-
-    def normed(self, m: Tensor, ffn: tuple[Tensor, ...]) -> Tensor:
-        """Eq. 2 up to the output norm's gain g_out (which ``w.kv`` holds, so that the memory's
-        K/V are W_kv M' = (W_kv diag(g_out)) u): u = rms(M + W2 (silu(W1' n) * W3' n)),
-        n = rms(M), with the input norm's gain folded into W1' and W3' (one product for both):
-        ``ffn`` = ``MemoryWeights.ffn``. Zero memory stays exactly zero."""
-        if self.cfg.memory_ffn:
-            a, b = F.linear(rms_normalize(m, self.mem_ffn_norm.eps), ffn[0]).chunk(2, dim=-1)
-            m = m + F.linear(F.silu(a) * b, ffn[1])
-        return rms_normalize(m, self.mem_norm.eps) if self.cfg.memory_norm else m
-
-    def gain(self, u: Tensor) -> Tensor:
-        """M' = u * g_out from ``normed``'s u."""
-        return u * self.mem_norm.weight if self.cfg.memory_norm else u
-
     def evolve(self, m: Tensor) -> Tensor:
         """Eq. 2: M' = Norm(M + FFN(Norm(M))). Zero memory stays exactly zero."""
-        return self.gain(self.normed(m, self.memory_weights(m).ffn))
+        if self.cfg.memory_ffn:
+            m = m + self.mem_ffn(self.mem_ffn_norm(m))
+        if self.cfg.memory_norm:
+            m = self.mem_norm(m)
+        return m
 
-    def memory_kv(self, u: Tensor, cos: Tensor, sin: Tensor, w_kv: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Keys/values of the evolved memory M' = ``gain(u)`` at RoPE positions 0..C-1: [B, H, C, d]
-        each (``w_kv``: ``memory_weights().kv``, when the caller holds it)."""
-        k, v = F.linear(u, self.memory_weights(u).kv if w_kv is None else w_kv).chunk(2, dim=-1)
+    def qkv_weights(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """[Wq; Wk; Wv] [3D, D] for the chunk's tokens (queries, keys and values in one matmul) and
+        [Wk; Wv] [2D, D] for the memory (its rows D.. with shared memory Q/K/V). Built once per
+        call, in the autocast dtype when autocast is on, so its cast is not repeated per chunk."""
+        w = torch.cat((self.wq.weight, self.wk.weight, self.wv.weight))
+        w_m = torch.cat((self.wkm.weight, self.wvm.weight)) if self.cfg.memory_qkv == "separate" else w[self.cfg.dim :]
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev) and w.dtype != (low := torch.get_autocast_dtype(dev)):
+            return w.to(low), w_m.to(low)
+        return w, w_m
+
+    def memory_kv(self, m: Tensor, cos: Tensor, sin: Tensor, w_kv: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys/values of the evolved memory M' = ``evolve(m)`` at RoPE positions 0..C-1: [B, H, C, d] each
+        (``w_kv``: ``qkv_weights()[1]``, when the caller holds it)."""
+        k, v = F.linear(m, self.qkv_weights(m)[1] if w_kv is None else w_kv).chunk(2, dim=-1)
         return apply_rope(split_heads(k, self.n_heads), cos, sin), split_heads(v, self.n_heads)
 
     def gated_update(self, evolved: Tensor, out: Tensor) -> Tensor:
         """M_{t+1} = g * M'_t + (1 - g) * O_t from the evolved memory M'_t and the chunk's output O_t [B, C, D]."""
         g = torch.sigmoid(self.mem_gate(torch.cat((evolved, out), dim=-1)))
         return g * evolved + (1 - g) * out
-
-    def next_memory(self, memory: Tensor, u: Tensor, src: Tensor) -> Tensor:
-        """M_{t+1} when chunk t completes, from M_t, ``normed``'s u of M'_t and the chunk's output O_t."""
-        if self.cfg.memory_update == "gated":
-            return self.gated_update(self.gain(u), src)
-        if self.cfg.memory_update == "write_gate":
-            return self.write_gate(memory, src)
-        return src
 
     def tables(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """RoPE cos/sin [2C, d/2] (rows 0..C-1 memory, C..2C-1 chunk positions) and the boolean
@@ -272,50 +233,12 @@ class MemoryAttentionLayer(Layer):
         C = self.cfg.chunk_size
         return causal_lower_right(n, C + r + n) if cuda else mask[r : r + n, : C + r + n]
 
-    def read(self, q: Tensor, mem_k: Tensor, mem_v: Tensor, k: Tensor, v: Tensor, mask: Tensor, r: int) -> Tensor:
-        """Eq. 3-5: the output of queries q [B, H, n, d] at chunk offsets r..r+n-1 over [memory;
-        chunk keys 0..r+n-1] (``mask``: ``tables``'), [B, n, D]; before Wo for ``pre_wo`` memory."""
-        n, C = q.shape[2], self.cfg.chunk_size
-        keys = torch.cat((mem_k, k), 2)
-        o = merge_heads(attend(q, keys, torch.cat((mem_v, v), 2), self.chunk_mask(mask, r, n, q.is_cuda)))
-        if tap.active():  # the read-out: attention mass on the C memory slots
-            tap.record(self, tap.attention_share(q, keys, mask[r : r + n, : C + r + n], C))
-        return o if self.cfg.memory_source == "pre_wo" else self.wo(o)
-
-    def chunk_step(
-        self,
-        memory: Tensor,
-        kv: Tensor,
-        ffn: tuple[Tensor, ...],
-        qk: Tensor,
-        v: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: Tensor,
-    ) -> tuple[Tensor, ...]:
-        """The loop's body for a whole chunk read in one piece: M_t evolved (eq. 2, weights
-        ``kv``, ``ffn`` of ``MemoryWeights``), its K/V (RoPE positions 0..C-1 from ``cos``/``sin``
-        [C, d/2]) and the output of the chunk's queries and keys ``qk`` [B, 2H, C, d] (RoPE'd)
-        and values ``v``. Returns (output, memory K, memory V) and, unless the memory is replaced
-        by the output, M_{t+1}. Written to be a nested compile region
-        (``torch.compiler.nested_compile_region``: traced once, reused for every chunk): no
-        input or output aliases another.
-        """
-        u = self.normed(memory, ffn)
-        mem_k, mem_v = self.memory_kv(u, cos, sin, kv)
-        q, k = qk.split(self.n_heads, dim=1)
-        out = self.read(q, mem_k, mem_v, k, v, mask, 0)
-        if self.cfg.memory_update == "replace":  # M_{t+1} = O_t: the caller takes the output
-            return out, mem_k, mem_v
-        return out, mem_k, mem_v, self.next_memory(memory, u, out)
-
     def forward(self, x: Tensor, st: MemoryState, call: Call) -> tuple[Tensor, MemoryState]:
         """x: [B, T, D] (normed) -> attention output after Wo [B, T, D] and the new state.
 
-        Only the attention and the memory evolution run chunk by chunk (``chunk_step`` for a whole
-        chunk); the projections, RoPE (chunk positions C..2C-1, whatever chunk a token is in),
-        the weights with the memory norms' gains folded in and, for ``pre_wo`` memory, Wo run
-        once per call."""
+        Only the attention and the memory evolution run chunk by chunk; the projections, RoPE
+        (chunk positions C..2C-1, whatever chunk a token is in) and, for ``pre_wo`` memory, Wo
+        run once over all T tokens."""
         C, T, H, D = self.cfg.chunk_size, x.shape[1], self.n_heads, self.cfg.dim
         conv = st.conv
         if conv is not None:  # qkv_conv: the tokens' q/k/v read SiLU(conv(x)), continued across calls
@@ -323,35 +246,36 @@ class MemoryAttentionLayer(Layer):
         cos, sin, mask = call.shared(("memory", C, x.dtype), lambda: self.tables(x))
         r0 = call.pos % C  # tokens of the current chunk read by earlier calls
         pos = C + (r0 + torch.arange(T, device=x.device)) % C
-        w = self.memory_weights(x)
-        qk_x, v_x = F.linear(x, w.qkv).split((2 * D, D), dim=-1)
-        qk_all = apply_rope(split_heads(qk_x, 2 * H), cos[pos], sin[pos])  # RoPE of q, k at once
+        w_qkv, w_kv_memory = self.qkv_weights(x)
+        qk_x, v_x = F.linear(x, w_qkv).split((2 * D, D), dim=-1)
+        q_all, k_all = apply_rope(split_heads(qk_x, 2 * H), cos[pos], sin[pos]).split(H, dim=1)  # RoPE of q, k at once
         v_all = split_heads(v_x, H)
         sizes = pieces(r0, T, C)
+        pre_wo = self.cfg.memory_source == "pre_wo"
         memory, mem_k, mem_v, part_k, part_v, part_o = st.memory, st.mem_k, st.mem_v, st.part_k, st.part_v, st.part_o
-        u: Tensor | None = None  # ``normed`` M_t of the chunk in progress, once computed in this call
+        evolved: Tensor | None = None  # M'_t of the chunk in progress, once computed in this call
         outs: list[Tensor] = []
-        for qk, v_new in zip(qk_all.split(sizes, 2), v_all.split(sizes, 2)):
-            r, n = part_k.shape[2], qk.shape[2]
-            if r == 0 and n == C:  # a whole chunk in one piece
-                # the tables as slices: the region's guards cannot name a tensor held in the call's memo
-                rope_mask = cos[:C], sin[:C], mask[:, :]
-                out, mem_k, mem_v, *updated = self.chunk_step(memory, w.kv, w.ffn, qk, v_new, *rope_mask)
-                memory = updated[0] if updated else out
-                outs.append(out)
-                continue
-            q, k_new = qk.split(H, dim=1)
+        for q, k_new, v_new in zip(q_all.split(sizes, 2), k_all.split(sizes, 2), v_all.split(sizes, 2)):
+            r, n = part_k.shape[2], q.shape[2]
             if r == 0:
-                u = self.normed(memory, w.ffn)
-                mem_k, mem_v = self.memory_kv(u, cos[:C], sin[:C], w.kv)
+                evolved = self.evolve(memory)
+                mem_k, mem_v = self.memory_kv(evolved, cos[:C], sin[:C], w_kv_memory)
             k = torch.cat((part_k, k_new), dim=2) if r else k_new
             v = torch.cat((part_v, v_new), dim=2) if r else v_new
-            out = self.read(q, mem_k, mem_v, k, v, mask, r)
+            bias = self.chunk_mask(mask, r, n, q.is_cuda)
+            o = merge_heads(attend(q, torch.cat((mem_k, k), 2), torch.cat((mem_v, v), 2), bias))
+            if tap.active():  # the read-out: attention mass on the C memory slots
+                tap.record(self, tap.attention_share(q, torch.cat((mem_k, k), 2), mask[r : r + n, : C + r + n], C))
+            out = o if pre_wo else self.wo(o)
             src = torch.cat((part_o, out), dim=1) if r else out  # the memory: o (pre_wo) or Wo o
-            if r + n == C:  # chunk complete: its output becomes (or enters) the next memory
-                # (u computed again if an earlier call began this chunk)
-                memory = self.next_memory(memory, self.normed(memory, w.ffn) if u is None else u, src)
-                u = None
+            if r + n == C:  # chunk complete: its output becomes (or, gated, enters) the next memory
+                if self.cfg.memory_update == "gated":  # M'_t again if an earlier call began this chunk
+                    memory = self.gated_update(evolved if evolved is not None else self.evolve(memory), src)
+                elif self.cfg.memory_update == "write_gate":
+                    memory = self.write_gate(memory, src)
+                else:
+                    memory = src
+                evolved = None
                 B, _, _, d = k.shape  # fresh empty tensors, not views (torch.compile mishandles aliased empty outputs)
                 part_k, part_v, part_o = (
                     k.new_zeros(B, H, 0, d),
@@ -362,9 +286,7 @@ class MemoryAttentionLayer(Layer):
                 part_k, part_v, part_o = k, v, src
             outs.append(out)
         y = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        if self.cfg.memory_source == "pre_wo":
-            y = self.wo(y)
-        return y, MemoryState(memory, mem_k, mem_v, part_k, part_v, part_o, conv)
+        return self.wo(y) if pre_wo else y, MemoryState(memory, mem_k, mem_v, part_k, part_v, part_o, conv)
 
 
 @register_layer("memory", MemoryAttentionConfig)
