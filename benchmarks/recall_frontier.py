@@ -71,6 +71,8 @@ def cells(paths: list[str], distance: int) -> list[dict[str, Any]]:
     """Every run of ``paths`` as a row, sorted by state size, model, recipe and seed."""
     out = []
     for p in paths:
+        if not Path(p).is_file():
+            raise RecurformerError(f"{p}: no such file")
         r = json.loads(Path(p).read_text())
         out.append(cell(p, r, distance, r["state_bytes"] if "state_bytes" in r else measured_bytes(r, distance)))
     return sorted(out, key=lambda c: (c["state_bytes"], c["model"], c["recipe"], c["seed"]))

@@ -31,6 +31,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
+from recurformer.config import RecurformerError  # noqa: E402
 from recurformer.data.synthetic import passkey  # noqa: E402
 from recurformer.hub import load  # noqa: E402
 from recurformer.models.gated_deltanet import GatedDeltaNetLayer  # noqa: E402
@@ -76,7 +77,11 @@ def main() -> int:
         if base not in CONDITIONS or (layer and not layer.isdigit()):
             print(f"error: unknown condition '{c}' (one of {', '.join(CONDITIONS)}, optionally _lN)", file=sys.stderr)
             return 2
-    loaded = load(args.checkpoint)
+    try:
+        loaded = load(args.checkpoint)
+    except RecurformerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     model, task = loaded.model.eval(), loaded.config.get("task") or {}
     mixers = [layer.attn for layer in model.layers]
     if task.get("name") != "passkey" or not all(isinstance(m, GatedDeltaNetLayer) for m in mixers):
