@@ -65,6 +65,9 @@ class ModelConfig:
     # The field that bounds how far back a token attends directly (window, chunk, segment or block
     # length), None if the model has none; the synthetic diagnostics give every model this context.
     context_field: ClassVar[str | None] = None
+    # Keys that change no parameter: a run may start from weights saved with another value
+    # (``synth.init_from``), e.g. to train on with a setting the saved model did not have.
+    retrain_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         for k in ("vocab_size", "dim", "n_layers", "n_heads"):

@@ -473,9 +473,16 @@ def train_model(
     return sum(tail) / len(tail), curve
 
 
-def saved_weights(path: str, model_name: str, config: dict[str, Any]) -> dict[str, Tensor]:
+def saved_weights(
+    path: str,
+    model_name: str,
+    config: dict[str, Any],
+    retrain: tuple[str, ...] = (),
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[str, Tensor]:
     """The weights of a model saved by ``synth --save`` for ``synth.init_from``: one line, before
-    any work, if it is missing or holds another model or another config than this run builds."""
+    any work, if it is missing or holds another model or another config than this run builds
+    (keys in ``retrain``, the config's ``retrain_keys``, may differ: a line says so)."""
     ck = load_checkpoint(path)
     saved = dict(ck["config"].get("model") or {})
     name = saved.pop("name", None)
@@ -483,6 +490,9 @@ def saved_weights(path: str, model_name: str, config: dict[str, Any]) -> dict[st
         raise RecurformerError(f"synth.init_from {path} holds a '{name}' model, this run trains '{model_name}'")
     for k, v in config.items():
         if k in saved and saved[k] != v and not (isinstance(v, (list, tuple)) and list(saved[k] or []) == list(v)):
+            if k in retrain:
+                log(f"synth.init_from {path} was saved with model {k} = {saved[k]!r}; this run trains on with {v!r}")
+                continue
             raise RecurformerError(f"synth.init_from {path} has model {k} = {saved[k]!r}, this run builds {v!r}")
     return ck["model"]
 
@@ -572,7 +582,11 @@ def run_synth(
         )
     values = model_values(model_name, dict(model_over or {}), int(params["vocab_size"]), cfg.context)
     built = build_model(model_name, values)  # validate before generating data
-    start = saved_weights(cfg.init_from, model_name, dataclasses.asdict(built.config)) if cfg.init_from else None
+    start = (
+        saved_weights(cfg.init_from, model_name, dataclasses.asdict(built.config), built.config.retrain_keys, log)
+        if cfg.init_from
+        else None
+    )
     check_recipe(t, params, cfg)
     check_eval_budget(t, params, cfg, built, cfg.eval_lengths)
     t0 = time.perf_counter()

@@ -573,6 +573,29 @@ def test_synth_init_from_starts_from_a_saved_model(tmp_path, capsys) -> None:
         assert err.startswith("recurformer: error: ") and "\n" not in err and message in err, err
 
 
+def test_synth_init_from_may_add_a_write_floor(tmp_path) -> None:
+    """A Gated DeltaNet trained without a write floor trains on with one (a key of the config's
+    ``retrain_keys``, changing no parameter; a line says so), and the floor is in the new model;
+    a key outside them (decay_init) is still one line before any work."""
+    from recurformer.checkpoint import load_checkpoint
+
+    task = {"num_pairs": 2, "num_queries": 2, "distance": 4}
+    cfg = SynthConfig(steps=2, batch_size=4, n_val=4, n_test=4, lrs=[3e-3], context=4, fresh_data=True)
+    run_synth("mqar", "gated_deltanet", TINY, task, cfg, save=str(tmp_path / "a"))
+    lines: list[str] = []
+    on = dataclasses.replace(cfg, init_from=str(tmp_path / "a"))
+    run_synth(
+        "mqar", "gated_deltanet", {**TINY, "write_floor": 0.05}, task, on, log=lines.append, save=str(tmp_path / "b")
+    )
+    assert (
+        f"synth.init_from {tmp_path / 'a'} was saved with model write_floor = 0.0; this run trains on with 0.05"
+        in lines
+    )
+    assert load_checkpoint(tmp_path / "b")["config"]["model"]["write_floor"] == 0.05
+    with pytest.raises(recurformer.RecurformerError, match="has model decay_init = 0.999, this run builds 0.99"):
+        run_synth("mqar", "gated_deltanet", {**TINY, "decay_init": 0.99}, task, on)
+
+
 def test_key_signal_sees_a_carried_key_and_the_exact_zero_of_a_window() -> None:
     """experiments/memory/key_signal.py: the distance between the states of rows that differ only
     in the passkey. A sliding window of 8 tokens has forgotten the key once 8 filler tokens follow

@@ -9,7 +9,10 @@ per condition with one gate of the delta rule (Yang, Kautz & Hatamizadeh, "Gated
     no_write    b_t = 0 on filler: the filler writes nothing and erases nothing
 
 in every layer, or in layer N only (suffix ``_lN``). The key, the query marker and the answer keep
-their trained gates. A condition that restores the exact match names what lost the key; one that
+their trained gates. One more condition changes the model, on every token:
+
+    floor       b_t through the write floor ``--write-floor`` eps (the model option ``write_floor``:
+                max(0, b_t - eps) / (1 - eps)), so writes below eps become exactly 0 A condition that restores the exact match names what lost the key; one that
 leaves it unchanged did not. Printed: each condition's exact match (every key token right) and,
 as trained, each head's mean b_t and g_t on the filler.
 
@@ -36,7 +39,7 @@ from recurformer.data.synthetic import passkey  # noqa: E402
 from recurformer.hub import load  # noqa: E402
 from recurformer.models.gated_deltanet import GatedDeltaNetLayer  # noqa: E402
 
-CONDITIONS = ("trained", "no_decay", "no_write")
+CONDITIONS = ("trained", "no_decay", "no_write", "floor")
 
 
 def patch(mixer: GatedDeltaNetLayer, index: int, ctx: dict[str, Any]) -> None:
@@ -46,9 +49,14 @@ def patch(mixer: GatedDeltaNetLayer, index: int, ctx: dict[str, Any]) -> None:
     trained = mixer.gates
 
     def gates(x: Tensor) -> tuple[Tensor, Tensor]:
-        b, g = trained(x)  # [B, H, T] each
-        filler = ctx["filler"][:, None, :]
         cond, _, layer = ctx["cond"].partition("_l")
+        floor = cond == "floor" and (not layer or int(layer) == index)
+        mixer.cfg.write_floor, saved = (ctx["floor"] if floor else mixer.cfg.write_floor), mixer.cfg.write_floor
+        try:
+            b, g = trained(x)  # [B, H, T] each
+        finally:
+            mixer.cfg.write_floor = saved
+        filler = ctx["filler"][:, None, :]
         if cond == "trained":
             s = ctx["sums"].setdefault(index, torch.zeros(3, b.shape[1], dtype=torch.float64))
             s += torch.stack(
@@ -69,6 +77,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--conditions", default="trained,no_write_l0,no_decay_l0")
     ap.add_argument("--seed", type=int, default=1234, help="of the test rows")
+    ap.add_argument("--write-floor", type=float, default=0.02, help="eps of the condition 'floor'")
     ap.add_argument("--json", help="write {condition: exact match} and the gate means here")
     args = ap.parse_args()
     conds = args.conditions.split(",")
@@ -77,6 +86,9 @@ def main() -> int:
         if base not in CONDITIONS or (layer and not layer.isdigit()):
             print(f"error: unknown condition '{c}' (one of {', '.join(CONDITIONS)}, optionally _lN)", file=sys.stderr)
             return 2
+    if not 0.0 < args.write_floor < 1.0:
+        print(f"error: --write-floor must lie strictly between 0 and 1, got {args.write_floor}", file=sys.stderr)
+        return 2
     try:
         loaded = load(args.checkpoint)
     except RecurformerError as e:
@@ -92,10 +104,16 @@ def main() -> int:
         np.random.default_rng(args.seed), args.rows, V, args.length, task["key_len"], KV, task.get("key_span", 0.0)
     )
     x, y = torch.as_tensor(x), torch.as_tensor(y)
-    ctx: dict[str, Any] = {"sums": {}}
+    ctx: dict[str, Any] = {"sums": {}, "floor": args.write_floor}
     for i, m in enumerate(mixers):
         patch(m, i, ctx)
-    result: dict[str, Any] = {"checkpoint": args.checkpoint, "length": args.length, "rows": args.rows, "exact": {}}
+    result: dict[str, Any] = {
+        "checkpoint": args.checkpoint,
+        "length": args.length,
+        "rows": args.rows,
+        "write_floor": args.write_floor,
+        "exact": {},
+    }
     for c in conds:
         ctx["cond"], right = c, torch.ones(args.rows, dtype=torch.bool)
         with torch.no_grad():

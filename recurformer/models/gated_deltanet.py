@@ -25,6 +25,13 @@ Initialisation: W_a starts at zero, A_log at 0 and dt_bias at softplus^{-1}(-log
 so a_t = ``decay_init`` (0.999 by default) on every input at first: a fact then halves in about
 700 tokens before anything is learned, where Mamba2's initialisation (dt in [0.001, 0.1], A in
 [1, 16], so a_t as low as exp(-1.6)) keeps almost nothing past a few tokens in its fastest heads. The bias c_b starts at logit(``write_init``).
+
+``write_floor`` eps (not in the paper; 0, the default, is the paper's layer) passes the write
+strength through a floor, b_t = max(0, sigmoid(W_b x_t + c_b) - eps) / (1 - eps): a sigmoid never
+reaches 0, and a trained passkey model's filler writes of b_t ~ 0.005 erase its key over 10^5
+tokens (docs/results/memory.md), while below the floor a token writes and erases exactly nothing,
+as Mamba's step size can reach 0 on filler ("Mamba", Gu & Dao, §3.5). Above eps the gradient is
+the sigmoid's, rescaled; ``synth.init_from`` may add a floor to a model trained without one.
 """
 
 from __future__ import annotations
@@ -47,10 +54,12 @@ from ..state import Call, LayerState, reset_rows
 @dataclass
 class GatedDeltaNetConfig(ModelConfig):
     context_field = "window"  # of the hybrid stacks' window layers (a delta layer reaches back without bound)
+    retrain_keys = ("write_floor", "chunk_size", "impl")
     chunk_size: int = 64  # tokens per chunk of the chunked (WY) form; compute only, the result is the same
     conv_size: int = 4  # kernel of the causal depthwise convolution on q, k, v (1: a per-channel scale)
     decay_init: float = 0.999  # a_t at initialisation, on every input (W_a starts at zero)
-    write_init: float = 0.5  # b_t at initialisation where W_b x = 0 (bias logit(write_init))
+    write_init: float = 0.5  # sigmoid(c_b) at initialisation where W_b x = 0 (bias logit(write_init))
+    write_floor: float = 0.0  # eps: b_t = max(0, sigmoid(.) - eps) / (1 - eps), exactly 0 below eps (0: the paper's)
     impl: Literal["chunked", "naive"] = "chunked"  # the recurrence over a call of several tokens
 
     def __post_init__(self) -> None:
@@ -63,6 +72,11 @@ class GatedDeltaNetConfig(ModelConfig):
                 raise RecurformerError(
                     f"config key '{key}' must lie strictly between 0 and 1, got {getattr(self, key)}"
                 )
+        if not 0.0 <= self.write_floor < self.write_init:
+            raise RecurformerError(
+                f"config key 'write_floor' must be >= 0 and below write_init = {self.write_init} "
+                f"(else every write is 0 at initialisation and b_t gets no gradient), got {self.write_floor}"
+            )
 
 
 @dataclass
@@ -211,11 +225,14 @@ class GatedDeltaNetLayer(Layer):
         )
 
     def gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Write strengths b = sigmoid(W_b x + c_b) and log-decays g = log a = -softplus(W_a x +
+        """Write strengths b = sigmoid(W_b x + c_b) (with ``write_floor`` eps: max(0, b - eps) / (1 - eps))
+        and log-decays g = log a = -softplus(W_a x +
         dt_bias) exp(A_log), each [B, H, T]."""
         xt = x.transpose(1, 2)  # [B, D, T]: the gates come out [B, H, T] contiguous (a compiled
         # backward fails on the transposed gradient of a [B, T, H] projection)
         b = torch.sigmoid(self.wb.weight @ xt + self.wb.bias[:, None])
+        if eps := self.cfg.write_floor:
+            b = (b - eps).clamp_min(0.0) / (1.0 - eps)
         g = -F.softplus(self.wa.weight @ xt + self.dt_bias[:, None]) * self.A_log.exp()[:, None]
         return b, g
 

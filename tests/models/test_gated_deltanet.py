@@ -111,11 +111,12 @@ def layer_pair(**values) -> tuple[GatedDeltaNetLayer, GatedDeltaNetLayer]:
     return chunked, naive
 
 
-@pytest.mark.parametrize("conv_size", [4, 1])
-def test_layer_chunked_equals_naive_in_every_parameter_gradient(conv_size: int) -> None:
+@pytest.mark.parametrize("conv_size, floor", [(4, 0.0), (1, 0.0), (4, 0.3)])
+def test_layer_chunked_equals_naive_in_every_parameter_gradient(conv_size: int, floor: float) -> None:
     """The whole layer (projections, convolution, gates, norm, output gate): outputs, final state
-    and the gradients of its input, of a nonzero initial state and of every parameter."""
-    chunked, naive = layer_pair(conv_size=conv_size)
+    and the gradients of its input, of a nonzero initial state and of every parameter (with a
+    write floor: some writes exactly 0, the others rescaled)."""
+    chunked, naive = layer_pair(conv_size=conv_size, write_floor=floor)
     B, T = 2, 29
     x = torch.randn(B, T, 24, **F64, requires_grad=True)
     s0 = chunked.init_state(B, "cpu", torch.float64)
@@ -147,6 +148,28 @@ def test_initial_decay_and_write_strength() -> None:
     assert model.info_lines()[0] == "layers: 0:delta(K=4), 1:delta(K=4)"
 
 
+def test_the_write_floor_makes_small_writes_exactly_zero() -> None:
+    """b = max(0, sigmoid(z) - eps) / (1 - eps): exactly 0 where sigmoid(z) <= eps (so, with
+    a = 1, the token leaves the state as it was: test_a_closed_write_and_no_decay_hold_the_state_exactly),
+    the paper's b rescaled above; the decay untouched; below the floor no gradient reaches W_b."""
+    torch.manual_seed(4)
+    base = GatedDeltaNetLayer(make_config("gated_deltanet", dict(dim=24, n_heads=2))).double()
+    randomize_params(base, 0.3)
+    floored = GatedDeltaNetLayer(make_config("gated_deltanet", dict(dim=24, n_heads=2, write_floor=0.4))).double()
+    floored.load_state_dict(base.state_dict())
+    x = torch.randn(3, 40, 24, **F64) * 3
+    b0, g0 = base.gates(x)
+    xg = x.clone().requires_grad_()
+    b, g = floored.gates(xg)
+    closed = b0 <= 0.4
+    assert 0 < int(closed.sum()) < closed.numel()  # both sides of the floor are exercised
+    assert torch.equal(b[closed], torch.zeros_like(b[closed]))
+    torch.testing.assert_close(b[~closed], (b0[~closed] - 0.4) / 0.6, rtol=1e-12, atol=0)
+    assert torch.equal(g, g0)  # the decay is untouched
+    grad = torch.autograd.grad(b[closed].sum(), xg)[0]
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
 def test_state_survives_a_safetensors_file(tmp_path) -> None:
     cfg = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8)
     model = build_model("gated_deltanet", cfg).double().eval()
@@ -166,6 +189,8 @@ def test_state_survives_a_safetensors_file(tmp_path) -> None:
         (dict(decay_init=1.0), "'decay_init' must lie strictly between 0 and 1, got 1.0"),
         (dict(decay_init=0.0), "'decay_init' must lie strictly between 0 and 1, got 0.0"),
         (dict(write_init=1.5), "'write_init' must lie strictly between 0 and 1, got 1.5"),
+        (dict(write_floor=-0.1), "'write_floor' must be >= 0 and below write_init = 0.5 .*, got -0.1"),
+        (dict(write_floor=0.5), "'write_floor' must be >= 0 and below write_init = 0.5 .*, got 0.5"),
         (dict(conv_size=0), "'conv_size' must be >= 1, got 0"),
         (dict(chunk_size=0), "'chunk_size' must be >= 1, got 0"),
         (dict(dim=30, n_heads=4), r"dim \(30\) must be divisible by n_heads \(4\)"),
