@@ -1,6 +1,7 @@
 """The loop bodies as compiled regions (``modules.compiled_region``): RMT's whole segment
-(``RMT.segment``), Block-Recurrent's block step (``BlockAttention.block_step``) and Gated
-DeltaNet's chunk step (``gated_deltanet.chunk_step``). Compiled with ``fullgraph=True`` (no graph
+(``RMT.segment``), Block-Recurrent's block step (``BlockAttention.block_step``), Gated
+DeltaNet's chunk step (``gated_deltanet.chunk_step``) and Memory Attention's whole chunk
+(``MemoryAttentionLayer.whole_chunk``). Compiled with ``fullgraph=True`` (no graph
 break), the model equals the eager one in logits, loss, state and every gradient over calls of
 several units, the second call continuing a partial unit from the first. Without gradients the
 compiled graph calls the region (``invoke_subgraph``) once per unit, one traced body for them all,
@@ -28,6 +29,11 @@ CASES = {
         (14, 11),
     ),
     "gated_deltanet": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=4), (14, 11)),
+    "memory_attention": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=4), (14, 11)),
+    "memory_attention-gated": (
+        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=4, memory_update="gated"),
+        (14, 11),
+    ),
 }
 
 

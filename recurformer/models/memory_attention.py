@@ -58,6 +58,7 @@ from ..modules import (
     WriteGate,
     apply_rope,
     attend,
+    compiled_region,
     init_short_conv,
     merge_heads,
     pieces,
@@ -210,10 +211,17 @@ class MemoryAttentionLayer(Layer):
         k, v = F.linear(m, self.qkv_weights(m)[1] if w_kv is None else w_kv).chunk(2, dim=-1)
         return apply_rope(split_heads(k, self.n_heads), cos, sin), split_heads(v, self.n_heads)
 
-    def gated_update(self, evolved: Tensor, out: Tensor) -> Tensor:
-        """M_{t+1} = g * M'_t + (1 - g) * O_t from the evolved memory M'_t and the chunk's output O_t [B, C, D]."""
-        g = torch.sigmoid(self.mem_gate(torch.cat((evolved, out), dim=-1)))
-        return g * evolved + (1 - g) * out
+    def next_memory(self, memory: Tensor, evolved: Tensor | None, out: Tensor) -> Tensor:
+        """M_{t+1} once chunk t is complete, from its raw memory M_t, its evolved memory M'_t (None:
+        computed here when needed, as when an earlier call began the chunk) and its output O_t
+        [B, C, D]: O_t (the paper), g * M'_t + (1 - g) * O_t (``gated``) or the write gate's."""
+        if self.cfg.memory_update == "gated":
+            evolved = self.evolve(memory) if evolved is None else evolved
+            g = torch.sigmoid(self.mem_gate(torch.cat((evolved, out), dim=-1)))
+            return g * evolved + (1 - g) * out
+        if self.cfg.memory_update == "write_gate":
+            return self.write_gate(memory, out)
+        return out
 
     def tables(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """RoPE cos/sin [2C, d/2] (rows 0..C-1 memory, C..2C-1 chunk positions) and the boolean
@@ -233,12 +241,42 @@ class MemoryAttentionLayer(Layer):
         C = self.cfg.chunk_size
         return causal_lower_right(n, C + r + n) if cuda else mask[r : r + n, : C + r + n]
 
+    def read(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, r: int) -> Tensor:
+        """The output [B, n, D] (``pre_wo``: before Wo) of the queries q [B, H, n, d] at chunk
+        offsets r..r+n-1 over the keys/values k, v [B, H, C + r + n, d] of [memory; chunk]."""
+        n = q.shape[2]
+        o = merge_heads(attend(q, k, v, self.chunk_mask(mask, r, n, q.is_cuda)))
+        if tap.active():  # the read-out: attention mass on the C memory slots
+            tap.record(
+                self, tap.attention_share(q, k, mask[r : r + n, : self.cfg.chunk_size + r + n], self.cfg.chunk_size)
+            )
+        return o if self.cfg.memory_source == "pre_wo" else self.wo(o)
+
+    @compiled_region
+    def whole_chunk(
+        self, qk: Tensor, v: Tensor, memory: Tensor, cos: Tensor, sin: Tensor, w_kv: Tensor, mask: Tensor
+    ) -> tuple[Tensor, ...]:
+        """One whole chunk read in one call (the loop body of an aligned call): the memory M_t
+        evolved (eq. 2), its keys/values (eq. 3-4), the chunk's output O_t and the next memory
+        -> (O_t, keys and values of M'_t, M_{t+1}), the last left out where M_{t+1} is O_t (the
+        paper's update); ``qk`` [B, 2H, C, d]: the chunk's queries and keys in one tensor (a
+        region's inputs, and its outputs, may not alias each other). A compiled region
+        (``modules.compiled_region``): a compiled layer traces it once and runs the same graph for
+        every chunk."""
+        q, k = qk.split(self.n_heads, dim=1)
+        evolved = self.evolve(memory)
+        mem_k, mem_v = self.memory_kv(evolved, cos, sin, w_kv)
+        out = self.read(q, torch.cat((mem_k, k), 2), torch.cat((mem_v, v), 2), mask, 0)
+        new = self.next_memory(memory, evolved, out)
+        return (out, mem_k, mem_v) if new is out else (out, mem_k, mem_v, new)
+
     def forward(self, x: Tensor, st: MemoryState, call: Call) -> tuple[Tensor, MemoryState]:
         """x: [B, T, D] (normed) -> attention output after Wo [B, T, D] and the new state.
 
-        Only the attention and the memory evolution run chunk by chunk; the projections, RoPE
-        (chunk positions C..2C-1, whatever chunk a token is in) and, for ``pre_wo`` memory, Wo
-        run once over all T tokens."""
+        Only the attention and the memory evolution run chunk by chunk (``whole_chunk`` for a
+        chunk read whole; a chunk split across calls keeps its first tokens' keys, values and
+        outputs in the state); the projections, RoPE (chunk positions C..2C-1, whatever chunk a
+        token is in) and, for ``pre_wo`` memory, Wo run once over all T tokens."""
         C, T, H, D = self.cfg.chunk_size, x.shape[1], self.n_heads, self.cfg.dim
         conv = st.conv
         if conv is not None:  # qkv_conv: the tokens' q/k/v read SiLU(conv(x)), continued across calls
@@ -248,34 +286,29 @@ class MemoryAttentionLayer(Layer):
         pos = C + (r0 + torch.arange(T, device=x.device)) % C
         w_qkv, w_kv_memory = self.qkv_weights(x)
         qk_x, v_x = F.linear(x, w_qkv).split((2 * D, D), dim=-1)
-        q_all, k_all = apply_rope(split_heads(qk_x, 2 * H), cos[pos], sin[pos]).split(H, dim=1)  # RoPE of q, k at once
+        qk_all = apply_rope(split_heads(qk_x, 2 * H), cos[pos], sin[pos])  # [B, 2H, T, d]: RoPE of q, k at once
         v_all = split_heads(v_x, H)
         sizes = pieces(r0, T, C)
-        pre_wo = self.cfg.memory_source == "pre_wo"
         memory, mem_k, mem_v, part_k, part_v, part_o = st.memory, st.mem_k, st.mem_v, st.part_k, st.part_v, st.part_o
         evolved: Tensor | None = None  # M'_t of the chunk in progress, once computed in this call
         outs: list[Tensor] = []
-        for q, k_new, v_new in zip(q_all.split(sizes, 2), k_all.split(sizes, 2), v_all.split(sizes, 2)):
-            r, n = part_k.shape[2], q.shape[2]
+        for qk, v_new in zip(qk_all.split(sizes, 2), v_all.split(sizes, 2)):
+            r, n = part_k.shape[2], qk.shape[2]
+            if r == 0 and n == C:
+                out, mem_k, mem_v, *new = self.whole_chunk(qk, v_new, memory, cos[:C], sin[:C], w_kv_memory, mask)
+                memory = new[0] if new else out
+                outs.append(out)
+                continue
+            q, k_new = qk.split(H, dim=1)
             if r == 0:
                 evolved = self.evolve(memory)
                 mem_k, mem_v = self.memory_kv(evolved, cos[:C], sin[:C], w_kv_memory)
             k = torch.cat((part_k, k_new), dim=2) if r else k_new
             v = torch.cat((part_v, v_new), dim=2) if r else v_new
-            bias = self.chunk_mask(mask, r, n, q.is_cuda)
-            o = merge_heads(attend(q, torch.cat((mem_k, k), 2), torch.cat((mem_v, v), 2), bias))
-            if tap.active():  # the read-out: attention mass on the C memory slots
-                tap.record(self, tap.attention_share(q, torch.cat((mem_k, k), 2), mask[r : r + n, : C + r + n], C))
-            out = o if pre_wo else self.wo(o)
+            out = self.read(q, torch.cat((mem_k, k), 2), torch.cat((mem_v, v), 2), mask, r)
             src = torch.cat((part_o, out), dim=1) if r else out  # the memory: o (pre_wo) or Wo o
             if r + n == C:  # chunk complete: its output becomes (or, gated, enters) the next memory
-                if self.cfg.memory_update == "gated":  # M'_t again if an earlier call began this chunk
-                    memory = self.gated_update(evolved if evolved is not None else self.evolve(memory), src)
-                elif self.cfg.memory_update == "write_gate":
-                    memory = self.write_gate(memory, src)
-                else:
-                    memory = src
-                evolved = None
+                memory, evolved = self.next_memory(memory, evolved, src), None
                 B, _, _, d = k.shape  # fresh empty tensors, not views (torch.compile mishandles aliased empty outputs)
                 part_k, part_v, part_o = (
                     k.new_zeros(B, H, 0, d),
@@ -286,7 +319,9 @@ class MemoryAttentionLayer(Layer):
                 part_k, part_v, part_o = k, v, src
             outs.append(out)
         y = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        return self.wo(y) if pre_wo else y, MemoryState(memory, mem_k, mem_v, part_k, part_v, part_o, conv)
+        return self.wo(y) if self.cfg.memory_source == "pre_wo" else y, MemoryState(
+            memory, mem_k, mem_v, part_k, part_v, part_o, conv
+        )
 
 
 @register_layer("memory", MemoryAttentionConfig)
