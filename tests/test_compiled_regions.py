@@ -30,10 +30,6 @@ CASES = {
     ),
     "gated_deltanet": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=4), (14, 11)),
     "memory_attention": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=4), (14, 11)),
-    "memory_attention-gated": (
-        dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=4, memory_update="gated"),
-        (14, 11),
-    ),
 }
 
 
