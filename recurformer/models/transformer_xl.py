@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import RecurformerError, check_options
-from ..modules import init_short_conv, merge_heads, pieces, short_conv, split_heads
+from ..modules import init_short_conv, pieces, short_conv, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..ops.relative import relative_scores, sinusoid_table
 from ..registry import register, register_layer
@@ -174,9 +174,10 @@ class RelAttention(Layer):
         return XLState(mem=reset_rows(fresh, state.mem, torch.zeros_like(state.mem[0])), seg=state.seg, conv=conv)
 
     def mask(self, r: int, n: int, valid: Tensor) -> Tensor:
-        """[B, 1, n, M+r+n] bool: query i (segment offset r+i) sees key j (segment offset j-M) iff
-        the distance δ = M + r + i - j is >= 0, the key is in the document (j >= M - valid), and,
-        with same_length, δ < M."""
+        """[..., 1, n, M+r+n] bool for ``valid`` [...] (each window's memory slots in the document):
+        query i (segment offset r+i) sees key j (segment offset j-M) iff the distance
+        δ = M + r + i - j is >= 0, the key is in the document (j >= M - valid), and, with
+        same_length, δ < M."""
         M, dev = self.cfg.memory_len, valid.device
         i = torch.arange(n, device=dev)[:, None]
         j = torch.arange(M + r + n, device=dev)[None, :]
@@ -184,7 +185,7 @@ class RelAttention(Layer):
         vis = d >= 0
         if self.cfg.same_length:
             vis = vis & (d < M)
-        return (vis[None] & (j[None] >= (M - valid)[:, None, None])).unsqueeze(1)
+        return (vis & (j >= (M - valid)[..., None, None])).unsqueeze(-3)
 
     def positions(self, x: Tensor) -> Tensor:
         """The sinusoid R_δ [M+L, D] for every distance a piece can see, capped at clamp_len."""
@@ -220,17 +221,48 @@ class RelAttention(Layer):
         room.write(0, split_heads(self.wk(ctx), H), split_heads(self.wv(ctx), H))
         return room
 
+    def runs(self, call: Call, T: int, batch: bool) -> list[tuple[int, int, int, int, int]]:
+        """The call's pieces (``pieces``) as runs (a, N, r, n, drop): N pieces of n tokens from
+        token a on, the first of them continuing a segment of which r tokens were read, each
+        window without its first ``drop`` memory slots (before every row's document start: a
+        fresh stream's first segments, neither projected nor attended). With ``batch``,
+        consecutive whole segments that drop nothing form one run, attended in one batched op."""
+        L, M = self.cfg.segment_len, self.cfg.memory_len
+        out: list[tuple[int, int, int, int, int]] = []
+        a = 0
+        for n in pieces(call.pos % L, T, L):
+            r = (call.pos + a) % L
+            drop = 0 if call.start_floor is None else min(M, max(M - (call.pos + a - r - call.start_floor), 0))
+            if batch and (r, n, drop) == (0, L, 0) and out and out[-1][2:] == (0, L, 0):
+                out[-1] = (out[-1][0], out[-1][1] + 1, 0, L, 0)
+            else:
+                out.append((a, 1, r, n, drop))
+            a += n
+        return out
+
+    def windows(self, mem: Tensor, live: Tensor, N: int, m: int) -> Tensor:
+        """Keys (or values) of N windows, [B, N, H, m + l, d]: window i holds the m memory slots
+        ``mem[:, iL : iL + m]`` followed by the l segment tokens ``live[:, il : (i+1)l]``;
+        mem [B, (N-1)L + m, D], live [B, N·l, D]."""
+        H, d = self.n_heads, self.cfg.head_dim
+        slots = mem.unfold(1, m, self.cfg.segment_len).unflatten(2, (H, d)).transpose(-1, -2)  # [B, N, H, m, d]
+        return torch.cat((slots, live.unflatten(1, (N, -1)).unflatten(-1, (H, d)).transpose(2, 3)), dim=3)
+
     def attention(self, q: Tensor, k: Tensor, v: Tensor, rel: Tensor, mask: Tensor) -> Tensor:
-        """q [B, H, n, d] (the queries), k, v [B, H, K, d] (of [memory; segment so far; queries'
-        tokens]), rel [H, K, d] (W_{k,R} R_δ, δ = 0..K-1), mask [B, 1, n, K] bool -> [B, n, D]."""
-        s = relative_scores(q, k, rel, self.u, self.v) * self.scale  # [B, H, n, K]
+        """q [B, N, H, n, d] (the queries of N windows), k, v [B, N, H, K, d] (each window's
+        [memory; segment so far; queries' tokens]), rel [H, K, d] (W_{k,R} R_δ, δ = 0..K-1),
+        mask [B, N, 1, n, K] bool -> [B, N·n, D] (before W_o)."""
+        s = relative_scores(q, k, rel, self.u, self.v) * self.scale  # [B, N, H, n, K]
         p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
-        return self.wo(merge_heads(p @ v))
+        return (p @ v).transpose(2, 3).flatten(1, 2).flatten(2)
 
     def forward(self, x: Tensor, st: XLState, call: Call) -> tuple[Tensor, XLState]:
-        """x [B, T, D] (normed) -> attention output [B, T, D], segment by segment. Without
-        autograd the projections of earlier positions come from the room (with autograd they are
-        recomputed, so that W_k and W_v get their gradient through the memory)."""
+        """x [B, T, D] (normed) -> attention output [B, T, D]. The projections run once over the
+        call: with autograd, the keys/values of every position the call reads, those used as
+        memory from the detached inputs (so W_k and W_v get their gradient through the memory,
+        the inputs do not); the whole segments of the call are then attended as one batch of
+        windows. Without autograd the keys/values of earlier positions come from the room and
+        the call is attended piece by piece."""
         c = self.cfg
         L, M, T, H = c.segment_len, c.memory_len, x.shape[1], self.n_heads
         conv = st.conv
@@ -238,33 +270,43 @@ class RelAttention(Layer):
             x, conv = short_conv(x, conv, self.conv_weight)
         room = None if torch.is_grad_enabled() else self.room(st, x, call)
         rel = self.rel(x, call) if room is None else room.rel
-        mem, seg, a, outs = st.mem, st.seg, 0, []
-        for n in pieces(call.pos % L, T, L):
-            r = seg.shape[1]
-            seg_start = call.pos + a - r
-            mask = call.shared(("xl-mask", L, M, a), lambda: self.mask(r, n, (seg_start - call.start).clamp(0, M)))
-            # memory slots before every row's document start (a fresh stream's first segment):
-            # hidden from every row, so neither projected nor attended
-            drop = 0 if call.start_floor is None else min(M, max(M - (seg_start - call.start_floor), 0))
-            xa = x[:, a : a + n]
+        mem, seg, r0 = st.mem, st.seg, st.seg.shape[1]
+        live = torch.cat((seg, x), dim=1) if r0 else x  # the inputs from the current segment's start on
+        runs = self.runs(call, T, batch=room is None)
+        d0, last = runs[0][4], (r0 + T - 1) // L * L  # slots no window reads; where the last segment starts
+        if room is None:  # keys/values of [memory slots; detached inputs of later memories | live inputs]
+            ctx = torch.cat((mem[:, d0:], live.detach()[:, :last], live), dim=1)
+            kv = [w(ctx).split((M - d0 + last, r0 + T), dim=1) for w in (self.wk, self.wv)]
+        q, outs = self.wq(x).unflatten(-1, (H, c.head_dim)), []
+        for a, N, r, n, drop in runs:
+            s = a + r0 - r  # where the run's first segment starts in live
             if room is None:
-                ctx = torch.cat((mem[:, drop:], seg, xa), dim=1)
-                k, v = split_heads(self.wk(ctx), H), split_heads(self.wv(ctx), H)
+                k, v = (
+                    self.windows(m[:, s + drop - d0 : s + (N - 1) * L + M - d0], t[:, s : s + N * (r + n)], N, M - drop)
+                    for m, t in kv
+                )
             else:
+                xa = x[:, a : a + n]
                 k, v = room.write(M + r, split_heads(self.wk(xa), H), split_heads(self.wv(xa), H))
-                k, v = k[:, :, drop:], v[:, :, drop:]
-            q = split_heads(self.wq(xa), H)
-            outs.append(self.attention(q, k, v, rel[:, : M - drop + r + n], mask[..., drop:]))
-            seg = torch.cat((seg, xa), dim=1)
-            if r + n == L:  # segment complete: its inputs become the memory (stop-gradient)
-                mem, seg = torch.cat((mem, seg), dim=1)[:, L:].detach(), seg[:, :0]
-                if room is not None:
-                    room.next_segment(L, M)
-            a += n
+                k, v = k[:, None, :, drop:], v[:, None, :, drop:]
+            valid = lambda: (call.pos + s - r0 + L * torch.arange(N, device=x.device) - call.start[:, None]).clamp(0, M)  # noqa: E731
+            mask = call.shared(("xl-mask", L, M, a, N), lambda: self.mask(r, n, valid()))
+            qa = q[:, a : a + N * n].unflatten(1, (N, n)).transpose(2, 3)
+            outs.append(self.attention(qa, k, v, rel[:, : M - drop + r + n], mask[..., drop:]))
+            if room is not None and r + n == L:  # segment complete: its keys/values become the memory's
+                room.next_segment(L, M)
+        done = (r0 + T) // L * L  # inputs in complete segments: the last M of them become the memory (stop-gradient)
+        if done:
+            mem, seg = (
+                torch.cat((mem[:, min(done, M) :], live[:, max(done - M, 0) : done]), dim=1).detach(),
+                live[:, done:].clone(),
+            )
+        else:
+            seg = live
         new = XLState(mem=mem, seg=seg, room=room, conv=conv)
         if room is not None:
             room.held = (identity(mem), identity(seg))
-        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], new
+        return self.wo(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]), new
 
 
 @register_layer("xl", TransformerXLConfig)

@@ -45,7 +45,7 @@ def _check(q: Tensor, k: Tensor, r: Tensor, u: Tensor, v: Tensor) -> None:
     Tq, Tk = q.shape[-2], k.shape[-2]
     if Tk < Tq:
         raise RecurformerError(f"relative attention needs at least as many keys as queries, got {Tk} < {Tq}")
-    if r.shape[-2] != Tk or u.shape != v.shape or u.shape != (q.shape[1], q.shape[-1]):
+    if r.shape[-2] != Tk or u.shape != v.shape or u.shape != (q.shape[-3], q.shape[-1]):
         raise RecurformerError(
             f"relative attention shapes do not fit: r {tuple(r.shape)}, u {tuple(u.shape)}, q {tuple(q.shape)}"
         )
