@@ -18,11 +18,21 @@ isolate the recurrence and the position scheme (the paper uses post-LayerNorm + 
     y = x + W_o RelAttn(n(x), n(memory)),   out = y + SwiGLU(n(y)),   n = RMSNorm
 
 The memory holds the normed inputs n(h^{n-1}) of the layer (the stop-gradient covers the norm's
-gain too). Positions before the start of a document are masked. A call is processed segment by
-segment; the layer state holds the memory of the current segment and the layer's normed inputs for
-the segment's tokens read so far, so whole == chunked == stepwise. Gradients flow inside a segment
-(also across calls, until the trainer detaches the state); the memory never carries gradient. A
-row can be reset only at a segment boundary (segments are aligned across the batch).
+gain too). Positions before the start of a document are masked. The layer state holds the memory
+of the current segment and the layer's normed inputs for the segment's tokens read so far, so
+whole == chunked == stepwise. Gradients flow inside a segment (also across calls, until the trainer
+detaches the state); the memory never carries gradient. A row can be reset only at a segment
+boundary (segments are aligned across the batch).
+
+As the memory of layer n holds the layer's own inputs, not its outputs, no segment waits for the
+previous one's computation. With autograd a call projects q, k, v and the output once over all
+its positions (the keys/values of memory slots from the detached inputs h~, so that W_{k,E} and
+W_v get their gradient through the memory and the inputs do not) and attends all its whole
+segments as one batch of windows [memory; segment]; a segment continued from the previous call, a
+partial one at the end and a fresh stream's first segments (whose memory slots before the
+document start are neither projected nor attended) are windows of their own. Without autograd
+(decoding) the keys/values of the memory and of the segment so far are kept (``XLRoom``), and
+the call is attended piece by piece.
 
 ``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each layer's (normed) input through a short
 causal depthwise convolution with SiLU before q/k/v (``modules.short_conv``, the one Gated DeltaNet
@@ -173,19 +183,20 @@ class RelAttention(Layer):
         conv = None if state.conv is None else reset_rows(fresh, state.conv, state.conv.new_zeros(()))
         return XLState(mem=reset_rows(fresh, state.mem, torch.zeros_like(state.mem[0])), seg=state.seg, conv=conv)
 
-    def mask(self, r: int, n: int, valid: Tensor) -> Tensor:
-        """[..., 1, n, M+r+n] bool for ``valid`` [...] (each window's memory slots in the document):
+    def mask(self, call: Call, start: int, N: int, r: int, n: int) -> Tensor:
+        """[B, N, 1, n, M+r+n] bool for N windows of segments from position ``start`` on, L apart:
         query i (segment offset r+i) sees key j (segment offset j-M) iff the distance
-        δ = M + r + i - j is >= 0, the key is in the document (j >= M - valid), and, with
-        same_length, δ < M."""
-        M, dev = self.cfg.memory_len, valid.device
+        δ = M + r + i - j is >= 0, the key is in the row's document (j >= M - valid, valid: the
+        memory slots from the row's document start on), and, with same_length, δ < M."""
+        L, M, dev = self.cfg.segment_len, self.cfg.memory_len, call.start.device
+        valid = (start + L * torch.arange(N, device=dev) - call.start[:, None]).clamp(0, M)  # [B, N]
         i = torch.arange(n, device=dev)[:, None]
         j = torch.arange(M + r + n, device=dev)[None, :]
         d = M + r + i - j
         vis = d >= 0
         if self.cfg.same_length:
             vis = vis & (d < M)
-        return (vis & (j >= (M - valid)[..., None, None])).unsqueeze(-3)
+        return (vis & (j >= (M - valid)[..., None, None])).unsqueeze(2)
 
     def positions(self, x: Tensor) -> Tensor:
         """The sinusoid R_δ [M+L, D] for every distance a piece can see, capped at clamp_len."""
@@ -240,12 +251,12 @@ class RelAttention(Layer):
             a += n
         return out
 
-    def windows(self, mem: Tensor, live: Tensor, N: int, m: int) -> Tensor:
-        """Keys (or values) of N windows, [B, N, H, m + l, d]: window i holds the m memory slots
-        ``mem[:, iL : iL + m]`` followed by the l segment tokens ``live[:, il : (i+1)l]``;
-        mem [B, (N-1)L + m, D], live [B, N·l, D]."""
-        H, d = self.n_heads, self.cfg.head_dim
-        slots = mem.unfold(1, m, self.cfg.segment_len).unflatten(2, (H, d)).transpose(-1, -2)  # [B, N, H, m, d]
+    def windows(self, mem: Tensor, live: Tensor, N: int) -> Tensor:
+        """Keys (or values) of N windows [B, N, H, m + l, d] from mem [B, (N-1)L + m, D] and live
+        [B, N·l, D]: window i holds the m memory slots ``mem[:, iL : iL + m]`` followed by the
+        l segment tokens ``live[:, il : (i+1)l]``."""
+        L, H, d = self.cfg.segment_len, self.n_heads, self.cfg.head_dim
+        slots = mem.unfold(1, mem.shape[1] - (N - 1) * L, L).unflatten(2, (H, d)).transpose(-1, -2)  # [B, N, H, m, d]
         return torch.cat((slots, live.unflatten(1, (N, -1)).unflatten(-1, (H, d)).transpose(2, 3)), dim=3)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, rel: Tensor, mask: Tensor) -> Tensor:
@@ -273,36 +284,31 @@ class RelAttention(Layer):
         mem, seg, r0 = st.mem, st.seg, st.seg.shape[1]
         live = torch.cat((seg, x), dim=1) if r0 else x  # the inputs from the current segment's start on
         runs = self.runs(call, T, batch=room is None)
-        d0, last = runs[0][4], (r0 + T - 1) // L * L  # slots no window reads; where the last segment starts
-        if room is None:  # keys/values of [memory slots; detached inputs of later memories | live inputs]
+        d0, last = runs[0][4], (r0 + T - 1) // L * L  # memory slots no window reads; the last segment's start in live
+        if room is None:  # keys/values of the memory slots read, of the inputs later windows read as memory
+            # (detached: StopGrad), and of the live inputs
             ctx = torch.cat((mem[:, d0:], live.detach()[:, :last], live), dim=1)
-            kv = [w(ctx).split((M - d0 + last, r0 + T), dim=1) for w in (self.wk, self.wv)]
+            (km, kl), (vm, vl) = (w(ctx).split((M - d0 + last, r0 + T), dim=1) for w in (self.wk, self.wv))
+        else:  # the keys/values of the memory and of the segment so far are in the room
+            kl, vl = self.wk(x), self.wv(x)
         q, outs = self.wq(x).unflatten(-1, (H, c.head_dim)), []
         for a, N, r, n, drop in runs:
-            s = a + r0 - r  # where the run's first segment starts in live
+            s = a + r0 - r  # the run's first segment starts at live[:, s], at km[:, s + M - d0]
             if room is None:
-                k, v = (
-                    self.windows(m[:, s + drop - d0 : s + (N - 1) * L + M - d0], t[:, s : s + N * (r + n)], N, M - drop)
-                    for m, t in kv
-                )
+                mrows, lrows = slice(s + drop - d0, s + M - d0 + (N - 1) * L), slice(s, s + N * (r + n))
+                k, v = self.windows(km[:, mrows], kl[:, lrows], N), self.windows(vm[:, mrows], vl[:, lrows], N)
             else:
-                xa = x[:, a : a + n]
-                k, v = room.write(M + r, split_heads(self.wk(xa), H), split_heads(self.wv(xa), H))
+                k, v = room.write(M + r, split_heads(kl[:, a : a + n], H), split_heads(vl[:, a : a + n], H))
                 k, v = k[:, None, :, drop:], v[:, None, :, drop:]
-            valid = lambda: (call.pos + s - r0 + L * torch.arange(N, device=x.device) - call.start[:, None]).clamp(0, M)  # noqa: E731
-            mask = call.shared(("xl-mask", L, M, a, N), lambda: self.mask(r, n, valid()))
+            mask = call.shared(("xl-mask", L, M, a, N), lambda: self.mask(call, call.pos + s - r0, N, r, n))
             qa = q[:, a : a + N * n].unflatten(1, (N, n)).transpose(2, 3)
             outs.append(self.attention(qa, k, v, rel[:, : M - drop + r + n], mask[..., drop:]))
             if room is not None and r + n == L:  # segment complete: its keys/values become the memory's
                 room.next_segment(L, M)
-        done = (r0 + T) // L * L  # inputs in complete segments: the last M of them become the memory (stop-gradient)
-        if done:
-            mem, seg = (
-                torch.cat((mem[:, min(done, M) :], live[:, max(done - M, 0) : done]), dim=1).detach(),
-                live[:, done:].clone(),
-            )
-        else:
-            seg = live
+        done = (r0 + T) // L * L  # the live inputs in complete segments
+        if done:  # the last M of them become the memory (stop-gradient)
+            mem = torch.cat((mem[:, min(done, M) :], live[:, max(done - M, 0) : done]), dim=1).detach()
+        seg = live[:, done:].clone() if done else live
         new = XLState(mem=mem, seg=seg, room=room, conv=conv)
         if room is not None:
             room.held = (identity(mem), identity(seg))
