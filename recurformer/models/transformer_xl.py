@@ -45,7 +45,7 @@ document start).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -87,6 +87,31 @@ class TransformerXLConfig(ModelConfig):
 def identity(t: Tensor) -> tuple:
     """What tells a live tensor from every other one: its memory, layout and type."""
     return t.data_ptr(), t.device, t.dtype, t.shape, t.stride()
+
+
+class _MemoryRows(torch.autograd.Function):
+    """The rows y = x W^T of memory slots, already computed (``y``, no graph), given the gradient
+    of StopGrad(x): dW = dy^T x, none for x. The memory's keys/values so share the live inputs'
+    projection, instead of projecting the detached inputs again."""
+
+    @staticmethod
+    def forward(y: Tensor, x: Tensor, w: Tensor) -> Tensor:
+        return y
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(inputs[1])
+        ctx.w_dtype = inputs[2].dtype
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[None, None, Tensor]:
+        (x,) = ctx.saved_tensors
+        return None, None, (dy.flatten(0, -2).T.to(x.dtype) @ x.flatten(0, -2)).to(ctx.w_dtype)
+
+
+def memory_rows(y: Tensor, x: Tensor, w: Tensor) -> Tensor:
+    """y = x W^T (computed) as the projection of StopGrad(x): its gradient reaches W only."""
+    return cast(Tensor, _MemoryRows.apply(y.detach(), x.detach(), w))
 
 
 @dataclass(eq=False)
@@ -285,10 +310,12 @@ class RelAttention(Layer):
         live = torch.cat((seg, x), dim=1) if r0 else x  # the inputs from the current segment's start on
         runs = self.runs(call, T, batch=room is None)
         d0, last = runs[0][4], (r0 + T - 1) // L * L  # memory slots no window reads; the last segment's start in live
-        if room is None:  # keys/values of the memory slots read, of the inputs later windows read as memory
-            # (detached: StopGrad), and of the live inputs
-            ctx = torch.cat((mem[:, d0:], live.detach()[:, :last], live), dim=1)
-            (km, kl), (vm, vl) = (w(ctx).split((M - d0 + last, r0 + T), dim=1) for w in (self.wk, self.wv))
+        if room is None:  # keys/values of the memory slots read and of the live inputs; those of slots
+            # and inputs that windows read as memory pass their gradient to W only (StopGrad)
+            ctx, m = torch.cat((mem[:, d0:], live), dim=1), M - d0 + last
+            k, v = self.wk(ctx), self.wv(ctx)
+            km, vm = (memory_rows(y[:, :m], ctx[:, :m], w.weight) for y, w in ((k, self.wk), (v, self.wv)))
+            kl, vl = k[:, M - d0 :], v[:, M - d0 :]
         else:  # the keys/values of the memory and of the segment so far are in the room
             kl, vl = self.wk(x), self.wv(x)
         q, outs = self.wq(x).unflatten(-1, (H, c.head_dim)), []
