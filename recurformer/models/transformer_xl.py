@@ -26,13 +26,13 @@ boundary (segments are aligned across the batch).
 
 As the memory of layer n holds the layer's own inputs, not its outputs, no segment waits for the
 previous one's computation. With autograd a call projects q, k, v and the output once over all
-its positions (the keys/values of memory slots from the detached inputs h~, so that W_{k,E} and
-W_v get their gradient through the memory and the inputs do not) and attends all its whole
-segments as one batch of windows [memory; segment]; a segment continued from the previous call, a
-partial one at the end and a fresh stream's first segments (whose memory slots before the
-document start are neither projected nor attended) are windows of their own. Without autograd
-(decoding) the keys/values of the memory and of the segment so far are kept (``XLRoom``), and
-the call is attended piece by piece.
+its positions (a position read both in its segment and as memory has one key/value, whose
+gradient from the memory reaches W_{k,E} and W_v but not the input: ``memory_rows``) and attends
+all its whole segments as one batch of windows [memory; segment]; a segment continued from the
+previous call, a partial one at the end and a fresh stream's first segments (whose memory slots
+before the document start are neither projected nor attended) are windows of their own. Without
+autograd (decoding) the keys/values of the memory and of the segment so far are kept
+(``XLRoom``), and the call is attended piece by piece.
 
 ``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each layer's (normed) input through a short
 causal depthwise convolution with SiLU before q/k/v (``modules.short_conv``, the one Gated DeltaNet
@@ -90,9 +90,8 @@ def identity(t: Tensor) -> tuple:
 
 
 class _MemoryRows(torch.autograd.Function):
-    """The rows y = x W^T of memory slots, already computed (``y``, no graph), given the gradient
-    of StopGrad(x): dW = dy^T x, none for x. The memory's keys/values so share the live inputs'
-    projection, instead of projecting the detached inputs again."""
+    """y = x W^T, already computed (``y``, no graph), with the gradient of StopGrad(x) W^T:
+    dW = dy^T x, none for x."""
 
     @staticmethod
     def forward(y: Tensor, x: Tensor, w: Tensor) -> Tensor:
@@ -110,7 +109,9 @@ class _MemoryRows(torch.autograd.Function):
 
 
 def memory_rows(y: Tensor, x: Tensor, w: Tensor) -> Tensor:
-    """y = x W^T (computed) as the projection of StopGrad(x): its gradient reaches W only."""
+    """The keys (or values) y = x W^T of positions as read from the memory, StopGrad(x) W^T: the
+    gradient reaches W, not x. They share the projection of the inputs x (with autograd, read in
+    their own segment), where projecting the detached inputs again would double its cost."""
     return cast(Tensor, _MemoryRows.apply(y.detach(), x.detach(), w))
 
 
@@ -294,11 +295,11 @@ class RelAttention(Layer):
 
     def forward(self, x: Tensor, st: XLState, call: Call) -> tuple[Tensor, XLState]:
         """x [B, T, D] (normed) -> attention output [B, T, D]. The projections run once over the
-        call: with autograd, the keys/values of every position the call reads, those used as
-        memory from the detached inputs (so W_k and W_v get their gradient through the memory,
-        the inputs do not); the whole segments of the call are then attended as one batch of
-        windows. Without autograd the keys/values of earlier positions come from the room and
-        the call is attended piece by piece."""
+        call: with autograd, the keys/values of every position the call reads (those read as
+        memory with the gradient of the detached inputs: ``memory_rows``), and the whole
+        segments of the call are attended as one batch of windows. Without autograd the
+        keys/values of earlier positions come from the room and the call is attended piece by
+        piece."""
         c = self.cfg
         L, M, T, H = c.segment_len, c.memory_len, x.shape[1], self.n_heads
         conv = st.conv
