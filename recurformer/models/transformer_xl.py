@@ -104,8 +104,8 @@ class _MemoryRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[None, None, Tensor]:
-        (x,) = ctx.saved_tensors
-        return None, None, (dy.flatten(0, -2).T.to(x.dtype) @ x.flatten(0, -2)).to(ctx.w_dtype)
+        (x,) = ctx.saved_tensors  # (under autocast, the product in dy's dtype as autograd's own)
+        return None, None, (dy.flatten(0, -2).T @ x.flatten(0, -2).to(dy.dtype)).to(ctx.w_dtype)
 
 
 def memory_rows(y: Tensor, x: Tensor, w: Tensor) -> Tensor:
