@@ -18,11 +18,21 @@ isolate the recurrence and the position scheme (the paper uses post-LayerNorm + 
     y = x + W_o RelAttn(n(x), n(memory)),   out = y + SwiGLU(n(y)),   n = RMSNorm
 
 The memory holds the normed inputs n(h^{n-1}) of the layer (the stop-gradient covers the norm's
-gain too). Positions before the start of a document are masked. A call is processed segment by
-segment; the layer state holds the memory of the current segment and the layer's normed inputs for
-the segment's tokens read so far, so whole == chunked == stepwise. Gradients flow inside a segment
-(also across calls, until the trainer detaches the state); the memory never carries gradient. A
-row can be reset only at a segment boundary (segments are aligned across the batch).
+gain too). Positions before the start of a document are masked. The layer state holds the memory
+of the current segment and the layer's normed inputs for the segment's tokens read so far, so
+whole == chunked == stepwise. Gradients flow inside a segment (also across calls, until the trainer
+detaches the state); the memory never carries gradient. A row can be reset only at a segment
+boundary (segments are aligned across the batch).
+
+As the memory of layer n holds the layer's own inputs, not its outputs, no segment waits for the
+previous one's computation. With autograd a call projects q, k, v and the output once over all
+its positions (a position read both in its segment and as memory has one key/value, whose
+gradient from the memory reaches W_{k,E} and W_v but not the input: ``memory_rows``) and attends
+all its whole segments as one batch of windows [memory; segment]; a segment continued from the
+previous call, a partial one at the end and a fresh stream's first segments (whose memory slots
+before the document start are neither projected nor attended) are windows of their own. Without
+autograd (decoding) the keys/values of the memory and of the segment so far are kept
+(``XLRoom``), and the call is attended piece by piece.
 
 ``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each layer's (normed) input through a short
 causal depthwise convolution with SiLU before q/k/v (``modules.short_conv``, the one Gated DeltaNet
@@ -35,13 +45,13 @@ document start).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
 
 from ..config import RecurformerError, check_options
-from ..modules import init_short_conv, merge_heads, pieces, short_conv, split_heads
+from ..modules import init_short_conv, pieces, short_conv, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..ops.relative import relative_scores, sinusoid_table
 from ..registry import register, register_layer
@@ -77,6 +87,32 @@ class TransformerXLConfig(ModelConfig):
 def identity(t: Tensor) -> tuple:
     """What tells a live tensor from every other one: its memory, layout and type."""
     return t.data_ptr(), t.device, t.dtype, t.shape, t.stride()
+
+
+class _MemoryRows(torch.autograd.Function):
+    """y = x W^T, already computed (``y``, no graph), with the gradient of StopGrad(x) W^T:
+    dW = dy^T x, none for x."""
+
+    @staticmethod
+    def forward(y: Tensor, x: Tensor, w: Tensor) -> Tensor:
+        return y
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(inputs[1])
+        ctx.w_dtype = inputs[2].dtype
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[None, None, Tensor]:
+        (x,) = ctx.saved_tensors  # (under autocast, the product in dy's dtype as autograd's own)
+        return None, None, (dy.flatten(0, -2).T @ x.flatten(0, -2).to(dy.dtype)).to(ctx.w_dtype)
+
+
+def memory_rows(y: Tensor, x: Tensor, w: Tensor) -> Tensor:
+    """The keys (or values) y = x W^T of positions as read from the memory, StopGrad(x) W^T: the
+    gradient reaches W, not x. They share the projection of the inputs x (with autograd, read in
+    their own segment), where projecting the detached inputs again would double its cost."""
+    return cast(Tensor, _MemoryRows.apply(y.detach(), x.detach(), w))
 
 
 @dataclass(eq=False)
@@ -173,18 +209,20 @@ class RelAttention(Layer):
         conv = None if state.conv is None else reset_rows(fresh, state.conv, state.conv.new_zeros(()))
         return XLState(mem=reset_rows(fresh, state.mem, torch.zeros_like(state.mem[0])), seg=state.seg, conv=conv)
 
-    def mask(self, r: int, n: int, valid: Tensor) -> Tensor:
-        """[B, 1, n, M+r+n] bool: query i (segment offset r+i) sees key j (segment offset j-M) iff
-        the distance δ = M + r + i - j is >= 0, the key is in the document (j >= M - valid), and,
-        with same_length, δ < M."""
-        M, dev = self.cfg.memory_len, valid.device
+    def mask(self, call: Call, start: int, N: int, r: int, n: int) -> Tensor:
+        """[B, N, 1, n, M+r+n] bool for N windows of segments from position ``start`` on, L apart:
+        query i (segment offset r+i) sees key j (segment offset j-M) iff the distance
+        δ = M + r + i - j is >= 0, the key is in the row's document (j >= M - valid, valid: the
+        memory slots from the row's document start on), and, with same_length, δ < M."""
+        L, M, dev = self.cfg.segment_len, self.cfg.memory_len, call.start.device
+        valid = (start + L * torch.arange(N, device=dev) - call.start[:, None]).clamp(0, M)  # [B, N]
         i = torch.arange(n, device=dev)[:, None]
         j = torch.arange(M + r + n, device=dev)[None, :]
         d = M + r + i - j
         vis = d >= 0
         if self.cfg.same_length:
             vis = vis & (d < M)
-        return (vis[None] & (j[None] >= (M - valid)[:, None, None])).unsqueeze(1)
+        return (vis & (j >= (M - valid)[..., None, None])).unsqueeze(2)
 
     def positions(self, x: Tensor) -> Tensor:
         """The sinusoid R_δ [M+L, D] for every distance a piece can see, capped at clamp_len."""
@@ -220,17 +258,48 @@ class RelAttention(Layer):
         room.write(0, split_heads(self.wk(ctx), H), split_heads(self.wv(ctx), H))
         return room
 
+    def runs(self, call: Call, T: int, batch: bool) -> list[tuple[int, int, int, int, int]]:
+        """The call's pieces (``pieces``) as runs (a, N, r, n, drop): N pieces of n tokens from
+        token a on, the first of them continuing a segment of which r tokens were read, each
+        window without its first ``drop`` memory slots (before every row's document start: a
+        fresh stream's first segments, neither projected nor attended). With ``batch``,
+        consecutive whole segments that drop nothing form one run, attended in one batched op."""
+        L, M = self.cfg.segment_len, self.cfg.memory_len
+        out: list[tuple[int, int, int, int, int]] = []
+        a = 0
+        for n in pieces(call.pos % L, T, L):
+            r = (call.pos + a) % L
+            drop = 0 if call.start_floor is None else min(M, max(M - (call.pos + a - r - call.start_floor), 0))
+            if batch and (r, n, drop) == (0, L, 0) and out and out[-1][2:] == (0, L, 0):
+                out[-1] = (out[-1][0], out[-1][1] + 1, 0, L, 0)
+            else:
+                out.append((a, 1, r, n, drop))
+            a += n
+        return out
+
+    def windows(self, mem: Tensor, live: Tensor, N: int) -> Tensor:
+        """Keys (or values) of N windows [B, N, H, m + l, d] from mem [B, (N-1)L + m, D] and live
+        [B, N·l, D]: window i holds the m memory slots ``mem[:, iL : iL + m]`` followed by the
+        l segment tokens ``live[:, il : (i+1)l]``."""
+        L, H, d = self.cfg.segment_len, self.n_heads, self.cfg.head_dim
+        slots = mem.unfold(1, mem.shape[1] - (N - 1) * L, L).unflatten(2, (H, d)).transpose(-1, -2)  # [B, N, H, m, d]
+        return torch.cat((slots, live.unflatten(1, (N, -1)).unflatten(-1, (H, d)).transpose(2, 3)), dim=3)
+
     def attention(self, q: Tensor, k: Tensor, v: Tensor, rel: Tensor, mask: Tensor) -> Tensor:
-        """q [B, H, n, d] (the queries), k, v [B, H, K, d] (of [memory; segment so far; queries'
-        tokens]), rel [H, K, d] (W_{k,R} R_δ, δ = 0..K-1), mask [B, 1, n, K] bool -> [B, n, D]."""
-        s = relative_scores(q, k, rel, self.u, self.v) * self.scale  # [B, H, n, K]
+        """q [B, N, H, n, d] (the queries of N windows), k, v [B, N, H, K, d] (each window's
+        [memory; segment so far; queries' tokens]), rel [H, K, d] (W_{k,R} R_δ, δ = 0..K-1),
+        mask [B, N, 1, n, K] bool -> [B, N·n, D] (before W_o)."""
+        s = relative_scores(q, k, rel, self.u, self.v) * self.scale  # [B, N, H, n, K]
         p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
-        return self.wo(merge_heads(p @ v))
+        return (p @ v).transpose(2, 3).flatten(1, 2).flatten(2)
 
     def forward(self, x: Tensor, st: XLState, call: Call) -> tuple[Tensor, XLState]:
-        """x [B, T, D] (normed) -> attention output [B, T, D], segment by segment. Without
-        autograd the projections of earlier positions come from the room (with autograd they are
-        recomputed, so that W_k and W_v get their gradient through the memory)."""
+        """x [B, T, D] (normed) -> attention output [B, T, D]. The projections run once over the
+        call: with autograd, the keys/values of every position the call reads (those read as
+        memory with the gradient of the detached inputs: ``memory_rows``), and the whole
+        segments of the call are attended as one batch of windows. Without autograd the
+        keys/values of earlier positions come from the room and the call is attended piece by
+        piece."""
         c = self.cfg
         L, M, T, H = c.segment_len, c.memory_len, x.shape[1], self.n_heads
         conv = st.conv
@@ -238,33 +307,40 @@ class RelAttention(Layer):
             x, conv = short_conv(x, conv, self.conv_weight)
         room = None if torch.is_grad_enabled() else self.room(st, x, call)
         rel = self.rel(x, call) if room is None else room.rel
-        mem, seg, a, outs = st.mem, st.seg, 0, []
-        for n in pieces(call.pos % L, T, L):
-            r = seg.shape[1]
-            seg_start = call.pos + a - r
-            mask = call.shared(("xl-mask", L, M, a), lambda: self.mask(r, n, (seg_start - call.start).clamp(0, M)))
-            # memory slots before every row's document start (a fresh stream's first segment):
-            # hidden from every row, so neither projected nor attended
-            drop = 0 if call.start_floor is None else min(M, max(M - (seg_start - call.start_floor), 0))
-            xa = x[:, a : a + n]
+        mem, seg, r0 = st.mem, st.seg, st.seg.shape[1]
+        live = torch.cat((seg, x), dim=1) if r0 else x  # the inputs from the current segment's start on
+        runs = self.runs(call, T, batch=room is None)
+        d0, last = runs[0][4], (r0 + T - 1) // L * L  # memory slots no window reads; the last segment's start in live
+        if room is None:  # keys/values of the memory slots read and of the live inputs; those of slots
+            # and inputs that windows read as memory pass their gradient to W only (StopGrad)
+            ctx, m = torch.cat((mem[:, d0:], live), dim=1), M - d0 + last
+            k, v = self.wk(ctx), self.wv(ctx)
+            km, vm = (memory_rows(y[:, :m], ctx[:, :m], w.weight) for y, w in ((k, self.wk), (v, self.wv)))
+            kl, vl = k[:, M - d0 :], v[:, M - d0 :]
+        else:  # the keys/values of the memory and of the segment so far are in the room
+            kl, vl = self.wk(x), self.wv(x)
+        q, outs = self.wq(x).unflatten(-1, (H, c.head_dim)), []
+        for a, N, r, n, drop in runs:
+            s = a + r0 - r  # the run's first segment starts at live[:, s], at km[:, s + M - d0]
             if room is None:
-                ctx = torch.cat((mem[:, drop:], seg, xa), dim=1)
-                k, v = split_heads(self.wk(ctx), H), split_heads(self.wv(ctx), H)
+                mrows, lrows = slice(s + drop - d0, s + M - d0 + (N - 1) * L), slice(s, s + N * (r + n))
+                k, v = self.windows(km[:, mrows], kl[:, lrows], N), self.windows(vm[:, mrows], vl[:, lrows], N)
             else:
-                k, v = room.write(M + r, split_heads(self.wk(xa), H), split_heads(self.wv(xa), H))
-                k, v = k[:, :, drop:], v[:, :, drop:]
-            q = split_heads(self.wq(xa), H)
-            outs.append(self.attention(q, k, v, rel[:, : M - drop + r + n], mask[..., drop:]))
-            seg = torch.cat((seg, xa), dim=1)
-            if r + n == L:  # segment complete: its inputs become the memory (stop-gradient)
-                mem, seg = torch.cat((mem, seg), dim=1)[:, L:].detach(), seg[:, :0]
-                if room is not None:
-                    room.next_segment(L, M)
-            a += n
+                k, v = room.write(M + r, split_heads(kl[:, a : a + n], H), split_heads(vl[:, a : a + n], H))
+                k, v = k[:, None, :, drop:], v[:, None, :, drop:]
+            mask = call.shared(("xl-mask", L, M, a, N), lambda: self.mask(call, call.pos + s - r0, N, r, n))
+            qa = q[:, a : a + N * n].unflatten(1, (N, n)).transpose(2, 3)
+            outs.append(self.attention(qa, k, v, rel[:, : M - drop + r + n], mask[..., drop:]))
+            if room is not None and r + n == L:  # segment complete: its keys/values become the memory's
+                room.next_segment(L, M)
+        done = (r0 + T) // L * L  # the live inputs in complete segments
+        if done:  # the last M of them become the memory (stop-gradient)
+            mem = torch.cat((mem[:, min(done, M) :], live[:, max(done - M, 0) : done]), dim=1).detach()
+        seg = live[:, done:].clone() if done else live
         new = XLState(mem=mem, seg=seg, room=room, conv=conv)
         if room is not None:
             room.held = (identity(mem), identity(seg))
-        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], new
+        return self.wo(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]), new
 
 
 @register_layer("xl", TransformerXLConfig)

@@ -45,7 +45,7 @@ def _check(q: Tensor, k: Tensor, r: Tensor, u: Tensor, v: Tensor) -> None:
     Tq, Tk = q.shape[-2], k.shape[-2]
     if Tk < Tq:
         raise RecurformerError(f"relative attention needs at least as many keys as queries, got {Tk} < {Tq}")
-    if r.shape[-2] != Tk or u.shape != v.shape or u.shape != (q.shape[1], q.shape[-1]):
+    if r.shape[-2] != Tk or u.shape != v.shape or u.shape != (q.shape[-3], q.shape[-1]):
         raise RecurformerError(
             f"relative attention shapes do not fit: r {tuple(r.shape)}, u {tuple(u.shape)}, q {tuple(q.shape)}"
         )
@@ -54,10 +54,11 @@ def _check(q: Tensor, k: Tensor, r: Tensor, u: Tensor, v: Tensor) -> None:
 def relative_scores(q: Tensor, k: Tensor, r: Tensor, u: Tensor, v: Tensor) -> Tensor:
     """Unscaled Transformer-XL scores (a)+(b)+(c)+(d) via the relative shift.
 
-    q [B, H, Tq, d], k [B, H, Tk, d], r [H, Tk, d] with r[:, δ] = W_{k,R} R_δ for δ = 0..Tk-1,
-    u, v [H, d]  ->  [B, H, Tq, Tk]; entries of future keys are unspecified."""
+    q [..., H, Tq, d], k [..., H, Tk, d] (any leading dimensions, e.g. batch and window),
+    r [H, Tk, d] with r[:, δ] = W_{k,R} R_δ for δ = 0..Tk-1, u, v [H, d]  ->  [..., H, Tq, Tk];
+    entries of future keys are unspecified."""
     _check(q, k, r, u, v)
-    ac = (q + u[:, None]) @ k.transpose(-1, -2)  # (a) + (c): [B, H, Tq, Tk]
+    ac = (q + u[:, None]) @ k.transpose(-1, -2)  # (a) + (c): [..., H, Tq, Tk]
     bd = (q + v[:, None]) @ r.flip(-2).transpose(-1, -2)  # (b) + (d), column t = distance Tk-1-t
     return ac + rel_shift(bd)
 

@@ -58,7 +58,8 @@ def test_sinusoid_table_matches_formula() -> None:
 def reference_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """Naive Transformer-XL over one document from its start, one query position at a time on the
     absolute timeline: layer n's query at p (segment start S) attends to layer n's inputs at
-    positions max(0, S-M) .. p (with same_length only p-M < t), score (a)+(b)+(c)+(d) per key."""
+    positions max(0, S-M) .. p (with same_length only p-M < t), score (a)+(b)+(c)+(d) per key; the
+    keys/values of the memory (t < S) read the detached inputs (stop-gradient)."""
     c = model.config
     L, M, H, d = c.segment_len, c.memory_len, c.n_heads, c.head_dim
     x = model.tok_emb(tokens)
@@ -81,10 +82,11 @@ def reference_logits(model, tokens: torch.Tensor) -> torch.Tensor:
             q = A.wq(xn[:, p]).view(B, H, d)
             scores, values = [], []
             for t in keys:
-                k = A.wk(xn[:, t]).view(B, H, d)
+                xt = xn[:, t] if t >= S else xn[:, t].detach()  # the memory: stop-gradient
+                k = A.wk(xt).view(B, H, d)
                 rr = r_proj(layer, p - t)
                 scores.append(((q + A.u) * k).sum(-1) + ((q + A.v) * rr).sum(-1))  # (a)+(c) + (b)+(d)
-                values.append(A.wv(xn[:, t]).view(B, H, d))
+                values.append(A.wv(xt).view(B, H, d))
             w = torch.softmax(torch.stack(scores, -1) / math.sqrt(d), dim=-1)  # [B, H, K]
             o = (w[..., None] * torch.stack(values, 2)).sum(2).reshape(B, D)
             h = x[:, p] + A.wo(o)
@@ -104,6 +106,66 @@ def test_model_equals_naive_reference(cfg) -> None:
     tokens = torch.randint(0, cfg["vocab_size"], (2, 23))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens).logits, reference_logits(model, tokens), rtol=1e-10, atol=1e-10)
+
+
+GRAD_CASES = [c for c in TEST_CONFIGS["transformer_xl"] if "layers" not in c] + [
+    dict(BASE, n_layers=2, segment_len=3, mem_len=5, same_length=True, clamp_len=4),
+    dict(BASE, n_layers=2, segment_len=4, mem_len=2),
+]
+
+
+@pytest.mark.parametrize("cfg", GRAD_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items() if k not in BASE))
+def test_gradients_equal_naive_reference(cfg) -> None:
+    """With autograd (projections once per call, whole segments attended as a batch of windows):
+    the logits, every parameter's gradient and the input's (the embeddings') equal the naive
+    reference's in float64, over calls of several segments, partial segments continued across
+    calls (the state not detached, so gradient flows through it) and a document start in row 0
+    (row 1 reads on); the reference reads each document from its start."""
+    model = build_model("transformer_xl", cfg).double()
+    randomize_params(model)
+    L, V = model.config.segment_len, cfg["vocab_size"]
+    g = torch.Generator().manual_seed(L)
+    calls, reset = [3 * L + 1, 1, L - 2, L - 1, 2 * L + 2], 4 * L  # row 0 starts a document at 4L
+    T = sum(calls)
+    tokens = torch.randint(0, V, (2, T), generator=g)
+    weights = torch.randn(2, T, V, generator=g, dtype=torch.float64)
+    emb: list[torch.Tensor] = []
+
+    def keep(_m, _i, out):
+        out.retain_grad()
+        emb.append(out)
+
+    hook = model.tok_emb.register_forward_hook(keep)
+
+    def run(forward) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        emb.clear()
+        model.zero_grad()
+        logits, x_grad = forward()
+        (logits * weights).sum().backward()
+        return logits.detach(), x_grad(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def model_calls():
+        state, outs, a = None, [], 0
+        for n in calls:
+            if a == reset:
+                state = state.reset(torch.tensor([True, False]))
+            out = model(tokens[:, a : a + n], state)
+            outs.append(out.logits)
+            state, a = out.state, a + n
+        return torch.cat(outs, 1), lambda: torch.cat([e.grad for e in emb], 1)
+
+    def reference():
+        row1 = reference_logits(model, tokens[1:])
+        row0 = torch.cat([reference_logits(model, tokens[:1, :reset]), reference_logits(model, tokens[:1, reset:])], 1)
+        return torch.cat([row0, row1]), lambda: torch.cat([torch.cat([e.grad for e in emb[1:]], 1), emb[0].grad])
+
+    got, want = run(model_calls), run(reference)
+    hook.remove()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-9, atol=1e-10, msg="input gradient")
+    for name, grad in want[2].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(got[2][name], grad, rtol=1e-9, atol=1e-10, msg=name)
 
 
 def test_clamp_len_changes_only_far_distances() -> None:
