@@ -254,16 +254,14 @@ class MemoryAttentionLayer(Layer):
 
     @compiled_region
     def whole_chunk(
-        self, qk: Tensor, v: Tensor, memory: Tensor, cos: Tensor, sin: Tensor, w_kv: Tensor, mask: Tensor
+        self, q: Tensor, k: Tensor, v: Tensor, memory: Tensor, cos: Tensor, sin: Tensor, w_kv: Tensor, mask: Tensor
     ) -> tuple[Tensor, ...]:
         """One whole chunk read in one call (the loop body of an aligned call): the memory M_t
         evolved (eq. 2), its keys/values (eq. 3-4), the chunk's output O_t and the next memory
         -> (O_t, keys and values of M'_t, M_{t+1}), the last left out where M_{t+1} is O_t (the
-        paper's update); ``qk`` [B, 2H, C, d]: the chunk's queries and keys in one tensor (a
-        region's inputs, and its outputs, may not alias each other). A compiled region
+        paper's update: a region's outputs may not alias each other, nor may its inputs). A compiled region
         (``modules.compiled_region``): a compiled layer traces it once and runs the same graph for
         every chunk."""
-        q, k = qk.split(self.n_heads, dim=1)
         evolved = self.evolve(memory)
         mem_k, mem_v = self.memory_kv(evolved, cos, sin, w_kv)
         out = self.read(q, torch.cat((mem_k, k), 2), torch.cat((mem_v, v), 2), mask, 0)
@@ -286,20 +284,23 @@ class MemoryAttentionLayer(Layer):
         pos = C + (r0 + torch.arange(T, device=x.device)) % C
         w_qkv, w_kv_memory = self.qkv_weights(x)
         qk_x, v_x = F.linear(x, w_qkv).split((2 * D, D), dim=-1)
-        qk_all = apply_rope(split_heads(qk_x, 2 * H), cos[pos], sin[pos])  # [B, 2H, T, d]: RoPE of q, k at once
+        q_all, k_all = apply_rope(split_heads(qk_x, 2 * H), cos[pos], sin[pos]).split(H, dim=1)  # RoPE of q, k at once
+        if (
+            not torch.is_grad_enabled()
+        ):  # (k apart from q: the inputs of a region, used without autograd, may not alias)
+            k_all = k_all.clone()
         v_all = split_heads(v_x, H)
         sizes = pieces(r0, T, C)
         memory, mem_k, mem_v, part_k, part_v, part_o = st.memory, st.mem_k, st.mem_v, st.part_k, st.part_v, st.part_o
         evolved: Tensor | None = None  # M'_t of the chunk in progress, once computed in this call
         outs: list[Tensor] = []
-        for qk, v_new in zip(qk_all.split(sizes, 2), v_all.split(sizes, 2)):
-            r, n = part_k.shape[2], qk.shape[2]
+        for q, k_new, v_new in zip(q_all.split(sizes, 2), k_all.split(sizes, 2), v_all.split(sizes, 2)):
+            r, n = part_k.shape[2], q.shape[2]
             if r == 0 and n == C:
-                out, mem_k, mem_v, *new = self.whole_chunk(qk, v_new, memory, cos[:C], sin[:C], w_kv_memory, mask)
+                out, mem_k, mem_v, *new = self.whole_chunk(q, k_new, v_new, memory, cos[:C], sin[:C], w_kv_memory, mask)
                 memory = new[0] if new else out
                 outs.append(out)
                 continue
-            q, k_new = qk.split(H, dim=1)
             if r == 0:
                 evolved = self.evolve(memory)
                 mem_k, mem_v = self.memory_kv(evolved, cos[:C], sin[:C], w_kv_memory)
