@@ -243,10 +243,11 @@ class BlockAttention(Layer):
         G, nt = H // self.kv_heads, n // m  # query heads per key/value head; whole tiles
         outs = []
         if nt:  # the whole tiles in one batch: tile t reads keys r + t m .. r + t m + W + m - 1 (``unfold``: a view)
-            qt = q[:, :, : nt * m].unflatten(1, (self.kv_heads, G)).unflatten(3, (nt, m)).transpose(2, 3)
-            kt, vt = (u[:, :, r : r + nt * m + W].unfold(2, W + m, m).transpose(-1, -2) for u in (k, v))
-            o = biased_attend(qt.flatten(3, 4), kt, vt, self.tile_bias(m, dtype, q.device, call)[:, None])
-            outs.append(o.unflatten(3, (G, m)).transpose(2, 3).flatten(1, 2).flatten(2, 3))  # [B, H, nt m, d]
+            # tiles first, [nt, B, Hkv, ...]: the bias's gradient then sums over the two leading dimensions
+            qt = q[:, :, : nt * m].unflatten(1, (self.kv_heads, G)).unflatten(3, (nt, m)).permute(3, 0, 1, 2, 4, 5)
+            kt, vt = (u[:, :, r : r + nt * m + W].unfold(2, W + m, m).permute(2, 0, 1, 4, 3) for u in (k, v))
+            o = biased_attend(qt.flatten(3, 4), kt, vt, self.tile_bias(m, dtype, q.device, call))  # [nt, B, Hkv, G m, d]
+            outs.append(o.unflatten(3, (G, m)).permute(1, 2, 3, 0, 4, 5).flatten(1, 2).flatten(2, 3))  # [B, H, nt m, d]
         if n % m:  # the last, partial tile
             a, mt = r + nt * m, n % m
             o = biased_attend(
