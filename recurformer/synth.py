@@ -59,7 +59,7 @@ from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
 from .device import autocast_context, device_option, pick_device, slow_bf16_warning
 from .models import build_model, lookup, model_names
 from .modules import RMSNorm
-from .nn import IGNORE_INDEX, State, StreamingLM
+from .nn import IGNORE_INDEX, ModelConfig, State, StreamingLM
 from .optim import make_optimizer
 from .statesize import measure
 from .tbptt import Update, backprop, start_state
@@ -474,21 +474,22 @@ def train_model(
 
 
 def saved_weights(
-    path: str,
-    model_name: str,
-    config: dict[str, Any],
-    retrain: tuple[str, ...] = (),
-    log: Callable[[str], None] = lambda s: None,
+    path: str, model_name: str, config: ModelConfig, log: Callable[[str], None] = lambda s: None
 ) -> dict[str, Tensor]:
     """The weights of a model saved by ``synth --save`` for ``synth.init_from``: one line, before
     any work, if it is missing or holds another model or another config than this run builds
-    (keys in ``retrain``, the config's ``retrain_keys``, may differ: a line says so)."""
+    (a key the saved config lacks, being older, counts as its default; the config's
+    ``retrain_keys`` may differ: a line says so)."""
     ck = load_checkpoint(path)
     saved = dict(ck["config"].get("model") or {})
     name = saved.pop("name", None)
     if name != model_name:
         raise RecurformerError(f"synth.init_from {path} holds a '{name}' model, this run trains '{model_name}'")
-    for k, v in config.items():
+    retrain = config.retrain_keys
+    for f in dataclasses.fields(config):
+        k, v = f.name, getattr(config, f.name)
+        if k not in saved and f.default is not dataclasses.MISSING:
+            saved[k] = f.default
         if k in saved and saved[k] != v and not (isinstance(v, (list, tuple)) and list(saved[k] or []) == list(v)):
             if k in retrain:
                 log(f"synth.init_from {path} was saved with model {k} = {saved[k]!r}; this run trains on with {v!r}")
@@ -582,11 +583,7 @@ def run_synth(
         )
     values = model_values(model_name, dict(model_over or {}), int(params["vocab_size"]), cfg.context)
     built = build_model(model_name, values)  # validate before generating data
-    start = (
-        saved_weights(cfg.init_from, model_name, dataclasses.asdict(built.config), built.config.retrain_keys, log)
-        if cfg.init_from
-        else None
-    )
+    start = saved_weights(cfg.init_from, model_name, built.config, log) if cfg.init_from else None
     check_recipe(t, params, cfg)
     check_eval_budget(t, params, cfg, built, cfg.eval_lengths)
     t0 = time.perf_counter()

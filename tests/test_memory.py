@@ -574,14 +574,18 @@ def test_synth_init_from_starts_from_a_saved_model(tmp_path, capsys) -> None:
 
 
 def test_synth_init_from_may_add_a_write_floor(tmp_path) -> None:
-    """A Gated DeltaNet trained without a write floor trains on with one (a key of the config's
-    ``retrain_keys``, changing no parameter; a line says so), and the floor is in the new model;
-    a key outside them (decay_init) is still one line before any work."""
+    """A Gated DeltaNet trained without a write floor (saved before the key existed: no key in its
+    config) trains on with one (a key of the config's ``retrain_keys``, changing no parameter; a
+    line says so), and the floor is in the new model; a key outside them (decay_init) is still one
+    line before any work."""
     from recurformer.checkpoint import load_checkpoint
 
     task = {"num_pairs": 2, "num_queries": 2, "distance": 4}
     cfg = SynthConfig(steps=2, batch_size=4, n_val=4, n_test=4, lrs=[3e-3], context=4, fresh_data=True)
     run_synth("mqar", "gated_deltanet", TINY, task, cfg, save=str(tmp_path / "a"))
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())
+    del saved["model"]["write_floor"]  # as a model saved before the key existed: its default, 0
+    (tmp_path / "a" / "config.json").write_text(json.dumps(saved))
     lines: list[str] = []
     on = dataclasses.replace(cfg, init_from=str(tmp_path / "a"))
     run_synth(

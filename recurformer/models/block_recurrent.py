@@ -246,7 +246,9 @@ class BlockAttention(Layer):
             # tiles first, [nt, B, Hkv, ...]: the bias's gradient then sums over the two leading dimensions
             qt = q[:, :, : nt * m].unflatten(1, (self.kv_heads, G)).unflatten(3, (nt, m)).permute(3, 0, 1, 2, 4, 5)
             kt, vt = (u[:, :, r : r + nt * m + W].unfold(2, W + m, m).permute(2, 0, 1, 4, 3) for u in (k, v))
-            o = biased_attend(qt.flatten(3, 4), kt, vt, self.tile_bias(m, dtype, q.device, call))  # [nt, B, Hkv, G m, d]
+            o = biased_attend(
+                qt.flatten(3, 4), kt, vt, self.tile_bias(m, dtype, q.device, call)
+            )  # [nt, B, Hkv, G m, d]
             outs.append(o.unflatten(3, (G, m)).permute(1, 2, 3, 0, 4, 5).flatten(1, 2).flatten(2, 3))  # [B, H, nt m, d]
         if n % m:  # the last, partial tile
             a, mt = r + nt * m, n % m
