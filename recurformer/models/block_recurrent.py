@@ -321,6 +321,8 @@ class BlockAttention(Layer):
             kc, vc, _, _ = self.cell.project(cell, queries=False)
             kcs.append(self.qk2.key(kc))
             vcs.append(vc)
+        if len(ns) == 1:  # one block (e.g. decoding a token): its tokens read the state as they are
+            return merge_heads(grouped_attend(self.qk2.query(q2), kcs[0], vcs[0])), cell
         # the tokens' reads of the state, every block at once: the queries padded to whole blocks
         qb = F.pad(self.qk2.query(q2), (0, 0, call.pos % W, len(ns) * W - T - call.pos % W))
         qb = qb.unflatten(2, (len(ns), W)).transpose(1, 2).flatten(0, 1)  # [B nb, H, W, d]
