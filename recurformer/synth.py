@@ -485,13 +485,12 @@ def saved_weights(
     name = saved.pop("name", None)
     if name != model_name:
         raise RecurformerError(f"synth.init_from {path} holds a '{name}' model, this run trains '{model_name}'")
-    retrain = config.retrain_keys
     for f in dataclasses.fields(config):
         k, v = f.name, getattr(config, f.name)
         if k not in saved and f.default is not dataclasses.MISSING:
             saved[k] = f.default
         if k in saved and saved[k] != v and not (isinstance(v, (list, tuple)) and list(saved[k] or []) == list(v)):
-            if k in retrain:
+            if k in config.retrain_keys:
                 log(f"synth.init_from {path} was saved with model {k} = {saved[k]!r}; this run trains on with {v!r}")
                 continue
             raise RecurformerError(f"synth.init_from {path} has model {k} = {saved[k]!r}, this run builds {v!r}")

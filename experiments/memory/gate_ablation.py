@@ -51,7 +51,9 @@ def patch(mixer: GatedDeltaNetLayer, index: int, ctx: dict[str, Any]) -> None:
     def gates(x: Tensor) -> tuple[Tensor, Tensor]:
         cond, _, layer = ctx["cond"].partition("_l")
         floor = cond == "floor" and (not layer or int(layer) == index)
-        mixer.cfg.write_floor, saved = (ctx["floor"] if floor else mixer.cfg.write_floor), mixer.cfg.write_floor
+        saved = mixer.cfg.write_floor
+        if floor:
+            mixer.cfg.write_floor = ctx["floor"]
         try:
             b, g = trained(x)  # [B, H, T] each
         finally:

@@ -225,9 +225,8 @@ class GatedDeltaNetLayer(Layer):
         )
 
     def gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Write strengths b = sigmoid(W_b x + c_b) (with ``write_floor`` eps: max(0, b - eps) / (1 - eps))
-        and log-decays g = log a = -softplus(W_a x +
-        dt_bias) exp(A_log), each [B, H, T]."""
+        """Write strengths b = sigmoid(W_b x + c_b) (with ``write_floor`` eps: max(0, b - eps) /
+        (1 - eps)) and log-decays g = log a = -softplus(W_a x + dt_bias) exp(A_log), each [B, H, T]."""
         xt = x.transpose(1, 2)  # [B, D, T]: the gates come out [B, H, T] contiguous (a compiled
         # backward fails on the transposed gradient of a [B, T, H] projection)
         b = torch.sigmoid(self.wb.weight @ xt + self.wb.bias[:, None])

@@ -285,12 +285,11 @@ class MemoryAttentionLayer(Layer):
         w_qkv, w_kv_memory = self.qkv_weights(x)
         qk_x, v_x = F.linear(x, w_qkv).split((2 * D, D), dim=-1)
         q_all, k_all = apply_rope(split_heads(qk_x, 2 * H), cos[pos], sin[pos]).split(H, dim=1)  # RoPE of q, k at once
-        if (
-            not torch.is_grad_enabled()
-        ):  # (k apart from q: the inputs of a region, used without autograd, may not alias)
+        if torch.compiler.is_compiling() and not torch.is_grad_enabled():  # a traced region's inputs may not alias
             k_all = k_all.clone()
         v_all = split_heads(v_x, H)
         sizes = pieces(r0, T, C)
+        pre_wo = self.cfg.memory_source == "pre_wo"
         memory, mem_k, mem_v, part_k, part_v, part_o = st.memory, st.mem_k, st.mem_v, st.part_k, st.part_v, st.part_o
         evolved: Tensor | None = None  # M'_t of the chunk in progress, once computed in this call
         outs: list[Tensor] = []
@@ -320,9 +319,7 @@ class MemoryAttentionLayer(Layer):
                 part_k, part_v, part_o = k, v, src
             outs.append(out)
         y = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        return self.wo(y) if self.cfg.memory_source == "pre_wo" else y, MemoryState(
-            memory, mem_k, mem_v, part_k, part_v, part_o, conv
-        )
+        return self.wo(y) if pre_wo else y, MemoryState(memory, mem_k, mem_v, part_k, part_v, part_o, conv)
 
 
 @register_layer("memory", MemoryAttentionConfig)
