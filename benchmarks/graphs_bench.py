@@ -35,6 +35,7 @@ import torch
 from throughput import CONFIGS, model_config
 
 from recurformer.capture import DecodeGraphs, StepGraphs
+from recurformer.config import RecurformerError
 from recurformer.device import autocast_context, synchronize
 from recurformer.generate import new_session, stream
 from recurformer.models import build_model
@@ -44,6 +45,11 @@ from recurformer.tbptt import Update, backprop
 from recurformer.train import Throughput
 
 Step = Callable[[torch.Tensor, torch.Tensor, State], State]
+
+
+def finite(model: StreamingLM) -> bool:
+    """Whether every parameter of ``model`` is finite (a training run that went nan shows here)."""
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def write(path: Path, obj: Any) -> None:
@@ -119,7 +125,7 @@ class Bench:
             update.finish()
         synchronize(self.dev)
         rate = self.args.batch * self.args.seq * self.args.steps / (time.perf_counter() - t0)
-        return dict(tokens_per_s=rate, fraction_of_peak=meter.fraction(rate))
+        return dict(tokens_per_s=rate, fraction_of_peak=meter.fraction(rate), weights_finite=finite(model))
 
     def grad_check(self) -> dict[str, Any]:
         """Two calls, accumulation 2, the state carried: graphed against eager from the same weights."""
@@ -183,15 +189,19 @@ class Bench:
         prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(2))
         n = self.args.gen_tokens
         rate = 0.0
-        for _ in range(2):
-            session = new_session(model, 1)
-            synchronize(self.dev)
-            t0 = time.perf_counter()
-            with self.amp():
-                for _tok in stream(model, prompt, n, 0.0, session=session, step=step):
-                    pass
-            synchronize(self.dev)
-            rate = n / (time.perf_counter() - t0)
+        try:
+            for _ in range(2):
+                session = new_session(model, 1)
+                synchronize(self.dev)
+                t0 = time.perf_counter()
+                with self.amp():
+                    for _tok in stream(model, prompt, n, 0.0, session=session, step=step):
+                        pass
+                synchronize(self.dev)
+                rate = n / (time.perf_counter() - t0)
+        except RecurformerError as e:  # non-finite logits: say whether the weights themselves are
+            notes.append(f"{e} (weights finite: {finite(model)})")
+            rate = float("nan")
         model.train()
         return dict(tokens_per_s=rate, notes=notes)
 

@@ -50,15 +50,20 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
-def configure(device: torch.device) -> None:
-    """Process-wide settings for fast work on ``device``: TF32 for fp32 matmuls and convolutions on
-    CUDA (about 1e-3 relative error, as in most GPU training; set ``RECURFORMER_NO_TF32=1`` to keep
-    full fp32)."""
-    import os
-
-    if device.type == "cuda" and not os.environ.get("RECURFORMER_NO_TF32"):
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+@contextlib.contextmanager
+def fast_matmuls(device: torch.device) -> Iterator[None]:
+    """TF32 for fp32 matmuls and convolutions on CUDA while the block runs (about 1e-3 relative
+    error, as in most GPU training; ``RECURFORMER_NO_TF32=1`` keeps full fp32), the process's own
+    settings restored after it: a training run inside a program leaves that program's fp32 as it found it."""
+    if device.type != "cuda" or os.environ.get("RECURFORMER_NO_TF32"):
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def cpu_has_bf16() -> bool:

@@ -52,7 +52,15 @@ from .config import (
 )
 from .curriculum import Schedule, check_state_init_share, schedule_from
 from .data import DataConfig
-from .device import autocast_context, configure, cpu_threads, out_of_memory, pick_device, resolve_precision, to_device
+from .device import (
+    autocast_context,
+    cpu_threads,
+    fast_matmuls,
+    out_of_memory,
+    pick_device,
+    resolve_precision,
+    to_device,
+)
 from .flops import reference_peak, train_flops_per_token
 from .models import build_model, make_config, model_names
 from .nn import State, StreamingLM, check_compile
@@ -449,7 +457,6 @@ def join_processes(device_name: str) -> tuple[torch.device, int, int]:
     GPU (LOCAL_RANK) and the process group joined (NCCL on CUDA, Gloo on the CPU)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(device_name)
-    configure(device)
     if world > 1:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -997,7 +1004,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train to ``train.steps``. On SIGINT/SIGTERM: finish the step, save, raise
         ``TrainingInterrupted``."""
-        with self.stop.installed():
+        with self.stop.installed(), fast_matmuls(self.device):
             t = self.cfg.train
             if self.resumed_from is not None and self.step >= t.steps:
                 self._say(

@@ -9,7 +9,15 @@ from helpers import DEVICES, TEST_CONFIGS, randomize_params
 
 from recurformer import RecurformerError, build_model
 from recurformer.cli import main as cli_main
-from recurformer.device import memory_kind, peak_memory_mb, pick_device, reset_peak_memory, resolve_precision, to_device
+from recurformer.device import (
+    fast_matmuls,
+    memory_kind,
+    peak_memory_mb,
+    pick_device,
+    reset_peak_memory,
+    resolve_precision,
+    to_device,
+)
 from recurformer.modules import attend
 from recurformer.optim import make_optimizer
 
@@ -47,6 +55,29 @@ def test_cpu_helpers() -> None:
     assert peak_memory_mb(torch.device("cpu")) > 10  # the interpreter and torch are resident
     assert memory_kind(torch.device("cpu")) == "RSS"
     assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
+
+
+def test_tf32_is_on_inside_a_run_only(monkeypatch) -> None:
+    """A training run turns TF32 on for CUDA and leaves the process as it found it, also when it
+    fails: a program that trains and then checks fp32 results (the CUDA test rows after an
+    in-process run) gets fp32. On the CPU, and with RECURFORMER_NO_TF32, nothing changes."""
+    monkeypatch.delenv("RECURFORMER_NO_TF32", raising=False)
+    flags = torch.backends.cuda.matmul, torch.backends.cudnn
+    before = tuple(f.allow_tf32 for f in flags)
+    try:
+        for f in flags:
+            f.allow_tf32 = False
+        with pytest.raises(KeyError), fast_matmuls(torch.device("cuda")):
+            assert all(f.allow_tf32 for f in flags)
+            raise KeyError
+        assert not any(f.allow_tf32 for f in flags)
+        for dev, off in ((torch.device("cpu"), ""), (torch.device("cuda"), "1")):
+            monkeypatch.setenv("RECURFORMER_NO_TF32", off)
+            with fast_matmuls(dev):
+                assert not any(f.allow_tf32 for f in flags)
+    finally:
+        for f, b in zip(flags, before):
+            f.allow_tf32 = b
 
 
 @cuda

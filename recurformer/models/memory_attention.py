@@ -48,7 +48,6 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.bias import causal_lower_right
 
 from .. import tap
 from ..config import RecurformerError, check_options
@@ -232,24 +231,17 @@ class MemoryAttentionLayer(Layer):
         j = torch.arange(C, device=dev)
         return cos, sin, torch.cat((torch.ones(C, C, dtype=torch.bool, device=dev), j[None, :] <= j[:, None]), dim=1)
 
-    def chunk_mask(self, mask: Tensor, r: int, n: int, cuda: bool) -> Tensor:
-        """The mask of queries at chunk offsets r..r+n-1 over [memory; chunk keys 0..r+n-1]: all C
-        memory slots and the chunk's keys up to the query's own, i.e. causal aligned to the lower
-        right of the [n, C + r + n] grid (query i sees keys j <= i + C + r). On CUDA as PyTorch's
-        lower-right causal bias, so SDPA runs FlashAttention without a mask tensor; elsewhere the
-        slice of the call's boolean ``tables`` (no operator)."""
-        C = self.cfg.chunk_size
-        return causal_lower_right(n, C + r + n) if cuda else mask[r : r + n, : C + r + n]
-
     def read(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, r: int) -> Tensor:
         """The output [B, n, D] (``pre_wo``: before Wo) of the queries q [B, H, n, d] at chunk
-        offsets r..r+n-1 over the keys/values k, v [B, H, C + r + n, d] of [memory; chunk]."""
-        n = q.shape[2]
-        o = merge_heads(attend(q, k, v, self.chunk_mask(mask, r, n, q.is_cuda)))
+        offsets r..r+n-1 over the keys/values k, v [B, H, C + r + n, d] of [memory; chunk]. The
+        mask is the boolean table's slice on every device: PyTorch's lower-right causal bias (no
+        mask tensor) failed on an H200 with torch 2.11, under the FLOP counter (a dispatch mode) and
+        under bf16 autocast (it checks dtypes before autocast casts them; RoPE leaves q, k in fp32)."""
+        C, n = self.cfg.chunk_size, q.shape[2]
+        visible = mask[r : r + n, : C + r + n]  # all C memory slots, the chunk's keys up to each query's own
+        o = merge_heads(attend(q, k, v, visible))
         if tap.active():  # the read-out: attention mass on the C memory slots
-            tap.record(
-                self, tap.attention_share(q, k, mask[r : r + n, : self.cfg.chunk_size + r + n], self.cfg.chunk_size)
-            )
+            tap.record(self, tap.attention_share(q, k, visible, C))
         return o if self.cfg.memory_source == "pre_wo" else self.wo(o)
 
     @compiled_region

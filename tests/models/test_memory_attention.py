@@ -187,22 +187,3 @@ def test_compiled_layers_match_eager() -> None:
     for (n, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
     assert set(compiled.state_dict()) == set(eager.state_dict())  # checkpoints keep their keys
-
-
-def test_chunk_mask_is_lower_right_causal() -> None:
-    """The bias CUDA gets (PyTorch's lower-right causal, FlashAttention's layout) is the boolean
-    table the CPU slices, for every chunk offset r and piece length n; SDPA gives the same output."""
-    layer = build_model("memory_attention", CFG).layers[0].attn
-    C = CFG["chunk_size"]
-    _, _, table = layer.tables(torch.zeros(1, 1, CFG["dim"]))
-    for r in range(C):
-        for n in range(1, C - r + 1):
-            cpu, cuda = layer.chunk_mask(table, r, n, False), layer.chunk_mask(table, r, n, True)
-            assert torch.equal(cuda._materialize(torch.device("cpu")), cpu), (r, n)
-    q, k, v = (torch.randn(2, 4, n, 8, dtype=torch.float64) for n in (5, C + 3 + 5, C + 3 + 5))
-    torch.testing.assert_close(
-        F.scaled_dot_product_attention(q, k, v, attn_mask=layer.chunk_mask(table, 3, 5, True)),
-        F.scaled_dot_product_attention(q, k, v, attn_mask=layer.chunk_mask(table, 3, 5, False)),
-        rtol=1e-12,
-        atol=1e-12,
-    )
