@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 # tests that run on every device: CUDA rows are skipped (not failed) on a machine without a GPU
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
 
 TEST_CONFIGS: dict[str, list[dict]] = {
     "llama": [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import DEVICES, TEST_CONFIGS, randomize_params
+from helpers import DEVICES, TEST_CONFIGS, cuda, no_cuda, randomize_params
 
 from recurformer import RecurformerError, build_model
 from recurformer.cli import main as cli_main
@@ -20,9 +20,6 @@ from recurformer.device import (
 )
 from recurformer.modules import attend
 from recurformer.optim import make_optimizer
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
-no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
 
 
 def test_auto_picks_cuda_when_present() -> None:
