@@ -19,6 +19,11 @@ The known traps of replaying a captured step, each handled here:
   that reads absolute positions (``Layer.shift_invariant`` false: RoPE over a KV cache). A
   shift-invariant step captured at position p0 serves every aligned position p: it runs at p0
   with every document start moved by p0 - p.
+* Autocast's cache of cast weights (the bf16 copy of a parameter, kept while an autocast context
+  lasts) would leave the cast out of the record, which would then read the copy made when it was
+  recorded: freed memory once the context ends, stale weights once the optimizer steps (PyTorch
+  docs, ``make_graphed_callables``: autocast with ``cache_enabled=False``). A step is recorded
+  with the cache off, so the casts are part of it.
 * No host read and no Python branch on a device value inside: resets are masks (the state's
   ``fresh``, set by ``State.reset``; the model takes the masked reset when it does not know on the
   host whether a row is fresh), and the token range is checked before the copy in (the model's
@@ -28,7 +33,7 @@ Backends: "eager" runs the step function at every call; "trace" records it once 
 ``make_fx`` (forward and backward as one graph of ATen operators, its Python run once) and
 replays the record: the CPU's stand-in for a CUDA graph, in which a value the step read on the
 host or a position it took as a constant is frozen as well; "cuda" captures it with
-``torch.cuda.graph`` (not yet run on a GPU)."""
+``torch.cuda.graph``."""
 
 from __future__ import annotations
 
@@ -104,12 +109,25 @@ def check_backend(backend: str) -> None:
         raise RecurformerError("the 'cuda' capture backend needs a CUDA GPU; this machine has none")
 
 
+@contextlib.contextmanager
+def uncached_casts() -> Iterator[None]:
+    """Autocast's weight-cast cache off inside (see the module docstring), as it was after."""
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)
+
+
+@uncached_casts()
 def record(
     fn: Callable[..., list[Tensor]], inputs: list[Tensor], backend: Backend, warmup: int
 ) -> tuple[list[Tensor], Callable[[], None]]:
     """``fn(*inputs)``'s outputs as static buffers and a replay that rewrites them from the
     current contents of ``inputs``: a CUDA graph (``warmup`` eager calls on a side stream first),
-    a ``make_fx`` record replayed, or ``fn`` itself run again ("eager")."""
+    a ``make_fx`` record replayed, or ``fn`` itself run again ("eager"). Recorded with autocast's
+    weight-cast cache off (``uncached_casts``)."""
     if backend != "cuda":  # a CUDA graph's own protocol: static outputs, overwritten by every replay
         run = fn if backend == "eager" else torch.no_grad()(make_fx(fn)(*inputs))
         outputs = fn(*inputs)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import TEST_CONFIGS
 
-from recurformer.capture import StepGraphs, flatten
+from recurformer.capture import StepGraphs, flatten, record
 from recurformer.config import RecurformerError
 from recurformer.models import build_model, model_names
 from recurformer.nn import StreamingLM
@@ -162,3 +162,44 @@ def test_cuda_graph_replay_equals_eager(name: str) -> None:
         assert (p.grad is None) == (q.grad is None)
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["eager", "trace"])
+def test_a_step_is_recorded_without_the_autocast_cache(backend: str) -> None:
+    """A step is recorded with autocast's weight-cast cache off (a CUDA graph recorded with it
+    reads the cast copy made at capture: freed once the autocast context ends, stale once the
+    weights change), and the cache is on again after."""
+    seen = []
+
+    def fn(x: torch.Tensor) -> list[torch.Tensor]:
+        seen.append(torch.is_autocast_cache_enabled())
+        return [x * 2]
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.is_autocast_cache_enabled()
+        record(fn, [torch.ones(3)], backend, warmup=2)  # type: ignore[arg-type]
+        assert torch.is_autocast_cache_enabled()
+    assert seen and not any(seen), seen
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_cuda_graph_under_bf16_autocast_follows_the_weights() -> None:
+    """Captured steps under bf16 autocast (a context per call, as the trainer runs them) with the
+    weights halved between calls: the graphed losses follow the eager ones (to bf16 rounding), which
+    a graph that read autocast's cached weight copies would not."""
+    models = [make("memory_attention", 0).float().cuda() for _ in range(2)]
+    graphed, eager = StepGraphs(models[0], backend="cuda"), StepGraphs(models[1])
+    T = length(models[0])
+    for _ in range(3):
+        x, y = (t.cuda() for t in batch(models[0], T))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            (la, _), (lb, _) = (
+                graphed(x, y, models[0].init_state(B, "cuda")),
+                eager(x, y, models[1].init_state(B, "cuda")),
+            )
+        torch.testing.assert_close(la.float(), lb.float(), rtol=2e-2, atol=1e-3)
+        with torch.no_grad():
+            for m in models:
+                for p in m.parameters():
+                    p.mul_(0.5)
+                m.zero_grad(set_to_none=True)
