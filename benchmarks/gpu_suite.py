@@ -214,12 +214,26 @@ def stage_tests(ctx: Ctx, target: list[str] | None = None) -> dict:
     its JUnit XML: passed, failed (errors included) and skipped rows."""
     xml = ctx.scratch / "tests.xml"
     target = target or (["tests/test_devices.py"] if ctx.dry else ["tests"])
-    cmd = [PY, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-k", "cuda", f"--junitxml={xml}", *target]
+    # -o addopts=: the ini's -q would cancel -v, whose one line per row names a row cut off before the summary
+    cmd = [
+        PY,
+        "-m",
+        "pytest",
+        "-o",
+        "addopts=",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "cuda",
+        f"--junitxml={xml}",
+        *target,
+    ]
     log = ctx.out / "tests.log"
     r = run(cmd, ctx.seconds - 5, log=log)
     res: dict[str, Any] = dict(command=" ".join(cmd[1:]), rc=r["rc"], timed_out=r["timed_out"])
     if not xml.is_file():  # cut off: count the rows pytest reported before it was stopped
-        seen = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", log.read_text(), flags=re.M)
+        seen = re.findall(r"^(\S+::.+?) (PASSED|FAILED|SKIPPED|ERROR)", log.read_text(), flags=re.M)
         counts = {
             k: sum(1 for _, v in seen if v in vs)
             for k, vs in (("passed", ("PASSED",)), ("failed", ("FAILED", "ERROR")), ("skipped", ("SKIPPED",)))
