@@ -215,20 +215,7 @@ def stage_tests(ctx: Ctx, target: list[str] | None = None) -> dict:
     xml = ctx.scratch / "tests.xml"
     target = target or (["tests/test_devices.py"] if ctx.dry else ["tests"])
     # -o addopts=: the ini's -q would cancel -v, whose one line per row names a row cut off before the summary
-    cmd = [
-        PY,
-        "-m",
-        "pytest",
-        "-o",
-        "addopts=",
-        "-v",
-        "-p",
-        "no:cacheprovider",
-        "-k",
-        "cuda",
-        f"--junitxml={xml}",
-        *target,
-    ]
+    cmd = [PY, "-m", "pytest", *"-o addopts= -v -p no:cacheprovider -k cuda".split(), f"--junitxml={xml}", *target]
     log = ctx.out / "tests.log"
     r = run(cmd, ctx.seconds - 5, log=log)
     res: dict[str, Any] = dict(command=" ".join(cmd[1:]), rc=r["rc"], timed_out=r["timed_out"])
