@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import TEST_CONFIGS
+from helpers import TEST_CONFIGS, cuda
 
 from recurformer.capture import StepGraphs, flatten, record
 from recurformer.config import RecurformerError
@@ -143,7 +143,7 @@ def test_bad_calls_are_one_line_errors() -> None:
             StepGraphs(model, backend="cuda")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@cuda
 @pytest.mark.parametrize("name", ["memory_attention", "llama"])
 def test_cuda_graph_replay_equals_eager(name: str) -> None:
     """The same protocol under ``torch.cuda.graph``, against the eager protocol on the GPU (float32)."""
@@ -182,7 +182,7 @@ def test_a_step_is_recorded_without_the_autocast_cache(backend: str) -> None:
     assert seen and not any(seen), seen
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@cuda
 def test_cuda_graph_under_bf16_autocast_follows_the_weights() -> None:
     """Captured steps under bf16 autocast (a context per call, as the trainer runs them) with the
     weights halved between calls: the graphed losses follow the eager ones (to bf16 rounding), which
