@@ -41,9 +41,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 import numpy as np
@@ -52,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from .checkpoint import load_checkpoint, load_model_weights
+from .checkpoint import checkpoints, load_checkpoint, load_model_weights, save_checkpoint
 from .config import RecurformerError, from_dict, merge, option, parse_overrides
 from .curriculum import Schedule, check_state_init_share, schedule_from
 from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
@@ -60,7 +62,7 @@ from .device import autocast_context, device_option, pick_device, slow_bf16_warn
 from .models import build_model, lookup, model_names
 from .modules import RMSNorm
 from .nn import IGNORE_INDEX, ModelConfig, State, StreamingLM
-from .optim import make_optimizer
+from .optim import make_optimizer, optimizer_from_flat, optimizer_to_flat
 from .statesize import measure
 from .tbptt import Update, backprop, start_state
 
@@ -101,6 +103,9 @@ class SynthConfig:
     state_init_share: float = 1.0  # the fraction of rows given the noisy / passed state (others: the initial state)
     eval_every: int = 0  # validation accuracy every N steps, kept per lr in the sweep ("curve"); 0: only at the end
     init_from: str | None = None  # a model saved by synth --save to start from (post-training), same model config
+    save_every: int = (
+        0  # with --save DIR: the run's progress every N steps in DIR/progress (synth --resume DIR); one lr
+    )
 
     def __post_init__(self) -> None:
         for k in ("steps", "batch_size", "n_val", "n_test", "n_length_test", "context", "chunk", "eval_batch_size"):
@@ -112,6 +117,12 @@ class SynthConfig:
             raise RecurformerError(f"synth key 'n_train' must be >= 1, got {self.n_train}")
         if not self.lrs or any(lr <= 0 for lr in self.lrs):
             raise RecurformerError(f"synth key 'lrs' must be positive learning rates, got {self.lrs}")
+        if self.save_every < 0:
+            raise RecurformerError(f"synth key 'save_every' must be >= 0 (0: no progress saved), got {self.save_every}")
+        if self.save_every and len(self.lrs) != 1:
+            raise RecurformerError(
+                f"synth key 'save_every' saves one run's progress; give one learning rate (lrs: {self.lrs})"
+            )
         if not 0 <= self.warmup < 1:
             raise RecurformerError(f"synth key 'warmup' is a fraction of the steps in [0, 1), got {self.warmup}")
         if self.eval_memory_gb <= 0:
@@ -394,6 +405,70 @@ def stage_base(t: Task, params: dict[str, Any], cfg: SynthConfig) -> dict[str, i
     return base
 
 
+PROGRESS = "progress"  # the subdirectory of the --save directory that holds a run's progress (synth.save_every)
+
+
+@dataclass
+class Progress:
+    """A run's progress, saved every ``every`` steps in ``directory`` (``synth.save_every``): one
+    checkpoint (``checkpoint.save_checkpoint``: written whole or not at all, the older one removed
+    after) of the weights, AdamW's moments, the data order and cursor, the generators, the state
+    passed between batches and the learning curve so far, with ``run`` (the task, model and synth
+    sections) from which ``synth --resume`` builds the same run again; ``resumed``: the checkpoint
+    to continue from (``load_progress``), whose remaining steps then equal an uninterrupted run's."""
+
+    directory: Path
+    every: int
+    run: dict[str, Any]
+    resumed: dict[str, Any] | None = None
+
+    def save(
+        self,
+        step: int,
+        learner: Learner,
+        opt: torch.optim.Optimizer,
+        gen: torch.Generator,
+        order: Tensor,
+        loop: dict[str, Any],
+        passed: State | None,
+    ) -> None:
+        tensors, meta = optimizer_to_flat(opt)
+        tensors |= {"gen": gen.get_state(), "order": order, "rng.torch": torch.get_rng_state()}
+        if passed is not None:
+            tensors |= {f"passed.{k}": v for k, v in passed.to("cpu").to_flat().items()}
+        train = {"step": step, "optimizer": meta, **loop}
+        save_checkpoint(self.directory, step, learner.state_dict(), self.run, None, tensors, train, keep_last=1)
+
+    def restore(
+        self, learner: Learner, opt: torch.optim.Optimizer, gen: torch.Generator
+    ) -> tuple[int, Tensor, dict[str, Any], State | None]:
+        """Loads the saved step into ``learner``, ``opt``, ``gen`` and torch's generator; returns
+        the step to continue from, the data order, the loop's other values and the passed state."""
+        ck = self.resumed
+        assert ck is not None
+        load_model_weights(learner, ck["model"], str(ck["dir"]))
+        tensors, train = ck["train_tensors"], ck["train_json"]
+        optimizer_from_flat(opt, tensors, train["optimizer"])
+        gen.set_state(tensors["gen"])
+        torch.set_rng_state(tensors["rng.torch"])
+        flat = {k.removeprefix("passed."): v for k, v in tensors.items() if k.startswith("passed.")}
+        device = learner.model.tok_emb.weight.device
+        passed = learner.model.state_from_flat(flat).to(device) if flat else None
+        loop = {k: train[k] for k in ("pos", "tail", "since", "curve")}
+        return int(train["step"]), tensors["order"], loop, passed
+
+
+def load_progress(save_dir: str | Path) -> dict[str, Any]:
+    """The newest progress checkpoint of a run saved with ``--save save_dir`` and ``synth.save_every``."""
+    where = Path(save_dir) / PROGRESS
+    if not checkpoints(where):
+        raise RecurformerError(
+            f"{save_dir} holds no synth run in progress (no checkpoint in {where}): "
+            f"resume a run started with --save {save_dir} and synth.save_every > 0"
+        )
+    return load_checkpoint(where, with_train_state=True)
+
+
 def train_model(
     learner: Learner,
     data: TaskData | FreshRows,
@@ -401,6 +476,7 @@ def train_model(
     lr: float,
     progress: bool = False,
     val: TaskData | None = None,
+    saving: Progress | None = None,
 ) -> tuple[float, list[dict[str, float]]]:
     """AdamW with warmup + cosine over ``cfg.steps`` steps of random batches (epoch order, seeded),
     or of fresh batches (``FreshRows``). With ``truncation``, ``state_init`` other than zero, or a
@@ -408,7 +484,8 @@ def train_model(
     last 10% of the steps and the learning curve: with ``cfg.eval_every`` and ``val``, every that
     many steps the validation accuracy and the mean training loss since the last point (recall
     tasks learn in a sudden jump after a plateau; each point also printed to stderr), else empty;
-    ``progress``: a tqdm bar."""
+    ``progress``: a tqdm bar; ``saving``: the run's progress saved every so many steps (and
+    restored first, when it resumes one)."""
     min_lr, warmup = lr * cfg.min_lr_ratio, int(cfg.warmup * cfg.steps)
     device = learner.model.tok_emb.weight.device
     opt = make_optimizer(learner, lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
@@ -421,9 +498,20 @@ def train_model(
     base = {"truncation": cfg.truncation, "length": data.base_length if isinstance(data, FreshRows) else 0}
     plain = learner.decoder is not None or (sched.values("truncation", base) == [0] and cfg.state_init == "zero")
     passed: State | None = None
+    start = 0
+    if saving is not None and saving.resumed is not None:
+        start, order, loop, passed = saving.restore(learner, opt, gen)
+        pos, tail, since, curve = loop["pos"], loop["tail"], loop["since"], loop["curve"]
     learner.train()
     for step in tqdm(
-        range(cfg.steps), desc=f"lr {lr:g}", unit="step", leave=False, disable=not progress, dynamic_ncols=True
+        range(start, cfg.steps),
+        desc=f"lr {lr:g}",
+        unit="step",
+        initial=start,
+        total=cfg.steps,
+        leave=False,
+        disable=not progress,
+        dynamic_ncols=True,
     ):
         if isinstance(data, TaskData):
             if pos + cfg.batch_size > n:
@@ -470,6 +558,9 @@ def train_model(
                 )
                 since = []
                 learner.train()
+        if saving is not None and (step + 1) % saving.every == 0 and step + 1 < cfg.steps:
+            loop = {"pos": pos, "tail": tail, "since": since, "curve": curve}
+            saving.save(step + 1, learner, opt, gen, order, loop, passed)
     return sum(tail) / len(tail), curve
 
 
@@ -564,11 +655,33 @@ def run_synth(
     device: str = "auto",
     progress: bool = False,
     save: str | None = None,
+    resume: dict[str, Any] | None = None,
 ) -> SynthResult:
     """Train ``model_name`` on ``task`` for every lr of ``cfg.lrs``; select by validation accuracy.
     ``progress``: a tqdm bar (on stderr) for each learning rate's training; ``save``: a directory
-    to save the selected model in (``StreamingLM.save_pretrained``)."""
+    to save the selected model in (``StreamingLM.save_pretrained``), and with ``cfg.save_every``
+    the run's progress in its ``progress`` subdirectory, removed once the model is saved;
+    ``resume``: a progress checkpoint (``load_progress``) to continue from."""
     cfg = cfg or SynthConfig()
+    saving = None
+    if cfg.save_every:
+        if not save:
+            raise RecurformerError(
+                "synth key 'save_every' keeps the run's progress in the --save directory: give --save DIR"
+            )
+        run = {
+            "model": {"name": model_name, **(model_over or {})},
+            "task": {"name": task, **(task_over or {})},
+            "synth": dataclasses.asdict(cfg),
+        }
+        saving = Progress(Path(save) / PROGRESS, cfg.save_every, run, resume)
+    elif resume is not None:
+        raise RecurformerError("resume needs the run's synth.save_every (the progress it was saved with)")
+    if save and resume is None and checkpoints(Path(save) / PROGRESS):
+        raise RecurformerError(
+            f"{save} holds a synth run in progress ({checkpoints(Path(save) / PROGRESS)[-1]}): continue it with "
+            f"`recurformer synth --resume {save}`, or --save elsewhere"
+        )
     dev = pick_device(device)
     if warning := slow_bf16_warning(cfg.precision, dev):
         log(warning)
@@ -620,7 +733,7 @@ def run_synth(
         if start is not None:
             load_model_weights(learner.model, start, str(cfg.init_from))
         learner = learner.to(dev)
-        loss, curve = train_model(learner, train, cfg, lr, progress, val)
+        loss, curve = train_model(learner, train, cfg, lr, progress, val, saving)
         v = evaluate(learner, val, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
         sweep.append({"lr": lr, "train_loss": loss, "val_accuracy": v, **({"curve": curve} if curve else {})})
         log(f"  {model_name} lr {lr:g}: train loss {loss:.4f}, val accuracy {v:.4f}")
@@ -631,6 +744,8 @@ def run_synth(
     scores = evaluate(learner, test, cfg.chunk, cfg.eval_batch_size)
     if save:
         learner.model.save_pretrained(save, config={"model": {"name": model_name}, "task": {"name": task, **params}})
+        if saving is not None:  # the run is saved whole: its progress is spent
+            shutil.rmtree(saving.directory, ignore_errors=True)
     by_length: dict[int, float] = {}
     for L, data in length_data.items():
         by_length[L] = evaluate(learner, data, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
@@ -760,21 +875,26 @@ class SynthCommandOptions:
     lengths: list[int] | None = option(
         None, "with --evaluate: comma-separated task lengths, e.g. 128,256,512", range=">= 1"
     )
+    resume: str | None = option(
+        None,
+        "continue a run saved with --save DIR and synth.save_every from its last saved step (--json, --device apply)",
+        metavar="DIR",
+    )
 
 
 def synth_command(args: SynthCommandOptions) -> None:
     """``recurformer synth``: train on a synthetic task (or, with ``evaluate``, score a saved
-    model at more lengths), print the summary, write ``json`` when given."""
-    import json
-    from pathlib import Path
-
+    model at more lengths; with ``resume``, continue a saved run), print the summary, write
+    ``json`` when given."""
     from .config import load_yaml
-    from .files import atomic_write_text, check_writable
+    from .files import check_writable
 
     if args.json:
         check_writable(Path(args.json), "--json file")  # before training, not after it
     if args.evaluate:
         return synth_evaluate(args)
+    if args.resume:
+        return synth_resume(args)
     files: dict[str, dict] = {"model": {}, "task": {}, "synth": {}}
     for path in args.config or []:  # YAML files with model / task / synth sections, the later and --set winning
         raw = load_yaml(path)
@@ -797,21 +917,60 @@ def synth_command(args: SynthCommandOptions) -> None:
             synth_over[key] = value
     if args.save:
         check_writable(Path(args.save), "--save directory", is_dir=True)
+    train_and_report(args, task, model, model_over, task_over, synth_config(synth_over), args.save)
+
+
+def train_and_report(
+    args: SynthCommandOptions,
+    task: str,
+    model: str,
+    model_over: dict[str, Any],
+    task_over: dict[str, Any],
+    cfg: SynthConfig,
+    save: str | None,
+    resume: dict[str, Any] | None = None,
+) -> None:
+    """``run_synth`` from the command line: its log and summary printed, ``args.json`` written."""
+    import json
+
+    from .files import atomic_write_text
+
     r = run_synth(
         task,
         model,
         model_over,
         task_over,
-        synth_config(synth_over),
+        cfg,
         log=print,
         device=args.device,
         progress=sys.stderr.isatty(),
-        save=args.save,
+        save=save,
+        resume=resume,
     )
     print(summary(r))
     if args.json:
         atomic_write_text(args.json, json.dumps(result_dict(r), indent=2) + "\n")
         print(f"wrote {args.json}")
+
+
+def synth_resume(args: SynthCommandOptions) -> None:
+    """``synth --resume DIR``: a run saved with ``--save DIR`` and ``synth.save_every``, continued
+    from its last saved step as it was configured (its ``--json`` and ``--device`` may be given)."""
+    assert args.resume is not None
+    given = [
+        f"--{k.replace('_', '-')}"
+        for k in ("task", "model", "config", "set", "steps", "lrs", "n_train", "n_test", "save", "lengths")
+        if getattr(args, k)
+    ]
+    if given:
+        raise RecurformerError(f"synth --resume continues the run as it was saved; {given[0]} does not apply")
+    ck = load_progress(args.resume)
+    run = ck["config"]
+    model_over, task_over = dict(run["model"]), dict(run["task"])
+    model, task = model_over.pop("name"), task_over.pop("name")
+    cfg = synth_config(run["synth"])
+    print(f"resuming {args.resume}: {model} on {task} from step {ck['train_json']['step']} of {cfg.steps}")
+    train_and_report(args, task, model, model_over, task_over, cfg, args.resume, ck)
 
 
 def synth_evaluate(args: SynthCommandOptions) -> None:

@@ -13,6 +13,7 @@ from helpers import randomize_params
 
 import recurformer
 from recurformer.cli import main
+from recurformer.config import RecurformerError
 from recurformer.data.synthetic import TASKS, make_split
 from recurformer.models import build_model, model_names
 from recurformer.nn import IGNORE_INDEX
@@ -662,3 +663,76 @@ def test_segment_curriculum_chains_stages_from_the_last_model_and_resumes(tmp_pa
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     e = json.loads((tmp_path / "eval.stage2.json").read_text())
     assert e["checkpoint"] == str(tmp_path / "stage2.model") and set(e["by_length"]) == {"24"}
+
+
+class Killed(Exception):
+    """Stands for the process being killed in the middle of a step."""
+
+
+@pytest.mark.parametrize(
+    "name, task, params, synth",
+    [  # fresh rows and the state passed between batches; a fixed training set read in a seeded order
+        (
+            "rmt",
+            "mqar",
+            {"num_pairs": 2, "num_queries": 2, "distance": 4},
+            {"train_lengths": [4, 12], "state_init": "passing"},
+        ),
+        ("gated_deltanet", "in_context_recall", {"seq_len": 16}, {"n_train": 10}),
+    ],
+)
+def test_resumed_synth_run_equals_the_uninterrupted_one(
+    tmp_path, monkeypatch, capsys, name, task, params, synth
+) -> None:
+    """synth.save_every: a run killed in step 6 after its progress was saved at step 3, continued
+    by ``synth --resume``, ends with the same weights (bitwise), curve and scores as the same run
+    uninterrupted; its progress is removed once the model is saved."""
+    from safetensors.torch import load_file
+
+    from recurformer.tbptt import Update
+
+    values = {"steps": 8, "batch_size": 4, "n_val": 8, "n_test": 8, "lrs": [3e-3], "context": 4, "chunk": 8}
+    cfg = synth_config({**values, "eval_every": 2, "save_every": 3, **synth})
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    a = run_synth(task, name, TINY, params, cfg, save=str(whole))
+    finish, calls = Update.finish, []
+
+    def killed_in_step_6(self: Update) -> None:
+        calls.append(1)
+        if len(calls) == 6:
+            raise Killed
+        finish(self)
+
+    monkeypatch.setattr(Update, "finish", killed_in_step_6)
+    with pytest.raises(Killed):
+        run_synth(task, name, TINY, params, cfg, save=str(cut))
+    monkeypatch.setattr(Update, "finish", finish)
+    assert [p.name for p in (cut / "progress").iterdir() if p.name.startswith("step_")] == ["step_000003"]
+    with pytest.raises(RecurformerError, match="holds a synth run in progress"):  # a fresh run there would mix two runs
+        run_synth(task, name, TINY, params, cfg, save=str(cut))
+    out = tmp_path / "r.json"
+    assert main(["synth", "--resume", str(cut), "--json", str(out)]) == 0
+    assert "from step 3 of 8" in capsys.readouterr().out
+    b = json.loads(out.read_text())
+    wa, wb = load_file(whole / "model.safetensors"), load_file(cut / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert b["sweep"] == a.sweep and b["test"] == dataclasses.asdict(a.test) and len(a.sweep[0]["curve"]) == 4
+    assert not (cut / "progress").exists() and not (whole / "progress").exists()
+
+
+def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys) -> None:
+    for argv, says in [
+        (["synth", "--resume", str(tmp_path)], "holds no synth run in progress"),
+        (["synth", "--resume", str(tmp_path), "--set", "synth.steps=9"], "--set does not apply"),
+        (
+            ["synth", "--task", "mqar", "--model", "llama", "--set", "synth.save_every=2", "--lrs", "1e-3"],
+            "give --save DIR",
+        ),
+        (
+            ["synth", "--task", "mqar", "--model", "llama", "--set", "synth.save_every=2", "--lrs", "1e-3,2e-3"],
+            "one learning rate",
+        ),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and "\n" not in err, err
