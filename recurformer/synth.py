@@ -103,9 +103,7 @@ class SynthConfig:
     state_init_share: float = 1.0  # the fraction of rows given the noisy / passed state (others: the initial state)
     eval_every: int = 0  # validation accuracy every N steps, kept per lr in the sweep ("curve"); 0: only at the end
     init_from: str | None = None  # a model saved by synth --save to start from (post-training), same model config
-    save_every: int = (
-        0  # with --save DIR: the run's progress every N steps in DIR/progress (synth --resume DIR); one lr
-    )
+    save_every: int = 0  # with --save DIR: progress every N steps in DIR/progress (synth --resume DIR); one lr
 
     def __post_init__(self) -> None:
         for k in ("steps", "batch_size", "n_val", "n_test", "n_length_test", "context", "chunk", "eval_batch_size"):
@@ -466,7 +464,10 @@ def load_progress(save_dir: str | Path) -> dict[str, Any]:
             f"{save_dir} holds no synth run in progress (no checkpoint in {where}): "
             f"resume a run started with --save {save_dir} and synth.save_every > 0"
         )
-    return load_checkpoint(where, with_train_state=True)
+    ck = load_checkpoint(where, with_train_state=True)
+    if not all(isinstance(ck["config"].get(k), dict) for k in ("model", "task", "synth")):
+        raise RecurformerError(f"{ck['dir']} is not a synth run's progress (its config.json has no model/task/synth)")
+    return ck
 
 
 def train_model(

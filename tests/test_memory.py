@@ -721,7 +721,12 @@ def test_resumed_synth_run_equals_the_uninterrupted_one(
 
 
 def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys) -> None:
+    from recurformer.checkpoint import save_checkpoint
+
+    other = tmp_path / "other"  # a training checkpoint where a synth run's progress should be
+    save_checkpoint(other / "progress", 1, {"w": torch.zeros(1)}, {"model": {"name": "llama"}}, None, {}, {})
     for argv, says in [
+        (["synth", "--resume", str(other)], "is not a synth run's progress"),
         (["synth", "--resume", str(tmp_path)], "holds no synth run in progress"),
         (["synth", "--resume", str(tmp_path), "--set", "synth.steps=9"], "--set does not apply"),
         (
