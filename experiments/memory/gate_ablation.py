@@ -9,11 +9,17 @@ per condition with one gate of the delta rule (Yang, Kautz & Hatamizadeh, "Gated
     no_write    b_t = 0 on filler: the filler writes nothing and erases nothing
 
 in every layer, or in layer N only (suffix ``_lN``). The key, the query marker and the answer keep
-their trained gates. One more condition changes the model, on every token:
+their trained gates. Three more conditions change the model, on every token:
 
     floor       b_t through the write floor ``--write-floor`` eps (the model option ``write_floor``:
-                max(0, b_t - eps) / (1 - eps)), so writes below eps become exactly 0 A condition that restores the exact match names what lost the key; one that
-leaves it unchanged did not. Printed: each condition's exact match (every key token right) and,
+                max(0, b_t - eps) / (1 - eps)), so writes below eps become exactly 0
+    decay_floor log a_t through the decay floor ``--decay-floor`` delta (the model option
+                ``decay_floor``: min(0, log a_t + delta)), so decays weaker than delta per token
+                become exactly none
+    floors      both floors
+
+A condition that restores the exact match names what lost the key; one that leaves it unchanged
+did not. Printed: each condition's exact match (every key token right) and,
 as trained, each head's mean b_t and g_t on the filler.
 
     python experiments/memory/gate_ablation.py OUT/stage16.model --length 32768 --rows 32 \
@@ -39,7 +45,7 @@ from recurformer.data.synthetic import passkey  # noqa: E402
 from recurformer.hub import load  # noqa: E402
 from recurformer.models.gated_deltanet import GatedDeltaNetLayer  # noqa: E402
 
-CONDITIONS = ("trained", "no_decay", "no_write", "floor")
+CONDITIONS = ("trained", "no_decay", "no_write", "floor", "decay_floor", "floors")
 
 
 def patch(mixer: GatedDeltaNetLayer, index: int, ctx: dict[str, Any]) -> None:
@@ -50,14 +56,16 @@ def patch(mixer: GatedDeltaNetLayer, index: int, ctx: dict[str, Any]) -> None:
 
     def gates(x: Tensor) -> tuple[Tensor, Tensor]:
         cond, _, layer = ctx["cond"].partition("_l")
-        floor = cond == "floor" and (not layer or int(layer) == index)
-        saved = mixer.cfg.write_floor
-        if floor:
+        here = not layer or int(layer) == index
+        saved = mixer.cfg.write_floor, mixer.cfg.decay_floor
+        if here and cond in ("floor", "floors"):
             mixer.cfg.write_floor = ctx["floor"]
+        if here and cond in ("decay_floor", "floors"):
+            mixer.cfg.decay_floor = ctx["decay_floor"]
         try:
             b, g = trained(x)  # [B, H, T] each
         finally:
-            mixer.cfg.write_floor = saved
+            mixer.cfg.write_floor, mixer.cfg.decay_floor = saved
         filler = ctx["filler"][:, None, :]
         if cond == "trained":
             s = ctx["sums"].setdefault(index, torch.zeros(3, b.shape[1], dtype=torch.float64))
@@ -79,7 +87,10 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--conditions", default="trained,no_write_l0,no_decay_l0")
     ap.add_argument("--seed", type=int, default=1234, help="of the test rows")
-    ap.add_argument("--write-floor", type=float, default=0.02, help="eps of the condition 'floor'")
+    ap.add_argument("--write-floor", type=float, default=0.02, help="eps of the conditions 'floor' and 'floors'")
+    ap.add_argument(
+        "--decay-floor", type=float, default=5e-4, help="delta of the conditions 'decay_floor' and 'floors'"
+    )
     ap.add_argument("--json", help="write {condition: exact match} and the gate means here")
     args = ap.parse_args()
     conds = args.conditions.split(",")
@@ -90,6 +101,9 @@ def main() -> int:
             return 2
     if not 0.0 < args.write_floor < 1.0:
         print(f"error: --write-floor must lie strictly between 0 and 1, got {args.write_floor}", file=sys.stderr)
+        return 2
+    if not args.decay_floor > 0.0:
+        print(f"error: --decay-floor must be > 0, got {args.decay_floor}", file=sys.stderr)
         return 2
     try:
         loaded = load(args.checkpoint)
@@ -106,7 +120,7 @@ def main() -> int:
         np.random.default_rng(args.seed), args.rows, V, args.length, task["key_len"], KV, task.get("key_span", 0.0)
     )
     x, y = torch.as_tensor(x), torch.as_tensor(y)
-    ctx: dict[str, Any] = {"sums": {}, "floor": args.write_floor}
+    ctx: dict[str, Any] = {"sums": {}, "floor": args.write_floor, "decay_floor": args.decay_floor}
     for i, m in enumerate(mixers):
         patch(m, i, ctx)
     result: dict[str, Any] = {
@@ -114,6 +128,7 @@ def main() -> int:
         "length": args.length,
         "rows": args.rows,
         "write_floor": args.write_floor,
+        "decay_floor": args.decay_floor,
         "exact": {},
     }
     for c in conds:

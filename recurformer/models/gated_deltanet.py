@@ -32,6 +32,14 @@ reaches 0, and a trained passkey model's filler writes of b_t ~ 0.005 erase its 
 tokens (docs/results/memory.md), while below the floor a token writes and erases exactly nothing,
 as Mamba's step size can reach 0 on filler ("Mamba", Gu & Dao, §3.5). Above eps the gradient is
 the sigmoid's, rescaled; ``synth.init_from`` may add a floor to a model trained without one.
+
+``decay_floor`` delta (not in the paper; 0, the default, is the paper's layer) does the same for
+the decay, in log space: g_t = min(0, log a_t + delta), so a token that decays the state by less
+than delta (per token) decays it exactly not at all, and a stronger decay is delta weaker. A
+trained passkey model's filler decays of log a_t ~ -1e-5..-2e-4 per token shrink its key over
+10^4-10^5 tokens against the recent filler that its heads keep writing (docs/results/memory.md);
+below the floor a head holds what it has exactly. delta must stay below -log ``decay_init``, the
+decay at initialisation, else every g_t starts at 0 and the decay gets no gradient.
 """
 
 from __future__ import annotations
@@ -54,12 +62,13 @@ from ..state import Call, LayerState, reset_rows
 @dataclass
 class GatedDeltaNetConfig(ModelConfig):
     context_field = "window"  # of the hybrid stacks' window layers (a delta layer reaches back without bound)
-    retrain_keys = ("write_floor", "chunk_size", "impl")
+    retrain_keys = ("write_floor", "decay_floor", "chunk_size", "impl")
     chunk_size: int = 64  # tokens per chunk of the chunked (WY) form; compute only, the result is the same
     conv_size: int = 4  # kernel of the causal depthwise convolution on q, k, v (1: a per-channel scale)
     decay_init: float = 0.999  # a_t at initialisation, on every input (W_a starts at zero)
     write_init: float = 0.5  # sigmoid(c_b) at initialisation where W_b x = 0 (bias logit(write_init))
     write_floor: float = 0.0  # eps: b_t = max(0, sigmoid(.) - eps) / (1 - eps), exactly 0 below eps (0: the paper's)
+    decay_floor: float = 0.0  # delta: log a_t = min(0, log a_t + delta), exactly no decay above -delta (0: the paper's)
     impl: Literal["chunked", "naive"] = "chunked"  # the recurrence over a call of several tokens
 
     def __post_init__(self) -> None:
@@ -76,6 +85,11 @@ class GatedDeltaNetConfig(ModelConfig):
             raise RecurformerError(
                 f"config key 'write_floor' must be >= 0 and below write_init = {self.write_init} "
                 f"(else every write is 0 at initialisation and b_t gets no gradient), got {self.write_floor}"
+            )
+        if not 0.0 <= self.decay_floor < -math.log(self.decay_init):
+            raise RecurformerError(
+                f"config key 'decay_floor' must be >= 0 and below -log(decay_init) = {-math.log(self.decay_init):.4g} "
+                f"(else no token decays at initialisation and a_t gets no gradient), got {self.decay_floor}"
             )
 
 
@@ -226,13 +240,16 @@ class GatedDeltaNetLayer(Layer):
 
     def gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Write strengths b = sigmoid(W_b x + c_b) (with ``write_floor`` eps: max(0, b - eps) /
-        (1 - eps)) and log-decays g = log a = -softplus(W_a x + dt_bias) exp(A_log), each [B, H, T]."""
+        (1 - eps)) and log-decays g = log a = -softplus(W_a x + dt_bias) exp(A_log) (with
+        ``decay_floor`` delta: min(0, g + delta)), each [B, H, T]."""
         xt = x.transpose(1, 2)  # [B, D, T]: the gates come out [B, H, T] contiguous (a compiled
         # backward fails on the transposed gradient of a [B, T, H] projection)
         b = torch.sigmoid(self.wb.weight @ xt + self.wb.bias[:, None])
         if eps := self.cfg.write_floor:
             b = (b - eps).clamp_min(0.0) / (1.0 - eps)
         g = -F.softplus(self.wa.weight @ xt + self.dt_bias[:, None]) * self.A_log.exp()[:, None]
+        if delta := self.cfg.decay_floor:
+            g = (g + delta).clamp_max(0.0)
         return b, g
 
     def forward(self, x: Tensor, state: DeltaState, call: Call) -> tuple[Tensor, DeltaState]:

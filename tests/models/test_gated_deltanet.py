@@ -111,12 +111,17 @@ def layer_pair(**values) -> tuple[GatedDeltaNetLayer, GatedDeltaNetLayer]:
     return chunked, naive
 
 
-@pytest.mark.parametrize("conv_size, floor", [(4, 0.0), (1, 0.0), (4, 0.3)])
-def test_layer_chunked_equals_naive_in_every_parameter_gradient(conv_size: int, floor: float) -> None:
+@pytest.mark.parametrize(
+    "conv_size, floors",
+    [(4, {}), (1, {}), (4, {"write_floor": 0.3}), (4, {"decay_floor": 0.6, "decay_init": 0.3})],
+    ids=["conv4", "conv1", "write_floor", "decay_floor"],
+)
+def test_layer_chunked_equals_naive_in_every_parameter_gradient(conv_size: int, floors: dict) -> None:
     """The whole layer (projections, convolution, gates, norm, output gate): outputs, final state
     and the gradients of its input, of a nonzero initial state and of every parameter (with a
-    write floor: some writes exactly 0, the others rescaled)."""
-    chunked, naive = layer_pair(conv_size=conv_size, write_floor=floor)
+    write floor: some writes exactly 0, the others rescaled; with a decay floor: some tokens
+    exactly without decay)."""
+    chunked, naive = layer_pair(conv_size=conv_size, **floors)
     B, T = 2, 29
     x = torch.randn(B, T, 24, **F64, requires_grad=True)
     s0 = chunked.init_state(B, "cpu", torch.float64)
@@ -170,6 +175,28 @@ def test_the_write_floor_makes_small_writes_exactly_zero() -> None:
     assert torch.equal(grad, torch.zeros_like(grad))
 
 
+def test_the_decay_floor_makes_weak_decays_exactly_none() -> None:
+    """log a = min(0, g + delta): exactly 0 (no decay: with b = 0 the state is held exactly)
+    where the paper's g >= -delta, g + delta below; the write untouched; no gradient where held."""
+    torch.manual_seed(5)
+    values = dict(dim=24, n_heads=2, decay_init=0.3)
+    base = GatedDeltaNetLayer(make_config("gated_deltanet", values)).double()
+    randomize_params(base, 0.3)
+    floored = GatedDeltaNetLayer(make_config("gated_deltanet", dict(values, decay_floor=0.6))).double()
+    floored.load_state_dict(base.state_dict())
+    x = torch.randn(3, 40, 24, **F64) * 3
+    b0, g0 = base.gates(x)
+    xg = x.clone().requires_grad_()
+    b, g = floored.gates(xg)
+    held = g0 >= -0.6
+    assert 0 < int(held.sum()) < held.numel()  # both sides of the floor are exercised
+    assert torch.equal(g[held], torch.zeros_like(g[held]))
+    torch.testing.assert_close(g[~held], g0[~held] + 0.6, rtol=1e-12, atol=0)
+    assert torch.equal(b, b0)  # the write is untouched
+    grad = torch.autograd.grad(g[held].sum(), xg)[0]
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
 def test_state_survives_a_safetensors_file(tmp_path) -> None:
     cfg = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8)
     model = build_model("gated_deltanet", cfg).double().eval()
@@ -191,6 +218,11 @@ def test_state_survives_a_safetensors_file(tmp_path) -> None:
         (dict(write_init=1.5), "'write_init' must lie strictly between 0 and 1, got 1.5"),
         (dict(write_floor=-0.1), "'write_floor' must be >= 0 and below write_init = 0.5 .*, got -0.1"),
         (dict(write_floor=0.5), "'write_floor' must be >= 0 and below write_init = 0.5 .*, got 0.5"),
+        (
+            dict(decay_floor=-1e-4),
+            r"'decay_floor' must be >= 0 and below -log\(decay_init\) = 0.001001 .*, got -0.0001",
+        ),
+        (dict(decay_floor=2e-3), r"'decay_floor' must be >= 0 and below -log\(decay_init\) = 0.001001 .*, got 0.002"),
         (dict(conv_size=0), "'conv_size' must be >= 1, got 0"),
         (dict(chunk_size=0), "'chunk_size' must be >= 1, got 0"),
         (dict(dim=30, n_heads=4), r"dim \(30\) must be divisible by n_heads \(4\)"),
