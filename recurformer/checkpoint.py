@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -362,3 +364,23 @@ def open_run_dir(out: Path, resumed_run: Path | None, step: int) -> None:
         raise RecurformerError(f"cannot write run directory {out}: {e.strerror or e}") from None
     if resumed_run is not None:
         copy_metrics(resumed_run, out / "metrics.jsonl", step)
+
+
+class RNGState:
+    """The torch (and CUDA) generators as ``rng.*`` tensors; Python's and NumPy's under ``rng``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {"rng.torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            sd["rng.cuda"] = torch.cuda.get_rng_state()
+        np_state: Any = np.random.get_state()
+        sd["rng"] = {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        torch.set_rng_state(sd["rng.torch"])
+        if "rng.cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["rng.cuda"])
+        py, n = sd["rng"]["python"], sd["rng"]["numpy"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from .checkpoint import checkpoints, load_checkpoint, load_model_weights, save_checkpoint
+from .checkpoint import RNGState, checkpoints, load_checkpoint, load_model_weights, save_checkpoint
 from .config import RecurformerError, from_dict, merge, option, parse_overrides
 from .curriculum import Schedule, check_state_init_share, schedule_from
 from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
@@ -431,16 +431,17 @@ class Progress:
         passed: State | None,
     ) -> None:
         tensors, meta = optimizer_to_flat(opt)
-        tensors |= {"gen": gen.get_state(), "order": order, "rng.torch": torch.get_rng_state()}
+        rng = RNGState().state_dict()
+        tensors |= {"gen": gen.get_state(), "order": order} | {k: v for k, v in rng.items() if k != "rng"}
         if passed is not None:
             tensors |= {f"passed.{k}": v for k, v in passed.to("cpu").to_flat().items()}
-        train = {"step": step, "optimizer": meta, **loop}
+        train = {"step": step, "optimizer": meta, "rng": rng["rng"], **loop}
         save_checkpoint(self.directory, step, learner.state_dict(), self.run, None, tensors, train, keep_last=1)
 
     def restore(
         self, learner: Learner, opt: torch.optim.Optimizer, gen: torch.Generator
     ) -> tuple[int, Tensor, dict[str, Any], State | None]:
-        """Loads the saved step into ``learner``, ``opt``, ``gen`` and torch's generator; returns
+        """Loads the saved step into ``learner``, ``opt``, ``gen`` and the global generators; returns
         the step to continue from, the data order, the loop's other values and the passed state."""
         ck = self.resumed
         assert ck is not None
@@ -448,7 +449,7 @@ class Progress:
         tensors, train = ck["train_tensors"], ck["train_json"]
         optimizer_from_flat(opt, tensors, train["optimizer"])
         gen.set_state(tensors["gen"])
-        torch.set_rng_state(tensors["rng.torch"])
+        RNGState().load_state_dict(tensors | train)
         flat = {k.removeprefix("passed."): v for k, v in tensors.items() if k.startswith("passed.")}
         device = learner.model.tok_emb.weight.device
         passed = learner.model.state_from_flat(flat).to(device) if flat else None

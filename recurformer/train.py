@@ -21,7 +21,6 @@ import contextlib
 import json
 import math
 import os
-import random
 import signal
 import sys
 import threading
@@ -325,26 +324,6 @@ class OptimizerState:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         optimizer_from_flat(self.opt, sd, sd["optimizer"])
-
-
-class RNGState:
-    """The torch (and CUDA) generators as ``rng.*`` tensors; Python's and NumPy's under ``rng``."""
-
-    def state_dict(self) -> dict[str, Any]:
-        sd: dict[str, Any] = {"rng.torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            sd["rng.cuda"] = torch.cuda.get_rng_state()
-        np_state: Any = np.random.get_state()
-        sd["rng"] = {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
-        return sd
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        torch.set_rng_state(sd["rng.torch"])
-        if "rng.cuda" in sd and torch.cuda.is_available():
-            torch.cuda.set_rng_state(sd["rng.cuda"])
-        py, n = sd["rng"]["python"], sd["rng"]["numpy"]
-        random.setstate((py[0], tuple(py[1]), py[2]))
-        np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
 
 
 class StreamCursors:
@@ -786,7 +765,7 @@ class Trainer:
             "train": self,
             "model": ModelWeights(self.model, str(self.resumed_from)),
             "optimizer": OptimizerState(self.opt),
-            "rng": RNGState(),
+            "rng": ckpt.RNGState(),
             "streams": StreamCursors(self),
             "state": CarriedState(self),
         }
