@@ -7,6 +7,9 @@ per condition with one gate of the delta rule (Yang, Kautz & Hatamizadeh, "Gated
 
     no_decay    a_t = 1 on filler (g_t = log a_t = 0): nothing of the state decays there
     no_write    b_t = 0 on filler: the filler writes nothing and erases nothing
+    frozen      both: the state is what it was before the filler, so the exact match cannot
+                depend on how much filler there is (the instrument's control: it must read the
+                same at every length)
 
 in every layer, or in layer N only (suffix ``_lN``). The key, the query marker and the answer keep
 their trained gates. Three more conditions change the model, on every token:
@@ -45,7 +48,7 @@ from recurformer.data.synthetic import passkey  # noqa: E402
 from recurformer.hub import load  # noqa: E402
 from recurformer.models.gated_deltanet import GatedDeltaNetLayer  # noqa: E402
 
-CONDITIONS = ("trained", "no_decay", "no_write", "floor", "decay_floor", "floors")
+CONDITIONS = ("trained", "no_decay", "no_write", "frozen", "floor", "decay_floor", "floors")
 
 
 def patch(mixer: GatedDeltaNetLayer, index: int, ctx: dict[str, Any]) -> None:
@@ -73,8 +76,8 @@ def patch(mixer: GatedDeltaNetLayer, index: int, ctx: dict[str, Any]) -> None:
                 ((b * filler).sum((0, 2)), (g * filler).sum((0, 2)), filler.sum((0, 2)).expand(b.shape[1]))
             )
         elif not layer or int(layer) == index:
-            b = b.masked_fill(filler, 0.0) if cond == "no_write" else b
-            g = g.masked_fill(filler, 0.0) if cond == "no_decay" else g
+            b = b.masked_fill(filler, 0.0) if cond in ("no_write", "frozen") else b
+            g = g.masked_fill(filler, 0.0) if cond in ("no_decay", "frozen") else g
         return b, g
 
     mixer.gates = gates  # type: ignore[method-assign]
