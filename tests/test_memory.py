@@ -456,8 +456,8 @@ def test_synth_config_files(tmp_path, capsys) -> None:
     memory = [n for n in bundled_configs() if n.startswith("memory/")]
     # 6 recipes x 2 tasks, MQAR's twostage, twostage-mixed and recall-first, 6 whole experiments (best
     # results), the Block-Recurrent LSTM gate on passkey and MQAR, the stage of the passkey's curriculum
-    # over segment counts
-    assert len(memory) == 24
+    # over segment counts, Gated DeltaNet's closed writes
+    assert len(memory) == 25
     for name in memory:
         raw = load_yaml(name)
         task = name.split("/")[1].split("-")[0]
