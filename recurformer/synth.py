@@ -796,7 +796,7 @@ def score_lengths(
         raise RecurformerError(f"task {task} is read by a decoder that a saved model does not hold")
     if not t.length_key:
         raise RecurformerError(f"task {task} has no length to sweep")
-    check_eval_budget(t, params, cfg, model, lengths)
+    check_eval_budget(t, params, dataclasses.replace(cfg, n_length_test=n_rows), model, lengths)  # the rows read here
     learner = Learner(model, t)
     return {
         L: evaluate(learner, length_split(t, params, L, n_rows, cfg.seed), cfg.chunk, cfg.eval_batch_size)

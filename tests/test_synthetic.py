@@ -15,7 +15,15 @@ from recurformer.config import RecurformerError
 from recurformer.data.synthetic import TASKS, make_split, vocab_size
 from recurformer.models import build_model, model_names
 from recurformer.nn import IGNORE_INDEX
-from recurformer.synth import Learner, SynthConfig, check_eval_budget, model_values, run_synth, synth_config
+from recurformer.synth import (
+    Learner,
+    SynthConfig,
+    check_eval_budget,
+    model_values,
+    run_synth,
+    score_lengths,
+    synth_config,
+)
 
 SMALL = {  # small settings so the tests stay fast; defaults are the MAD baselines
     "in_context_recall": dict(seq_len=32),
@@ -508,3 +516,18 @@ def test_eval_budget_refuses_a_length_whose_state_does_not_fit_before_any_work()
     cfg.eval_lengths = [131072]
     with pytest.raises(RecurformerError, match="eval_memory_gb"):
         run_synth("passkey", "llama", small, {"length": 12}, cfg)
+
+
+def test_scoring_a_saved_model_budgets_the_rows_it_reads() -> None:
+    """``score_lengths`` (``synth --evaluate --n-test N``) checks the budget for the N rows it
+    reads, not for the config's ``n_length_test``: 4 rows of 16,384 tokens fit 20 MB where 256 would
+    not, and 256 rows are refused."""
+    cfg = SynthConfig(n_length_test=256, eval_batch_size=4, eval_memory_gb=0.02)
+    model = build_model(
+        "gated_deltanet", model_values("gated_deltanet", {"dim": 16, "n_heads": 2, "ffn_hidden": 32}, 32, 8)
+    )
+    params = {"length": 12, "key_span": 0.5}
+    with pytest.raises(RecurformerError, match=r"length 16384 .*for 256 rows"):
+        score_lengths(model, "passkey", params, [16384], 256, cfg)
+    scores = score_lengths(model, "passkey", params, [16384], 4, cfg)
+    assert scores[16384].rows == 4
