@@ -624,23 +624,30 @@ def check_recipe(t: Task, params: dict[str, Any], cfg: SynthConfig) -> None:
 
 
 def check_eval_budget(
-    t: Task, params: dict[str, Any], cfg: SynthConfig, model: StreamingLM, lengths: list[int]
+    t: Task,
+    params: dict[str, Any],
+    cfg: SynthConfig,
+    model: StreamingLM,
+    lengths: list[int],
+    n_rows: int | None = None,
 ) -> None:
     """One line, before any work, when testing at one of ``lengths`` would hold more than
-    ``cfg.eval_memory_gb``: the test rows and their predictions (int64), and the model's state for
-    ``cfg.eval_batch_size`` rows at the row's end (fp32; measured, ``statesize.measure``: constant
-    for a bounded state, a KV cache grows with the row)."""
+    ``cfg.eval_memory_gb``: the ``n_rows`` test rows (default ``cfg.n_length_test``) and their
+    predictions (int64), and the model's state for ``cfg.eval_batch_size`` rows at the row's end
+    (fp32; measured, ``statesize.measure``: constant for a bounded state, a KV cache grows with the
+    row)."""
     if not lengths:
         return
+    n = cfg.n_length_test if n_rows is None else n_rows
     size = measure(model)
     for L in sorted(lengths, reverse=True):
         T = make_split(t.name, 1, 0, t.at_length(params, L)).inputs.shape[1]
-        rows = 3 * 8 * cfg.n_length_test * T
+        rows = 3 * 8 * n * T
         state = 4 * cfg.eval_batch_size * size.at(T)
         if (need := (rows + state) / 2**30) > cfg.eval_memory_gb:
             raise RecurformerError(
                 f"testing {t.name} at length {L} ({T:,} tokens a row) needs about {need:.1f} GB "
-                f"({rows / 2**30:.1f} for {cfg.n_length_test} rows, {state / 2**30:.1f} for the state of "
+                f"({rows / 2**30:.1f} for {n} rows, {state / 2**30:.1f} for the state of "
                 f"{cfg.eval_batch_size} rows{'' if size.bounded else ', which grows with the row'}), more than "
                 f"synth.eval_memory_gb = {cfg.eval_memory_gb:g}: lower synth.eval_lengths, n_length_test or "
                 "eval_batch_size, or raise eval_memory_gb"
@@ -796,7 +803,7 @@ def score_lengths(
         raise RecurformerError(f"task {task} is read by a decoder that a saved model does not hold")
     if not t.length_key:
         raise RecurformerError(f"task {task} has no length to sweep")
-    check_eval_budget(t, params, dataclasses.replace(cfg, n_length_test=n_rows), model, lengths)  # the rows read here
+    check_eval_budget(t, params, cfg, model, lengths, n_rows)
     learner = Learner(model, t)
     return {
         L: evaluate(learner, length_split(t, params, L, n_rows, cfg.seed), cfg.chunk, cfg.eval_batch_size)
