@@ -186,7 +186,18 @@ class RecurformerForCausalLM(PreTrainedModel, GenerationMixin):
         model = super().from_pretrained(*args, **kwargs)
         out = model[0] if isinstance(model, tuple) else model  # output_loading_info=True
         out.rebuild_buffers()
+        out.realign()
         return model
+
+    def realign(self) -> None:
+        """Copy every parameter and buffer that loading left at an address not a multiple of 64
+        bytes (a tensor read in place from the safetensors file) into fresh, aligned memory: CPU
+        BLAS picks its kernels by alignment, so a misaligned weight gives logits that differ from
+        the saved model's in the last bits."""
+        with torch.no_grad():
+            for t in [*self.parameters(), *self.buffers()]:
+                if t.data_ptr() % 64:
+                    t.data = t.data.clone()
 
     def empty_cache(self) -> RecurformerCache:
         """A cache holding no state yet: pass it as ``past_key_values`` to read a long input in

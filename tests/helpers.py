@@ -205,6 +205,19 @@ TEST_CONFIGS: dict[str, list[dict]] = {
         dict(
             vocab_size=61, dim=32, n_layers=2, n_heads=4, segment_len=16, memory_size=4, associative=True, assoc_dim=4
         ),
+        # without read slots (ARMT as its authors' code: [tokens; write slots]), with the convolution
+        dict(
+            vocab_size=61,
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            segment_len=15,
+            memory_size=3,
+            associative=True,
+            assoc_dim=4,
+            read_slots=False,
+            qkv_conv=3,
+        ),
     ],
     "gated_deltanet": [  # chunks that divide none of the fixtures' lengths (77, 40, 23, 24)
         dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=8),

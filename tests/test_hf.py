@@ -1,5 +1,5 @@
-"""Every registered model through ``transformers`` (``recurformer.hf``), offline: bitwise logits
-and buffers after ``save_pretrained`` -> ``AutoModelForCausalLM.from_pretrained`` (and
+"""Every registered model through ``transformers`` (``recurformer.hf``), offline: bitwise logits,
+aligned weights and buffers after ``save_pretrained`` -> ``AutoModelForCausalLM.from_pretrained`` (and
 ``recurformer.load`` of the same directory), greedy ``generate`` == ours (batch 2 included), beam
 search with the state cache == without a cache, continuing from a returned cache == one run,
 and the errors: padding, unknown keywords, unknown models, assisted decoding."""
@@ -40,6 +40,8 @@ def test_save_pretrained_round_trip_is_bitwise(case, offline) -> None:
     hf.save_pretrained(offline / "m")
     loaded = AutoModelForCausalLM.from_pretrained(offline / "m")
     assert type(loaded) is RecurformerForCausalLM
+    # aligned for CPU BLAS, whose kernels (and last bits) depend on the address (``realign``)
+    assert all(t.data_ptr() % 64 == 0 for t in [*loaded.parameters(), *loaded.buffers()])
     tokens = torch.randint(0, cfg["vocab_size"], (2, 23))
     with torch.no_grad():
         want = model(tokens).logits

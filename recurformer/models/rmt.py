@@ -61,7 +61,9 @@ from the layer's outputs at the write slots (``Associative``). As the authors' c
 memory slots are then the same learned vectors (``init_memory``) at every segment: the recurrent
 state is (A, z) of every layer alone, and the write slots' outputs leave the segment only through
 the writes (no RMSNorm gain is reapplied to a carried memory each segment). The read slots stay,
-as a learned prefix that reads A like every row (the authors' code has write slots only). The
+as a learned prefix that reads A like every row; ``read_slots: false`` drops them, as the authors'
+code has write slots only: a segment is then [E(x_τ); H^mem] at RoPE positions 0..S+M-1 (R = 0
+read slots where the text says M of them before the tokens). The
 read costs every row O(D d_mem + K D) per layer, the write O(M (D d_mem + K D)) per layer and segment.
 """
 
@@ -103,7 +105,13 @@ class RMTConfig(ModelConfig):
     associative: bool = False  # ARMT: a fast-weight matrix per layer, written by the write slots
     assoc_dim: int = 32  # d_mem: ARMT's key/query width before the DPFP feature map (K = 6 d_mem)
     memory_update: Literal["replace", "write_gate"] = "replace"  # the new memory as written, or held by a gate
+    read_slots: bool = True  # M read slots before the tokens (false: write slots only, as ARMT's code)
     qkv_conv: int = 0  # K: a short causal convolution on each layer's input before q/k/v, within a segment (0: none)
+
+    @property
+    def n_read(self) -> int:
+        """R: the read slots before the tokens (M, or 0 with ``read_slots: false``)."""
+        return self.memory_size if self.read_slots else 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -118,6 +126,10 @@ class RMTConfig(ModelConfig):
             raise RecurformerError(
                 f"config key 'memory_update' is '{self.memory_update}', but an associative RMT carries no memory slots to gate (its slots are the same every segment)"
             )
+        if not self.read_slots and not self.associative:
+            raise RecurformerError(
+                "config key 'read_slots' is false, but a plain RMT reads its memory only through its read slots (set associative: true, which reads A from every row)"
+            )
         other = [k for k in self.layers or [] if k != "rmt"]
         if other:
             raise RecurformerError(
@@ -128,7 +140,7 @@ class RMTConfig(ModelConfig):
 @dataclass
 class RMTState(LayerState):
     """``k``/``v`` [B, H, c, d]: keys/values (rotated) of the current segment's read slots and
-    tokens read so far, c = M + r after r tokens, c = 0 at a segment boundary (the read slots run
+    tokens read so far, c = R + r after r tokens (R: the read slots, M or 0), c = 0 at a segment boundary (the read slots run
     with the segment's first token); ``memory`` [B, M, D] (layer 0 only, not ``associative``): the
     memory of the current segment, the stack's input at the read and the write slots; ``assoc``
     [B, K, D] and ``assoc_z`` [B, K] (``associative`` only): the layer's fast-weight matrix A and
@@ -202,12 +214,10 @@ class RMTAttention(Layer):
         if (why := super().check_state(state, pos)) is not None:
             return why
         r = pos % self.period
-        want = self.cfg.memory_size + r if r else 0
+        want = self.cfg.n_read + r if r else 0
         got = state.k.shape[2]  # type: ignore[attr-defined]
         if got != want or state.v.shape[2] != want:  # type: ignore[attr-defined]
-            return (
-                f"'k' holds {got} positions, expected {want} (the M = {self.cfg.memory_size} read slots and {r} tokens)"
-            )
+            return f"'k' holds {got} positions, expected {want} (the {self.cfg.n_read} read slots and {r} tokens)"
         return None
 
     def tables(self, c: int, n: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -226,8 +236,8 @@ class RMTAttention(Layer):
         when the piece starts a segment (its first M rows, the read slots, are read after the last
         layer by nothing, and in it only as keys/values; ``Block`` adds the output to the last
         rows), a = 0 otherwise."""
-        M, S, H, c, n = self.cfg.memory_size, self.cfg.segment_len, self.cfg.n_heads, state.k.shape[2], x.shape[1]
-        a = M if c == 0 and self.index == self.cfg.n_layers - 1 else 0
+        R, S, H, c, n = self.cfg.n_read, self.cfg.segment_len, self.cfg.n_heads, state.k.shape[2], x.shape[1]
+        a = R if c == 0 and self.index == self.cfg.n_layers - 1 else 0
         conv = state.conv
         if conv is not None:  # qkv_conv: q/k/v read SiLU(conv(x)) over the extended segment so far
             x, conv = short_conv(x, conv, self.conv_weight)
@@ -241,9 +251,9 @@ class RMTAttention(Layer):
         o = attend(q, k, v, mask, causal=c + a == 0)
         if tap.active():  # the read-out: the tokens' attention mass on the M read slots
             p = torch.arange(c + a, c + n, device=x.device)
-            tokens = (p >= M) & (p < M + S)
+            tokens = (p >= R) & (p < R + S)
             vis = torch.arange(c + n, device=x.device)[None, :] <= p[:, None]
-            tap.record(self, tap.attention_share(q[:, :, tokens], k, vis[tokens], M))
+            tap.record(self, tap.attention_share(q[:, :, tokens], k, vis[tokens], R))
         return self.wo(merge_heads(o)), dataclasses.replace(state, k=k, v=v, conv=conv)
 
 
@@ -336,7 +346,7 @@ class AssociativeBlock(Block):
         M, S, c = self.cfg.memory_size, self.cfg.segment_len, state.k.shape[2]
         x = x + self.assoc.read(x, state.assoc, state.assoc_z)
         y, new = super().forward(x, state, call)
-        if c + x.shape[1] == 2 * M + S:
+        if c + x.shape[1] == self.cfg.n_read + S + M:
             assert isinstance(new, RMTState)
             A, z = self.assoc.write(y[:, -M:], state.assoc, state.assoc_z)
             new = dataclasses.replace(new, assoc=A, assoc_z=z)
@@ -374,7 +384,7 @@ class RMT(StreamingLM):
         """The layers over h [B, T, D], piece by piece: [read slots;] tokens [; write slots]
         through the whole stack, then, at a segment end, the new memory and empty caches (the
         fresh rows' memory is ``init_memory``; ``StreamingLM.body`` has reset their A and z)."""
-        S, M, pos = self.config.segment_len, self.config.memory_size, call.pos
+        S, M, R, pos = self.config.segment_len, self.config.memory_size, self.config.n_read, call.pos
         B, ns = h.shape[0], pieces(pos % S, h.shape[1], S)
         layers = list(layers)
         assoc = self.config.associative
@@ -389,7 +399,7 @@ class RMT(StreamingLM):
         outs, a = [], 0
         for hp, n in zip(h.split(ns, dim=1), ns, strict=True):  # split: its gradient is one cat
             r, done = (pos + a) % S, (pos + a) % S + n == S
-            x = torch.cat([memory] * (r == 0) + [hp] + [memory] * done, dim=1)
+            x = torch.cat([memory] * (r == 0 and R > 0) + [hp] + [memory] * done, dim=1)
             if r == 0 and done:  # a whole segment: one compiled region
                 carried = [t for s in layers for t in (s.assoc, s.assoc_z)] if assoc else []  # type: ignore[attr-defined]
                 x, carried = self.segment(x, call.start, self.segment_tables(x, call), carried)
@@ -418,12 +428,15 @@ class RMT(StreamingLM):
         return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]), layers
 
     def segment_tables(self, x: Tensor, call: Call) -> list[Tensor]:
-        """The RoPE tables of a whole segment x [B, 2M + S, D] (made once per call): cos/sin of
-        positions 0..2M+S-1, and of M.. with the mask, for the last layer's queries."""
-        M, L = self.config.memory_size, x.shape[1]
+        """The RoPE tables of a whole segment x [B, R + S + M, D] (made once per call): cos/sin of
+        positions 0..R+S+M-1, and, with read slots (R > 0), of R.. with the mask, for the last
+        layer's queries."""
+        R, L = self.config.n_read, x.shape[1]
         attn = cast(RMTAttention, cast(Block, self.layers[0]).attn)
         cos, sin, _ = call.shared(("rmt", 0, L, x.dtype), lambda: attn.tables(0, L, x))
-        cos_q, sin_q, mask = call.shared(("rmt", M, L - M, x.dtype), lambda: attn.tables(M, L - M, x))
+        if not R:
+            return [cos, sin]
+        cos_q, sin_q, mask = call.shared(("rmt", R, L - R, x.dtype), lambda: attn.tables(R, L - R, x))
         assert mask is not None
         return [cos, sin, cos_q, sin_q, mask]
 
@@ -431,16 +444,17 @@ class RMT(StreamingLM):
     def segment(
         self, x: Tensor, start: Tensor, tables: list[Tensor], carried: list[Tensor]
     ) -> tuple[Tensor, list[Tensor]]:
-        """A whole segment x = [read slots; S tokens; write slots] [B, 2M + S, D] through the stack
+        """A whole segment x = [read slots; S tokens; write slots] [B, R + S + M, D] through the stack
         from empty caches -> the last layer's outputs at the tokens and write slots [B, S + M, D],
         and with ``associative`` the A, z of every layer after the segment's write (``carried``:
         A_0, z_0, A_1, ...). A compiled region (``modules.compiled_region``): a compiled model
         traces it once and runs the same graph for every segment. The layers read no position from the call
         (an RMT's positions restart every segment), only ``tables`` (``segment_tables``)."""
         c, (B, L, _) = self.config, x.shape
-        M, dtype = c.memory_size, x.dtype
-        cos, sin, cos_q, sin_q, mask = tables
-        memo = {("rmt", 0, L, dtype): (cos, sin, None), ("rmt", M, L - M, dtype): (cos_q, sin_q, mask)}
+        R, dtype = c.n_read, x.dtype
+        memo: dict[tuple, tuple[Tensor, Tensor, Tensor | None]] = {("rmt", 0, L, dtype): (tables[0], tables[1], None)}
+        if R:
+            memo[("rmt", R, L - R, dtype)] = (tables[2], tables[3], tables[4])
         call = Call(0, start, memo=memo)
         empty = x.new_empty(B, c.n_heads, 0, c.head_dim)
         out = []
@@ -460,16 +474,17 @@ class RMT(StreamingLM):
 
     def info_lines(self) -> list[str]:
         c = self.config
-        S, M, N, D = c.segment_len, c.memory_size, c.n_layers, c.dim
+        S, M, R, N, D = c.segment_len, c.memory_size, c.n_read, c.n_layers, c.dim
         K = Associative.features(c.assoc_dim)
         carried, what = (
             ((K * D + K) * N, f"A, z: (K × d + K) × layers, K = {K}") if c.associative else (M * D, "memory M × d")
         )
         conv = max(c.qkv_conv - 1, 0) * D * N  # the convolution's last K-1 inputs per layer
-        most = carried + 2 * (M + S - 1) * D * N + conv
+        most = carried + 2 * (R + S - 1) * D * N + conv
+        read = f"{R} read slots; " if R else ""
         return super().info_lines() + [
-            f"segment S = {S}, memory M = {M}: each segment is read as [M read slots; S tokens; M write slots], RoPE positions 0..{2 * M + S - 1}",
-            f"state per row: {what} = {carried:,} + K/V of [read slots; tokens so far] ≤ 2 × (M + S - 1) × d × layers"
+            f"segment S = {S}, memory M = {M}: each segment is read as [{read}S tokens; M write slots], RoPE positions 0..{R + S + M - 1}",
+            f"state per row: {what} = {carried:,} + K/V of [{read}tokens so far] ≤ 2 × ({R} + S - 1) × d × layers"
             f" = {most - carried - conv:,}{f' + convolution inputs {conv:,}' if conv else ''},"
             f" at most {most:,} floats ({4 * most / 2**20:.2f} MiB at fp32), the same at any length",
         ]

@@ -101,11 +101,13 @@ def write_literal(assoc: Associative, m: torch.Tensor, A: torch.Tensor, z: torch
 
 def armt_reference(model, tokens: torch.Tensor):
     """Logits of a fresh state and every layer's final (A, z), one segment at a time: the same
-    learned slots [init_memory; E(x); init_memory] every segment; before each layer every row of
-    every batch row gets its read added (``read_literal``); after a full segment each layer writes
-    its write slots' outputs (``write_literal``)."""
+    learned slots [init_memory; E(x); init_memory] every segment ([E(x); init_memory] with
+    ``read_slots: false``); before each layer every row of every batch row gets its read added
+    (``read_literal``); after a full segment each layer writes its write slots' outputs
+    (``write_literal``)."""
     c = model.config
     S, M, N = c.segment_len, c.memory_size, c.n_layers
+    R = M if c.read_slots else 0
     B, T = tokens.shape
     K = Associative.features(c.assoc_dim)
     A = [[torch.zeros(K, c.dim, dtype=torch.float64) for _ in range(B)] for _ in range(N)]
@@ -115,7 +117,7 @@ def armt_reference(model, tokens: torch.Tensor):
     for a in range(0, T, S):
         x = model.tok_emb(tokens[:, a : a + S])
         n = x.shape[1]
-        h = torch.cat((slots, x, slots), 1)
+        h = torch.cat((slots[:, :R], x, slots), 1)
         cos, sin = rope_cos_sin(torch.arange(h.shape[1]), c.head_dim, c.rope_theta, h.dtype)
         for i, block in enumerate(model.layers):
             reads = [
@@ -126,7 +128,7 @@ def armt_reference(model, tokens: torch.Tensor):
             if n == S:
                 for b in range(B):
                     A[i][b], z[i][b], _ = write_literal(block.assoc, h[b, -M:], A[i][b], z[i][b])
-        out.append(model.norm(h[:, M : M + n]))
+        out.append(model.norm(h[:, R : R + n]))
     return F.linear(torch.cat(out, 1), model.tok_emb.weight), A, z
 
 
@@ -222,9 +224,7 @@ def test_bad_configs_and_foreign_states_are_one_line_errors() -> None:
         RecurformerError, match=r"layer 0 \(rmt\) 'memory' has shape \(1, 8, 32\), expected \(1, 4, 32\)"
     ):
         m4(x, state=m8(x).state)
-    with pytest.raises(
-        RecurformerError, match=r"'k' holds 6 positions, expected 7 \(the M = 4 read slots and 3 tokens\)"
-    ):
+    with pytest.raises(RecurformerError, match=r"'k' holds 6 positions, expected 7 \(the 4 read slots and 3 tokens\)"):
         m4(x, state=dataclasses.replace(m4(x).state, pos=3))
     with pytest.raises(
         RecurformerError, match=r"RMT can reset a row only at a segment boundary \(current segment has 2 of 5 tokens\)"
@@ -323,11 +323,18 @@ def test_associative_read_and_write_match_the_equations_per_slot() -> None:
 
 
 @pytest.mark.parametrize(
-    "extra", [dict(n_layers=2, segment_len=7, memory_size=3), dict(n_layers=1, segment_len=4, memory_size=2)]
+    "extra",
+    [
+        dict(n_layers=2, segment_len=7, memory_size=3),
+        dict(n_layers=1, segment_len=4, memory_size=2),
+        dict(n_layers=2, segment_len=6, memory_size=4, read_slots=False),
+        dict(n_layers=1, segment_len=5, memory_size=2, read_slots=False),
+    ],
 )
 def test_associative_model_matches_the_reference(extra) -> None:
     """Whole and token by token, the associative RMT gives the logits and every layer's (A, z) of
-    ``armt_reference`` (the slots constant, A and z the only path between segments)."""
+    ``armt_reference`` (the slots constant, A and z the only path between segments), with read
+    slots and without them (the authors' code)."""
     model = build_model("rmt", dict(ARMT, **extra)).double().eval()
     randomize_params(model, 0.2)
     tokens = torch.randint(0, 61, (2, 30))
@@ -429,6 +436,10 @@ def test_associative_bad_configs_and_states_are_one_line_errors() -> None:
         match="config key 'memory_update' is 'write_gate', but an associative RMT carries no memory slots",
     ):
         build_model("rmt", dict(ARMT, memory_update="write_gate"))
+    with pytest.raises(
+        RecurformerError, match="config key 'read_slots' is false, but a plain RMT reads its memory only"
+    ):
+        build_model("rmt", dict(BASE, read_slots=False))
     with pytest.raises(
         RecurformerError, match=r"memory_update' must be one of \['replace', 'write_gate'\], got 'gated'"
     ):
