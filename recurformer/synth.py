@@ -639,6 +639,9 @@ def check_eval_budget(
     if not lengths:
         return
     n = cfg.n_length_test if n_rows is None else n_rows
+    # what to lower: a training run's config keys, or synth --evaluate's own options (n_rows given)
+    knobs = "synth.eval_lengths, synth.n_length_test" if n_rows is None else "--lengths, --n-test"
+    knobs += " or synth.eval_batch_size"
     size = measure(model)
     for L in sorted(lengths, reverse=True):
         T = make_split(t.name, 1, 0, t.at_length(params, L)).inputs.shape[1]
@@ -649,8 +652,7 @@ def check_eval_budget(
                 f"testing {t.name} at length {L} ({T:,} tokens a row) needs about {need:.1f} GB "
                 f"({rows / 2**30:.1f} for {n} rows, {state / 2**30:.1f} for the state of "
                 f"{cfg.eval_batch_size} rows{'' if size.bounded else ', which grows with the row'}), more than "
-                f"synth.eval_memory_gb = {cfg.eval_memory_gb:g}: lower synth.eval_lengths, n_length_test or "
-                "eval_batch_size, or raise eval_memory_gb"
+                f"synth.eval_memory_gb = {cfg.eval_memory_gb:g}: lower {knobs}, or raise synth.eval_memory_gb"
             )
 
 

@@ -508,7 +508,10 @@ def test_eval_budget_refuses_a_length_whose_state_does_not_fit_before_any_work()
     t = TASKS["passkey"]
     params = t.params({"length": 12})
     llama = build_model("llama", model_values("llama", dict(small), 32, 8))
-    with pytest.raises(RecurformerError, match=r"length 131072 .*grows with the row.*eval_memory_gb = 0.5"):
+    with pytest.raises(
+        RecurformerError,
+        match=r"length 131072 .*grows with the row.*eval_memory_gb = 0.5: lower synth.eval_lengths, synth.n_length_test",
+    ):
         check_eval_budget(t, params, cfg, llama, [64, 131072])
     check_eval_budget(t, params, cfg, llama, [64, 1024])
     rmt = build_model("memory_attention", model_values("memory_attention", dict(small), 32, 8))
@@ -521,13 +524,15 @@ def test_eval_budget_refuses_a_length_whose_state_does_not_fit_before_any_work()
 def test_scoring_a_saved_model_budgets_the_rows_it_reads() -> None:
     """``score_lengths`` (``synth --evaluate --n-test N``) checks the budget for the N rows it
     reads, not for the config's ``n_length_test``: 4 rows of 16,384 tokens fit 20 MB where 256 would
-    not, and 256 rows are refused."""
+    not, and 256 rows are refused with the command's own options to lower."""
     cfg = SynthConfig(n_length_test=256, eval_batch_size=4, eval_memory_gb=0.02)
     model = build_model(
         "gated_deltanet", model_values("gated_deltanet", {"dim": 16, "n_heads": 2, "ffn_hidden": 32}, 32, 8)
     )
     params = {"length": 12, "key_span": 0.5}
-    with pytest.raises(RecurformerError, match=r"length 16384 .*for 256 rows"):
+    with pytest.raises(
+        RecurformerError, match=r"length 16384 .*for 256 rows.*lower --lengths, --n-test or synth.eval_batch"
+    ):
         score_lengths(model, "passkey", params, [16384], 256, cfg)
     scores = score_lengths(model, "passkey", params, [16384], 4, cfg)
     assert scores[16384].rows == 4
