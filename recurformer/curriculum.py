@@ -14,7 +14,16 @@ steps until it reaches the value given (which must be the base times a power of 
     schedule: {double_every: 500, double: {truncation: 4}}     # the same schedule as above
 
 The value in force at a step is a pure function of the step, so a resumed run is in the same
-stage as the run it continues.
+stage as the run it continues, unless the schedule is *self-paced* (synth only): with
+``advance_below: x`` a stage's step is its latest start, and it starts earlier, at the step after
+the mean training loss of the stage before it over its last ``advance_window`` steps first falls
+below x nats. The model then moves on once it has learned a stage, not at a step tuned to one
+model, as the ARMT authors' curriculum moves on at a target metric (Rodkin et al., "Associative
+Recurrent Memory Transformer", 2024, §4; BABILong, Kuratov et al. 2024, stops each stage early)::
+
+    schedule: {advance_below: 0.1, stages: [{step: 3000, length: 128}]}   # distance 0, then 128
+
+Where the stages start is then the run's own (``Pace``), saved with its progress.
 
 *Initial states* (Buitrago Ruiz & Gu, "Understanding and Improving Length Generalization in
 Recurrent Models", ICML 2025, §4: state passing and noise as initial states): a row that starts a
@@ -47,6 +56,8 @@ class Schedule:
     stages: list[dict[str, int]] = field(default_factory=list)
     double_every: int = 0
     double: dict[str, int] = field(default_factory=dict)
+    advance_below: float = 0.0  # self-paced: a stage starts once the last one's training loss is below this (0: off)
+    advance_window: int = 100  # the steps that mean is over
 
     def check(self, where: str, keys: tuple[str, ...], base: dict[str, int]) -> None:
         """One-line errors for a schedule that is not monotone in steps, names a key outside
@@ -59,6 +70,12 @@ class Schedule:
             raise RecurformerError(
                 f"{where}: 'double_every' and 'double' go together (got double_every={self.double_every}, double={self.double})"
             )
+        if not (isinstance(self.advance_below, (int, float)) and self.advance_below >= 0):
+            raise RecurformerError(
+                f"config key '{where}.advance_below' must be a training loss >= 0 (0: off), got {self.advance_below!r}"
+            )
+        if not isinstance(self.advance_window, int) or self.advance_window < 1:
+            raise RecurformerError(f"config key '{where}.advance_window' must be >= 1, got {self.advance_window!r}")
         last = -1
         for i, st in enumerate(self.stages):
             if not isinstance(st, dict) or not isinstance(st.get("step"), int) or isinstance(st.get("step"), bool):
@@ -110,13 +127,35 @@ class Schedule:
                 out.append({**out[-1], **st})
         return out
 
-    def at(self, step: int, base: dict[str, int]) -> dict[str, int]:
-        """The values in force at ``step`` (0-based: the step about to be taken)."""
+    def at(self, step: int, base: dict[str, int], pace: Pace | None = None) -> dict[str, int]:
+        """The values in force at ``step`` (0-based: the step about to be taken); a self-paced
+        run's stages start where its ``pace`` says."""
         current = base
-        for st in self.stage_list(base):
-            if st["step"] <= step:
+        for i, st in enumerate(self.stage_list(base)):
+            if (st["step"] if pace is None else pace.starts[i]) <= step:
                 current = {k: v for k, v in st.items() if k != "step"}
         return current
+
+    def pace(self, base: dict[str, int]) -> Pace:
+        """A run's pace before its first step: every stage at its own step."""
+        return Pace(starts=[st["step"] for st in self.stage_list(base)])
+
+    def observe(self, pace: Pace, step: int, loss: float) -> int | None:
+        """Record step ``step``'s training loss; with ``advance_below``, when the mean over the
+        current stage's last ``advance_window`` steps is below it, the next stage starts at the
+        next step (if it would start later). Returns the stage so started, or None."""
+        stage = sum(s <= step for s in pace.starts) - 1
+        if stage != pace.stage:  # a stage started (at its step, or advanced): count its own steps
+            pace.stage, pace.recent = stage, []
+        if not self.advance_below:
+            return None
+        pace.recent = (pace.recent + [loss])[-self.advance_window :]
+        nxt = stage + 1
+        if nxt < len(pace.starts) and pace.starts[nxt] > step + 1 and len(pace.recent) == self.advance_window:
+            if sum(pace.recent) / len(pace.recent) < self.advance_below:
+                pace.starts[nxt] = step + 1
+                return nxt
+        return None
 
     def sets(self, key: str) -> bool:
         """Whether the schedule changes ``key`` at all."""
@@ -125,6 +164,17 @@ class Schedule:
     def values(self, key: str, base: dict[str, int]) -> list[int]:
         """Every value ``key`` takes over the run (for checks before any work starts)."""
         return sorted({st[key] for st in self.stage_list(base)})
+
+
+@dataclass
+class Pace:
+    """Where a run's schedule is: ``starts``, the step each stage of ``Schedule.stage_list``
+    starts at (its own step, or earlier for a self-paced one), the current ``stage`` and the
+    training losses of its last steps (``recent``). Saved with a run's progress (``asdict``)."""
+
+    starts: list[int]
+    stage: int = 0
+    recent: list[float] = field(default_factory=list)
 
 
 def schedule_from(value: Any, where: str) -> Schedule:
@@ -147,8 +197,15 @@ def schedule_from(value: Any, where: str) -> Schedule:
     every = value.get("double_every", 0)
     if not isinstance(every, int) or isinstance(every, bool):
         raise RecurformerError(f"config key '{where}.double_every' must be an integer, got {every!r}")
+    below = value.get("advance_below", 0.0)
+    if not isinstance(below, (int, float)) or isinstance(below, bool):
+        raise RecurformerError(f"config key '{where}.advance_below' must be a number, got {below!r}")
     return Schedule(
-        stages=[dict(s) if isinstance(s, dict) else s for s in stages], double_every=every, double=dict(double)
+        stages=[dict(s) if isinstance(s, dict) else s for s in stages],
+        double_every=every,
+        double=dict(double),
+        advance_below=float(below),
+        advance_window=value.get("advance_window", 100),
     )
 
 

@@ -56,7 +56,7 @@ from tqdm import tqdm
 
 from .checkpoint import RNGState, checkpoints, load_checkpoint, load_model_weights, save_checkpoint
 from .config import RecurformerError, from_dict, merge, option, parse_overrides
-from .curriculum import Schedule, check_state_init_share, schedule_from
+from .curriculum import Pace, Schedule, check_state_init_share, schedule_from
 from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
 from .device import autocast_context, device_option, pick_device, slow_bf16_warning
 from .models import build_model, lookup, model_names
@@ -354,17 +354,18 @@ class FreshRows:
         self.task, self.t, self.params, self.cfg, self.exclude = task, get_task(task), params, cfg, exclude
         self.base_length = stage_base(self.t, params, cfg).get("length", 0)
 
-    def length(self, step: int) -> int | None:
-        """The task length of batch ``step`` (None: the task's own parameters)."""
+    def length(self, step: int, pace: Pace | None = None) -> int | None:
+        """The task length of batch ``step`` (None: the task's own parameters); ``pace``: where a
+        self-paced schedule's stages start."""
         cfg = self.cfg
-        stage = scheduled_length(self.t, self.params, cfg, step)
+        stage = scheduled_length(self.t, self.params, cfg, step, pace)
         if cfg.train_lengths:
             lo, hi = mixed_range(cfg.train_lengths, stage)
             return int(np.random.default_rng([cfg.seed, step, 7]).integers(lo, hi + 1))
         return stage
 
-    def batch(self, step: int) -> TaskData:
-        L = self.length(step)
+    def batch(self, step: int, pace: Pace | None = None) -> TaskData:
+        L = self.length(step, pace)
         params = self.params if L is None else self.t.at_length(self.params, L)
         return make_split(
             self.task, self.cfg.batch_size, 10**9 + self.cfg.seed * 10**6 + step, params, exclude=self.exclude
@@ -381,16 +382,22 @@ def mixed_range(train_lengths: list[int], stage: int | None) -> tuple[int, int]:
     return lo, hi
 
 
-def scheduled_length(t: Task, params: dict[str, Any], cfg: SynthConfig, step: int) -> int | None:
+def scheduled_length(
+    t: Task, params: dict[str, Any], cfg: SynthConfig, step: int, pace: Pace | None = None
+) -> int | None:
     """The task length ``cfg.schedule`` sets at ``step`` (None: the schedule sets no length)."""
     if not cfg.curriculum().sets("length"):
         return None
-    return cfg.curriculum().at(step, stage_base(t, params, cfg))["length"]
+    return cfg.curriculum().at(step, stage_base(t, params, cfg), pace)["length"]
 
 
 def trained_params(t: Task, params: dict[str, Any], cfg: SynthConfig) -> dict[str, Any]:
     """The task parameters of the validation and test rows: ``params``, at the length the last
-    step trains at where a schedule changes the length (a curriculum is scored where it ends)."""
+    step trains at where a schedule changes the length (a curriculum is scored where it ends; a
+    self-paced one at its last stage, where it ends at the latest)."""
+    sched = cfg.curriculum()
+    if sched.advance_below and sched.sets("length"):
+        return t.at_length(params, sched.stage_list(stage_base(t, params, cfg))[-1]["length"])
     L = scheduled_length(t, params, cfg, cfg.steps - 1)
     return params if L is None else t.at_length(params, L)
 
@@ -453,7 +460,7 @@ class Progress:
         flat = {k.removeprefix("passed."): v for k, v in tensors.items() if k.startswith("passed.")}
         device = learner.model.tok_emb.weight.device
         passed = learner.model.state_from_flat(flat).to(device) if flat else None
-        loop = {k: train[k] for k in ("pos", "tail", "since", "curve")}
+        loop = {k: train[k] for k in ("pos", "tail", "since", "curve", "pace") if k in train}
         return int(train["step"]), tensors["order"], loop, passed
 
 
@@ -479,15 +486,16 @@ def train_model(
     progress: bool = False,
     val: TaskData | None = None,
     saving: Progress | None = None,
-) -> tuple[float, list[dict[str, float]]]:
+) -> tuple[float, list[dict[str, float]], Pace]:
     """AdamW with warmup + cosine over ``cfg.steps`` steps of random batches (epoch order, seeded),
     or of fresh batches (``FreshRows``). With ``truncation``, ``state_init`` other than zero, or a
     schedule, each batch goes through ``Learner.backward``. Returns the mean training loss over the
-    last 10% of the steps and the learning curve: with ``cfg.eval_every`` and ``val``, every that
+    last 10% of the steps, the learning curve: with ``cfg.eval_every`` and ``val``, every that
     many steps the validation accuracy and the mean training loss since the last point (recall
-    tasks learn in a sudden jump after a plateau; each point also printed to stderr), else empty;
-    ``progress``: a tqdm bar; ``saving``: the run's progress saved every so many steps (and
-    restored first, when it resumes one)."""
+    tasks learn in a sudden jump after a plateau; each point also printed to stderr), else empty,
+    and the schedule's ``Pace`` (where each stage started; a self-paced stage is announced on
+    stderr when it starts early); ``progress``: a tqdm bar; ``saving``: the run's progress saved
+    every so many steps (and restored first, when it resumes one)."""
     min_lr, warmup = lr * cfg.min_lr_ratio, int(cfg.warmup * cfg.steps)
     device = learner.model.tok_emb.weight.device
     opt = make_optimizer(learner, lr, cfg.weight_decay, (cfg.beta1, cfg.beta2))
@@ -499,11 +507,13 @@ def train_model(
     sched = cfg.curriculum()
     base = {"truncation": cfg.truncation, "length": data.base_length if isinstance(data, FreshRows) else 0}
     plain = learner.decoder is not None or (sched.values("truncation", base) == [0] and cfg.state_init == "zero")
+    pace = sched.pace(base)
     passed: State | None = None
     start = 0
     if saving is not None and saving.resumed is not None:
         start, order, loop, passed = saving.restore(learner, opt, gen)
         pos, tail, since, curve = loop["pos"], loop["tail"], loop["since"], loop["curve"]
+        pace = Pace(**loop["pace"]) if "pace" in loop else pace
     learner.train()
     for step in tqdm(
         range(start, cfg.steps),
@@ -522,7 +532,7 @@ def train_model(
             pos += cfg.batch_size
             x, y = data.inputs[idx].to(device), data.targets[idx].to(device)
         else:
-            b = data.batch(step)
+            b = data.batch(step, pace)
             x, y = b.inputs.to(device), b.targets.to(device)
         update.begin(step)
         with autocast_context(cfg.precision, device):
@@ -531,7 +541,7 @@ def train_model(
                 loss_t.backward()
                 loss = float(loss_t.detach())
             else:
-                truncation = sched.at(step, base)["truncation"]
+                truncation = sched.at(step, base, pace)["truncation"]
                 rows = torch.ones(x.shape[0], dtype=torch.bool)
                 state = start_state(
                     learner.model,
@@ -546,6 +556,13 @@ def train_model(
                 )
                 loss, passed = learner.backward(x, y, state, truncation * cfg.context, learner.model.reset_boundary)
         update.finish()
+        if (advanced := sched.observe(pace, step, loss)) is not None:
+            values = ", ".join(f"{k} {v}" for k, v in sched.at(step + 1, base, pace).items())
+            tqdm.write(
+                f"lr {lr:g} step {step + 1}/{cfg.steps}: stage {advanced} ({values}) starts, the training loss of "
+                f"the last {sched.advance_window} steps below {sched.advance_below:g}",
+                file=sys.stderr,
+            )
         if step >= cfg.steps - max(1, cfg.steps // 10):
             tail.append(loss)
         if cfg.eval_every and val is not None:
@@ -561,9 +578,9 @@ def train_model(
                 since = []
                 learner.train()
         if saving is not None and (step + 1) % saving.every == 0 and step + 1 < cfg.steps:
-            loop = {"pos": pos, "tail": tail, "since": since, "curve": curve}
+            loop = {"pos": pos, "tail": tail, "since": since, "curve": curve, "pace": dataclasses.asdict(pace)}
             saving.save(step + 1, learner, opt, gen, order, loop, passed)
-    return sum(tail) / len(tail), curve
+    return sum(tail) / len(tail), curve, pace
 
 
 def saved_weights(
@@ -744,9 +761,17 @@ def run_synth(
         if start is not None:
             load_model_weights(learner.model, start, str(cfg.init_from))
         learner = learner.to(dev)
-        loss, curve = train_model(learner, train, cfg, lr, progress, val, saving)
+        loss, curve, pace = train_model(learner, train, cfg, lr, progress, val, saving)
         v = evaluate(learner, val, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
-        sweep.append({"lr": lr, "train_loss": loss, "val_accuracy": v, **({"curve": curve} if curve else {})})
+        sweep.append(
+            {
+                "lr": lr,
+                "train_loss": loss,
+                "val_accuracy": v,
+                **({"curve": curve} if curve else {}),
+                **({"stage_starts": pace.starts} if cfg.curriculum().advance_below else {}),
+            }
+        )
         log(f"  {model_name} lr {lr:g}: train loss {loss:.4f}, val accuracy {v:.4f}")
         if best is None or v > best[0]:
             best = (v, lr, learner)

@@ -135,6 +135,11 @@ class TrainConfig:
         )
         sched = self.curriculum()
         sched.check("train.schedule", SCHEDULED, self.base_values())
+        if sched.advance_below:
+            raise RecurformerError(
+                "config key 'train.schedule.advance_below': a self-paced schedule is for synth runs; "
+                "train's stages start at their steps"
+            )
         for v in sched.values("truncation", self.base_values()):
             if v > self.grad_accum or self.grad_accum % v:
                 raise RecurformerError(

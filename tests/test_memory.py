@@ -14,6 +14,7 @@ from helpers import randomize_params
 import recurformer
 from recurformer.cli import main
 from recurformer.config import RecurformerError
+from recurformer.curriculum import schedule_from
 from recurformer.data.synthetic import TASKS, make_split
 from recurformer.models import build_model, model_names
 from recurformer.nn import IGNORE_INDEX
@@ -210,9 +211,58 @@ def test_a_length_curriculum_is_scored_at_the_length_it_ends_at() -> None:
     assert f"rows of {2 * 2 + 4 + 2 * 2 - 1} tokens" in lines[0]
 
 
+def test_a_self_paced_stage_starts_once_the_stage_before_is_learned() -> None:
+    """schedule.advance_below: a stage starts at the step after the mean training loss of the
+    stage before, over that stage's last advance_window steps, first falls below the threshold;
+    no earlier than a whole window into the stage, no later than its own step; a run that never
+    learns keeps the steps as written."""
+    sched = schedule_from(
+        {"advance_below": 0.5, "advance_window": 3, "stages": [{"step": 10, "length": 8}, {"step": 20, "length": 16}]},
+        "synth.schedule",
+    )
+    base = {"length": 4, "truncation": 0}
+    pace = sched.pace(base)
+    started = {}
+    for step, loss in enumerate([2.0, 1.0, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1, 0.1]):
+        if (stage := sched.observe(pace, step, loss)) is not None:
+            started[stage] = step + 1
+    # steps 2-4 average 0.3 (steps 1-3: 0.567); stage 1's first three steps (5-7) average 0.1
+    assert started == {1: 5, 2: 8} and pace.starts == [0, 5, 8]
+    assert [sched.at(k, base, pace)["length"] for k in (4, 5, 7, 8)] == [4, 8, 8, 16]
+    slow = sched.pace(base)
+    for step in range(30):
+        assert sched.observe(slow, step, 1.0) is None
+    assert slow.starts == [0, 10, 20] and sched.at(10, base, slow) == sched.at(10, base)
+    assert sched.at(10, base) == {"length": 8, "truncation": 0}
+    from recurformer.train import TrainConfig
+
+    with pytest.raises(RecurformerError, match="'train.schedule.advance_below': a self-paced schedule is for synth"):
+        TrainConfig(schedule={"advance_below": 0.1, "stages": [{"step": 5, "truncation": 2}]})
+
+
+def test_a_self_paced_synth_run_records_where_its_stages_started(capsys) -> None:
+    """A synth run with a self-paced schedule announces a stage that starts early, records every
+    stage's start in its sweep, and is scored at the last stage's length whether or not it got
+    there early."""
+    p = {"num_pairs": 2, "num_queries": 2, "distance": 4}
+    base = {"steps": 6, "batch_size": 4, "n_val": 4, "n_test": 4, "lrs": [1e-3], "context": 4, "chunk": 8}
+    for below, starts in ((100.0, [0, 2]), (1e-9, [0, 50])):
+        schedule = {"advance_below": below, "advance_window": 2, "stages": [{"step": 50, "length": 8}]}
+        lines: list[str] = []
+        r = run_synth("mqar", "llama", TINY, p, synth_config({**base, "schedule": schedule}), lines.append)
+        assert r.sweep[0]["stage_starts"] == starts
+        assert f"rows of {2 * 2 + 8 + 2 * 2 - 1} tokens" in lines[0]  # held-out rows at distance 8
+        err = capsys.readouterr().err
+        assert ("step 2/6: stage 1 (truncation 0, length 8) starts" in err) == (below == 100.0), err
+
+
 @pytest.mark.parametrize(
     "sets, message",
     [
+        (
+            ["synth.schedule={advance_below: -1, stages: [{step: 5, length: 8}]}"],
+            "config key 'synth.schedule.advance_below' must be a training loss >= 0 (0: off), got -1",
+        ),
         (
             ["synth.schedule={stages: [{step: 5, length: 8}, {step: 2, length: 4}]}"],
             "'synth.schedule.stages' must start at increasing steps, got step 2 after step 5",
@@ -679,6 +729,12 @@ class Killed(Exception):
             {"train_lengths": [4, 12], "state_init": "passing"},
         ),
         ("gated_deltanet", "in_context_recall", {"seq_len": 16}, {"n_train": 10}),
+        (  # self-paced: stage 1 starts at step 2, before the save at step 3 (its start is saved)
+            "llama",
+            "mqar",
+            {"num_pairs": 2, "num_queries": 2, "distance": 4},
+            {"schedule": {"advance_below": 100.0, "advance_window": 2, "stages": [{"step": 7, "length": 8}]}},
+        ),
     ],
 )
 def test_resumed_synth_run_equals_the_uninterrupted_one(
