@@ -100,16 +100,19 @@ def plot(rows: list[dict[str, Any]], distance: int, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     labels = sorted({f"{c['model']} {c['recipe']}" for c in rows})
+    colors = plt.get_cmap("tab20")  # 20 colours, and a marker per model: no two series look alike
+    shapes = dict(zip(sorted({c["model"] for c in rows}), "os^vPX*<>ph8", strict=False))
     for i, lab in enumerate(labels):
         mine = [c for c in rows if f"{c['model']} {c['recipe']}" == lab]
         grows = not mine[0]["bounded"]
+        color = colors(i % 20)
         ax.scatter(
             [c["state_bytes"] for c in mine],
             [c["accuracy"] for c in mine],
             s=60 if grows else 40,
-            marker="D" if grows else "o",
-            facecolors="none" if grows else f"C{i % 10}",
-            edgecolors=f"C{i % 10}",
+            marker="D" if grows else shapes.get(mine[0]["model"], "o"),
+            facecolors="none" if grows else color,
+            edgecolors=color,
             alpha=0.85,
             label=lab + (" (control: state grows with the row)" if grows else ""),
         )
