@@ -144,11 +144,11 @@ class Schedule:
         """Record step ``step``'s training loss; with ``advance_below``, when the mean over the
         current stage's last ``advance_window`` steps is below it, the next stage starts at the
         next step (if it would start later). Returns the stage so started, or None."""
+        if not self.advance_below:
+            return None
         stage = sum(s <= step for s in pace.starts) - 1
         if stage != pace.stage:  # a stage started (at its step, or advanced): count its own steps
             pace.stage, pace.recent = stage, []
-        if not self.advance_below:
-            return None
         pace.recent = (pace.recent + [loss])[-self.advance_window :]
         nxt = stage + 1
         if nxt < len(pace.starts) and pace.starts[nxt] > step + 1 and len(pace.recent) == self.advance_window:
