@@ -291,11 +291,40 @@ def copy_metrics(source: Path, target: Path, until: int) -> None:
     atomic_write_text(target, text, "metrics file")
 
 
-def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool) -> None:
+def describe_run(out: Path) -> tuple[str | None, str]:
+    """The model name of the run in ``out`` (from its newest checkpoint's config; None when it has
+    none or it cannot be read) and what ``--overwrite`` would delete, in words: the model, the newest
+    step and the size on disk (``"a 'llama' model at step 1000, 12.4 MB"``)."""
+    found = checkpoints(out)
+    name = None
+    if found:
+        try:
+            name = _load_json(found[-1] / "config.json").get("model", {}).get("name")
+        except (RecurformerError, AttributeError):
+            name = None
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    what = f"a '{name}' model" if name else "a model"
+    where = f" at step {step_of(found[-1])}" if found else ""
+    return name, f"{what}{where}, {size / 1e6:.1f} MB"
+
+
+def free_sibling(out: Path, model: str) -> Path:
+    """A directory beside ``out`` for a run of ``model`` that does not exist yet:
+    ``OUT-MODEL``, else ``OUT-MODEL-2``, ``OUT-MODEL-3``, ..."""
+    base = out.with_name(f"{out.name}-{model}")
+    candidate, n = base, 2
+    while candidate.exists():
+        candidate, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return candidate
+
+
+def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool, model: str) -> None:
     """Refuse (one line, naming its options with ``config.opt``) to write into a run directory that is
     not writable, or that holds a model of its own (an exported or pretrained directory: never
     replaced), another run, or checkpoints beyond the resumed step (``resumed`` is what
-    ``load_checkpoint`` returned with the train state); with ``overwrite``, delete those."""
+    ``load_checkpoint`` returned with the train state); with ``overwrite``, delete those. ``model``:
+    the name of the model this run trains; a directory holding another model's run is refused with
+    a free directory beside it offered first, and what ``overwrite`` would delete named."""
     check_writable(out, "run directory", is_dir=True)
     elsewhere = opt("train.out_dir", "DIR", True)
     if (out / "model.safetensors").is_file():
@@ -322,10 +351,17 @@ def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool) ->
             f"train into another directory ({elsewhere}), or pass {opt('overwrite', True)} to replace them"
         )
     if found and not overwrite:
+        saved, what = describe_run(out)
+        if saved is not None and saved != model:
+            raise RecurformerError(
+                f"{out} holds the run of another model ({what}); train '{model}' into another directory "
+                f"({opt('train.out_dir', str(free_sibling(out, model)))}), or pass {opt('overwrite', True)} "
+                f"to replace it (deleting {what})"
+            )
         how = f"continue it with {opt('resume', str(out))}, " if resumed is None else ""
         raise RecurformerError(
             f"{out} already holds a run ({', '.join(found[-3:])}); {how}train into another directory "
-            f"({elsewhere}), or pass {opt('overwrite', True)} to replace it"
+            f"({elsewhere}), or pass {opt('overwrite', True)} to replace it (deleting {what})"
         )
     if found:
         clear_run(out)

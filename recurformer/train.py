@@ -657,7 +657,7 @@ class Trainer:
             )
         self.resumed_from: Path | None = resumed["dir"] if resumed is not None else None
         if self.rank == 0:  # before the data is prepared: fail fast
-            ckpt.claim_run_dir(self.out_dir, resumed, overwrite)
+            ckpt.claim_run_dir(self.out_dir, resumed, overwrite, cfg.model["name"])
         self.data = run_data(cfg.data, resumed, self.rank, self.world)
         self.meta, self.val_tokens, self.tokenizer, self.data_dir = (
             self.data.meta,

@@ -21,7 +21,7 @@ from recurformer.cli import main as cli_main
 from recurformer.config import load_yaml
 from recurformer.data import prepare
 from recurformer.models import model_names
-from recurformer.train import DataConfig, Trainer, load_run_config
+from recurformer.train import DataConfig, Trainer, build_from_run_config, check_model, load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -63,19 +63,32 @@ def test_readme_lists_the_command_of_every_architecture() -> None:
         assert command == f"recurformer train --config tinystories-cpu --set model.name={name}"
 
 
+def files_under(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root``: its path -> (size, modification time in ns)."""
+    return {str(f): (f.stat().st_size, f.stat().st_mtime_ns) for f in root.rglob("*") if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory) -> Path:
+    """One working directory for every README command, as a user runs them one after another."""
+    return tmp_path_factory.mktemp("user")
+
+
 @pytest.mark.parametrize("name", model_names())
-def test_every_architecture_trains_from_its_readme_command(name, corpus, tmp_path_factory) -> None:
+def test_every_architecture_trains_from_its_readme_command(name, corpus, user_dir, monkeypatch) -> None:
     """The README's command for ``name``, with overrides that only make it tiny (width, steps,
-    batch, data): the model-specific keys, the train length and the state mode are the config's."""
-    data = tmp_path_factory.getbasetemp() / "first-day-prepared"  # shared: prepared by the first model
-    out = tmp_path_factory.mktemp(name) / "run"
+    batch, data): the model-specific keys, the train length, the state mode and the run directory
+    are the config's. Every command runs in one working directory, and none touches the run
+    directory of another (the README's commands once sent Gated DeltaNet into the default run's)."""
+    monkeypatch.chdir(user_dir)
     argv = shlex.split(architecture_commands()[name])[1:]
+    out = user_dir / load_run_config("tinystories-cpu", [f"model.name={name}"]).train.out_dir
+    before = {f: v for f, v in files_under(user_dir / "runs").items() if not Path(f).is_relative_to(out)}
     tiny = [
         "model.dim=32",
         f"data.text_files=[{corpus}]",
         "data.tokenizer=byte",
-        f"data.dir={data}",
-        f"train.out_dir={out}",
+        f"data.dir={user_dir / 'prepared'}",  # shared: prepared by the first model
         "train.steps=1",
         "train.batch_size=1",
         "train.eval_batches=1",
@@ -85,6 +98,51 @@ def test_every_architecture_trains_from_its_readme_command(name, corpus, tmp_pat
     assert cli_main(argv + [a for t in tiny for a in ("--set", t)]) == 0
     saved = json.loads((out / (out / "latest").read_text().strip() / "config.json").read_text())
     assert saved["model"]["name"] == name and saved["train"]["seq_len"] == 256
+    after = {f: v for f, v in files_under(user_dir / "runs").items() if not Path(f).is_relative_to(out)}
+    assert after == before, f"the README's command for {name} changed another run's directory"
+
+
+MULTI_MODEL_CONFIGS = [
+    p for p in sorted((ROOT / "recurformer" / "configs").rglob("*.yaml")) if "per_model" in load_yaml(str(p))
+]
+
+
+@pytest.mark.parametrize("path", MULTI_MODEL_CONFIGS, ids=lambda p: p.stem)
+def test_a_multi_model_config_gives_every_model_its_own_entry_and_run_directory(path) -> None:
+    """A bundled config with ``per_model`` entries has one for every registered model, and each
+    model's run fits the config's segments and lands in a run directory of its own."""
+    assert sorted(load_yaml(str(path))["per_model"]) == model_names()
+    dirs = {}
+    for name in model_names():
+        cfg = load_run_config(str(path), [f"model.name={name}"])
+        check_model(build_from_run_config(cfg, cfg.data.vocab_size), cfg, cfg.data.vocab_size)
+        dirs[name] = cfg.train.out_dir
+    assert len(set(dirs.values())) == len(dirs), dirs
+
+
+def test_a_run_directory_of_another_model_is_refused_with_a_free_one_offered(corpus, tmp_path) -> None:
+    """Training one model into the run directory of another: refused before anything is written,
+    a free directory beside it offered first, and what ``--overwrite`` would delete named."""
+    tiny = [f"data.text_files=[{corpus}]", "data.tokenizer=byte", f"data.dir={tmp_path / 'p'}", "model.dim=32"]
+    tiny += ["model.n_heads=4", "model.n_layers=2", "train.seq_len=64", "train.steps=2", "train.batch_size=1"]
+    tiny += ["train.eval_batches=1", "train.loggers=[]"]
+    run = tmp_path / "runs" / "default"
+    first = [*tiny, f"train.out_dir={run}", "model.name=llama", "train.state=reset"]
+    Trainer(load_run_config(None, first), show_progress=False).run()
+    before = files_under(run)
+    size = sum(v[0] for v in before.values())
+    second = [*tiny, f"train.out_dir={run}", "model.name=gated_deltanet"]
+    with pytest.raises(RecurformerError) as e:
+        Trainer(load_run_config(None, second), show_progress=False)
+    assert str(e.value) == (
+        f"{run} holds the run of another model (a 'llama' model at step 2, {size / 1e6:.1f} MB); train "
+        f"'gated_deltanet' into another directory (train={{\"out_dir\": {str(run) + '-gated_deltanet'!r}}}), "
+        f"or pass overwrite=True to replace it (deleting a 'llama' model at step 2, {size / 1e6:.1f} MB)"
+    )
+    assert files_under(run) == before and not (run.parent / "default-gated_deltanet").exists()
+    # the same model: resuming comes first, and --overwrite still says what it deletes
+    with pytest.raises(RecurformerError, match=r"continue it with resume=.*to replace it \(deleting a 'llama' model"):
+        Trainer(load_run_config(None, first), show_progress=False)
 
 
 def test_the_default_run_is_unchanged() -> None:
