@@ -198,3 +198,49 @@ def test_results_checks_see_a_bad_row_and_a_bad_page() -> None:
     assert page_problems(good.replace("python benchmarks/peers.py", "done")) == ["no command"]
     long = good + "line\n" * MAX_PAGE_LINES
     assert page_problems(long) == [f"{len(long.splitlines())} lines > {MAX_PAGE_LINES}"]
+
+
+# -- the README's first screen, headline numbers and layout ----------------------------------------
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+COMMAND_1 = ".venv/bin/recurformer train --config tinystories-cpu"
+NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?")  # not the 64 of float64, the 200 of H200
+
+
+def headline_problems(readme: str, index: str) -> list[str]:
+    """The numbers of each README headline answer that are not in the results index's rows that
+    link the same page (and anchor): a headline says what the index says now, nothing older."""
+    table = readme.split("## Headline results", 1)[1].split("\n\n")[1]
+    problems = []
+    for line in table.splitlines()[2:]:
+        _, answer, page = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        target = LINK.findall(page)[0].removeprefix("docs/results/")
+        rows = [r for r in claim_rows(index) if target in LINK.findall(r[4])]
+        said = set(NUMBER.findall(" ".join(c for r in rows for c in r[:2])))
+        missing = [n for n in NUMBER.findall(answer) if n not in said]
+        if not rows or missing:
+            problems.append(f"{target}: {missing if rows else 'no index row links it'}")
+    return problems
+
+
+def test_readme_command_1_is_on_its_first_screen() -> None:
+    before = README[: README.index(COMMAND_1)]
+    assert len(before.splitlines()) <= 15 and len(before) <= 1500
+
+
+def test_readme_headline_numbers_are_the_results_index() -> None:
+    assert headline_problems(README, INDEX) == []
+
+
+def test_headline_check_sees_a_stale_number() -> None:
+    stale = README.replace("0.984 / 1.000 / 1.000 / 1.000 on 4 of 4", "0.844 / 1.000 / 1.000 / 1.000 on 4 of 4")
+    assert stale != README and headline_problems(stale, INDEX) == [
+        "memory.md#writes-closed-at-initialisation-the-key-at-1024: ['0.844']"
+    ]
+
+
+def test_readme_layout_names_every_module() -> None:
+    layout = README.split("## Layout", 1)[1].split("```")[1]
+    package = ROOT / "recurformer"
+    modules = [p for p in package.rglob("*.py") if p.stem not in ("__init__", "__main__") and p.parent.name != "data"]
+    assert [str(p.relative_to(package)) for p in modules if not re.search(rf"\b{p.stem}\b", layout)] == []
