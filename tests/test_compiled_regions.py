@@ -1,6 +1,6 @@
 """The loop bodies as compiled regions (``modules.compiled_region``): RMT's whole segment
 (``RMT.segment``), Block-Recurrent's block step (``BlockAttention.block_step``), Gated
-DeltaNet's chunk step (``gated_deltanet.chunk_step``) and Memory Attention's whole chunk
+DeltaNet's chunk step (``ops.delta_rule.chunk_step``) and Memory Attention's whole chunk
 (``MemoryAttentionLayer.whole_chunk``). Compiled with ``fullgraph=True`` (no graph
 break), the model equals the eager one in logits, loss, state and every gradient over calls of
 several units, the second call continuing a partial unit from the first. Without gradients the

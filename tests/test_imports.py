@@ -23,12 +23,14 @@ FLOORS: list[list[str]] = [
         "device",
         "ops.relative",
         "ops.recurrent_attention",
+        "ops.delta_rule.chunk",
+        "ops.delta_rule.naive",
         "data.tokenizer",
         "data.streams",
         "data.sources",
     ],
     # 2: file formats and helpers on the state types; the captured step (a model's calls replayed)
-    ["checkpoint", "flops", "data.prepare", "data.synthetic", "capture"],
+    ["checkpoint", "flops", "data.prepare", "data.synthetic", "capture", "ops.delta_rule"],
     # 3
     ["data", "loggers"],
     # 4: loading models from disk or the Hub (the Hub methods of a model, as a mixin)
