@@ -1,7 +1,7 @@
 """How fast this CPU multiplies by a layer's weight when only a few rows come at a time.
 
 The Recurrent Transformer's layer (block_size 1) runs its output projection, FFN and key/value
-projections once per position, on the batch's B rows only (``recurformer/ops/recurrent_attention.py``:
+projections once per position, on the batch's B rows only (``recurformer/ops/recurrent_attention/``:
 finish), where the other models multiply all B x T rows of a call at once. This script times
 ``F.linear`` of [M, K] by a [N, K] weight for M = 8 (one position of a batch of 8), 64 and 2048
 (a whole call) at the paper's shapes (dim 288, FFN 768), fp32 and bf16, and prints each as GFLOP/s

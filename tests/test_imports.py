@@ -22,7 +22,7 @@ FLOORS: list[list[str]] = [
         "cells",
         "device",
         "ops.relative",
-        "ops.recurrent_attention",
+        "ops.recurrent_attention.common",
         "ops.delta_rule.chunk",
         "ops.delta_rule.naive",
         "data.tokenizer",
@@ -30,11 +30,19 @@ FLOORS: list[list[str]] = [
         "data.sources",
     ],
     # 2: file formats and helpers on the state types; the captured step (a model's calls replayed)
-    ["checkpoint", "flops", "data.prepare", "data.synthetic", "capture", "ops.delta_rule"],
+    [
+        "checkpoint",
+        "flops",
+        "data.prepare",
+        "data.synthetic",
+        "capture",
+        "ops.delta_rule",
+        "ops.recurrent_attention.naive",
+    ],
     # 3
-    ["data", "loggers"],
+    ["data", "loggers", "ops.recurrent_attention.tiled"],
     # 4: loading models from disk or the Hub (the Hub methods of a model, as a mixin)
-    ["hub"],
+    ["hub", "ops.recurrent_attention"],
     # 5: generation, and ``recurformer generate`` (which loads through ``hub``; a mixin of the model)
     ["generate"],
     # 6: the model around a stack of layers

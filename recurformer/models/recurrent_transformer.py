@@ -21,7 +21,7 @@ own block up to itself, so persistent pairs are revealed b at a time (b = 1: the
 The recurrent depth over N positions is N/b.
 
 ``impl`` picks the evaluation: "tiled" (exact tiled forward, default) or "naive" (one block at a
-time over the growing prefix); see ``recurformer/ops/recurrent_attention.py``. Gradients: "tiled"
+time over the growing prefix); see ``recurformer/ops/recurrent_attention/``. Gradients: "tiled"
 has a custom backward (FlashAttention-style: O(N d) saved tensors per layer, tile scores and
 finish's vector-Jacobian products recomputed, blocks in reverse; the parameters' gradients
 through one batched finish under autograd; it traces as one graph); "naive" runs plain autograd (O(N^2 d) saved: every

@@ -1,39 +1,5 @@
-"""Recurrent attention of the Recurrent Transformer layer ("The Recurrent Transformer: Greater
-Effective Depth and Efficient Decoding", §"The Recurrent Transformer layer", §"Exact Tiling for
-Training and Prefill", §"The backward pass", appendix algorithms "Exact tiled forward pass" and
-UpdateTile), generalised to blocks of b positions.
-
-One layer, per head, positions grouped into blocks of b (b = 1 is the paper's layer):
-
-    q_i, k~_i, v~_i                       from the layer input x_i (all known up front)
-    a_i = softmax_j(q_i . k_j * s + bias(i - j)) v_j   over
-          persistent pairs (k_j, v_j) of every position j in an earlier block, and
-          temporary pairs (k~_j, v~_j) of positions j <= i in i's own block
-    (z_i, k_i, v_i) = finish(a_i)         z_i: layer output; (k_i, v_i): persistent pair from z_i
-
-Two exact evaluations:
-
-* ``recurrent_attention_naive``: one block at a time over the growing prefix (softmax over all
-  visible keys at once). O(N^2) K/V reads; the reference.
-* ``recurrent_attention_tiled``: all queries up front; online-softmax accumulators (running max m,
-  normaliser l, numerator o) per query, first filled with the temporary pairs and with the
-  persistent pairs of earlier calls (the cache). Then for block t = 1..nB (1-indexed): its queries
-  are complete, so a_t = o_t / l_t, finish() runs once for the whole block, and with P the largest
-  power of two dividing t the key tile of blocks t-P+1..t updates the queries of blocks t+1..t+P
-  (truncated at nB; any nB). Every (query block > key block) pair is visited exactly once, and
-  each key is read O(log N) times. Accumulators are kept in fp32 under bf16/fp16.
-  As in the authors' code, the queries, accumulators and persistent pairs sit in buffers
-  allocated once per call, position-major, so a block's write and a tile's read are contiguous
-  slices, and each tile update (``tile_update``) is one region ``torch.compile(dynamic=False)``
-  can compile (``compiled_tile_update``).
-
-Both take the state of earlier calls (persistent cache and the temporaries of an unfinished
-block), so a sequence split across calls gives the same result as one call. Autograd runs
-through the naive one. The tiled one records no graph (it writes its buffers in place) and has
-its own backward (``_TiledRecurrentAttention``) that saves only
-O(N d) tensors and recomputes the tile scores, like FlashAttention, run over the blocks in
-reverse because finish() sits inside the recurrence (its vector-Jacobian product per block).
-"""
+"""The exact tiled recurrent attention (the Recurrent Transformer's appendix algorithms "Exact tiled
+forward pass" and UpdateTile, on blocks) and its custom backward; see the package docstring."""
 
 from __future__ import annotations
 
@@ -45,16 +11,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from ..modules import acc_dtype
-
-# finish(a [B, H, n, d] (accumulator dtype), s, e) -> (z [B, n, D], k [B, H, n, d], v [B, H, n, d])
-# for the call's positions s..e-1
-Finish = Callable[[Tensor, int, int], tuple[Tensor, Tensor, Tensor]]
-# bias(dist) -> additive logit bias [H or 1, *dist.shape] for integer distances dist = i - j >= 0
-BiasFn = Callable[[Tensor], Tensor]
-Stats = tuple[Tensor, Tensor, Tensor]  # m [B, H, n], l [B, H, n], o [B, H, n, d]
-# tile_update(q, k, v, bias, m, l, o): see ``tile_update``
-TileUpdate = Callable[[Tensor, Tensor, Tensor, "Tensor | None", Tensor, Tensor, Tensor], None]
+from ...modules import acc_dtype
+from .common import BiasFn, Finish, Stats, TileUpdate, block_edges, visible, with_defaults
+from .naive import recurrent_attention_naive
 
 
 def tile_scores(q: Tensor, k: Tensor, bias: Tensor | None) -> Tensor:
@@ -105,40 +64,6 @@ class _Tiling:
     update: TileUpdate
 
 
-def alibi_bias(slopes: Tensor) -> BiasFn:
-    """ALiBi: bias_h(i, j) = -m_h (i - j)."""
-
-    def fn(dist: Tensor) -> Tensor:
-        return -slopes.view(-1, *([1] * dist.dim())) * dist.to(slopes.dtype)
-
-    return fn
-
-
-def block_edges(pos0: int, T: int, block: int) -> list[int]:
-    """Boundaries (call-relative) of the blocks met by positions pos0..pos0+T-1; the first block
-    may be the remainder of a block begun in an earlier call, the last may be unfinished."""
-    edges = [0]
-    e = min(T, block - pos0 % block)
-    while True:
-        edges.append(e)
-        if e >= T:
-            return edges
-        e = min(T, e + block)
-
-
-def tile_schedule(n_blocks: int) -> list[tuple[int, int, int]]:
-    """The tiled schedule on block indices 0..n_blocks-1: after block ``t`` (0-based) is
-    finished, the key tile of blocks ``t-P+1..t`` updates query blocks ``t+1..hi`` (inclusive),
-    with P the largest power of two dividing t+1. Returns (t, P, hi) for the non-empty tiles."""
-    out = []
-    for t in range(n_blocks):
-        P = (t + 1) & -(t + 1)
-        hi = min(t + P, n_blocks - 1)
-        if t + 1 <= hi:
-            out.append((t, P, hi))
-    return out
-
-
 def softmax_backward(
     s: Tensor, lse: Tensor, delta: Tensor, da: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -158,18 +83,6 @@ def softmax_backward(
     dk = torch.matmul(ds.transpose(-1, -2).to(q.dtype), q).to(acc)
     dv = torch.matmul(p.transpose(-1, -2).to(v.dtype), da.to(v.dtype)).to(acc)
     return dq, dk, dv
-
-
-def _visible(qpos: Tensor, kpos: Tensor, block: int, start: Tensor, temporary: bool) -> Tensor:
-    """[B, nq, nk] bool: persistent key j is visible at i iff block(j) < block(i) and j >= start
-    of the row's document; temporary key j iff block(j) == block(i) and j <= i."""
-    qb, kb = (qpos // block)[:, None], (kpos // block)[None, :]
-    vis = (qb == kb) & (kpos[None, :] <= qpos[:, None]) if temporary else kb < qb
-    return vis[None] & (kpos[None, None, :] >= start[:, None, None])
-
-
-def _scores(q: Tensor, k: Tensor, scale: float, acc: torch.dtype) -> Tensor:
-    return torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale
 
 
 def _blocks(t: Tensor, front: int, n_blocks: int, block: int, value: float = 0.0) -> Tensor:
@@ -221,7 +134,7 @@ def _cache_bias(tiling: _Tiling, q0: int, n: int, S: int, device: torch.device, 
         if tiling.bias_fn is None
         else tiling.bias_fn(qpos[:, None] - kpos[None, :]).to(dtype)
     )
-    return torch.where(_visible(qpos, kpos, tiling.block, tiling.start, temporary=False)[:, None], bias, float("-inf"))
+    return torch.where(visible(qpos, kpos, tiling.block, tiling.start, temporary=False)[:, None], bias, float("-inf"))
 
 
 def _tile_bias(
@@ -505,7 +418,7 @@ def recurrent_attention_tiled(
     learned bias), the call falls back to plain autograd through ``recurrent_attention_naive``
     (the same values; O(N^2 d) saved). The custom backward is once differentiable (no double
     backward) and recomputes finish, so finish must be deterministic."""
-    past_k, past_v, past_tk, past_tv, start, scale = _defaults(q, past_k, past_v, past_tk, past_tv, start, scale)
+    past_k, past_v, past_tk, past_tv, start, scale = with_defaults(q, past_k, past_v, past_tk, past_tv, start, scale)
     tiling = _Tiling(finish, block, pos0, start, scale, bias_fn, query_chunk, update)
     tensors = (q, tk, tv, past_k, past_v, past_tk, past_tv)
     if not _needs_graph(tiling, q, tensors, finish_inputs):
@@ -536,79 +449,3 @@ def _needs_graph(tiling: _Tiling, q: Tensor, tensors: Sequence[Tensor], finish_i
     n = block_edges(tiling.pos0, q.shape[2], tiling.block)[1]
     probe = tiling.finish(q.new_zeros(*q.shape[:2], n, q.shape[3], dtype=acc_dtype(q.dtype)), 0, n)
     return any(t.requires_grad for t in probe)
-
-
-def recurrent_attention_naive(
-    q: Tensor,
-    tk: Tensor,
-    tv: Tensor,
-    finish: Finish,
-    *,
-    block: int = 1,
-    pos0: int = 0,
-    past_k: Tensor | None = None,
-    past_v: Tensor | None = None,
-    past_tk: Tensor | None = None,
-    past_tv: Tensor | None = None,
-    start: Tensor | None = None,
-    scale: float | None = None,
-    bias_fn: BiasFn | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Reference: one block at a time, each query block attending (plain softmax) to the whole
-    visible prefix of persistent pairs plus its block's temporary pairs. Same I/O as the tiled op."""
-    B, H, T, d = q.shape
-    past_k, past_v, past_tk, past_tv, start, scale = _defaults(q, past_k, past_v, past_tk, past_tv, start, scale)
-    acc = acc_dtype(q.dtype)
-    S, r0 = past_k.shape[2], past_tk.shape[2]
-    edges = block_edges(pos0, T, block)
-    zs: list[Tensor] = []
-    ks: list[Tensor] = [past_k]
-    vs: list[Tensor] = [past_v]
-    for t in range(len(edges) - 1):
-        s0, e0 = edges[t], edges[t + 1]
-        qpos = torch.arange(pos0 + s0, pos0 + e0, device=q.device)
-        Kp, Vp = torch.cat(ks, 2), torch.cat(vs, 2)  # persistent pairs of positions pos0-S .. pos0+s0-1
-        kpos_p = torch.arange(pos0 - S, pos0 + s0, device=q.device)
-        tlo = s0 - r0 if t == 0 else s0  # temporaries of this block (the unfinished one included)
-        Kt = torch.cat((past_tk, tk[:, :, s0:e0]), 2) if t == 0 else tk[:, :, s0:e0]
-        Vt = torch.cat((past_tv, tv[:, :, s0:e0]), 2) if t == 0 else tv[:, :, s0:e0]
-        kpos_t = torch.arange(pos0 + tlo, pos0 + e0, device=q.device)
-        qb = q[:, :, s0:e0]
-        sp, stt = _scores(qb, Kp, scale, acc), _scores(qb, Kt, scale, acc)
-        if bias_fn is not None:
-            sp = sp + bias_fn(qpos[:, None] - kpos_p[None, :]).to(acc)
-            stt = stt + bias_fn(qpos[:, None] - kpos_t[None, :]).to(acc)
-        sp = sp.masked_fill(~_visible(qpos, kpos_p, block, start, temporary=False)[:, None], float("-inf"))
-        stt = stt.masked_fill(~_visible(qpos, kpos_t, block, start, temporary=True)[:, None], float("-inf"))
-        p = torch.softmax(torch.cat((sp, stt), -1), -1)
-        a = torch.matmul(p.to(Vp.dtype), torch.cat((Vp, Vt), 2)).to(acc)
-        z, k, v = finish(a, s0, e0)
-        zs.append(z)
-        ks.append(k)
-        vs.append(v)
-    return torch.cat(zs, 1), torch.cat(ks[1:], 2), torch.cat(vs[1:], 2)
-
-
-def _defaults(q, past_k, past_v, past_tk, past_tv, start, scale):  # type: ignore[no-untyped-def]
-    B, H, _, d = q.shape
-    empty = q.new_zeros(B, H, 0, d)
-    return (
-        empty if past_k is None else past_k,
-        empty if past_v is None else past_v,
-        empty if past_tk is None else past_tk,
-        empty if past_tv is None else past_tv,
-        torch.zeros(B, dtype=torch.long, device=q.device) if start is None else start,
-        d**-0.5 if scale is None else scale,
-    )
-
-
-def kv_reads(n: int, block: int = 1, schedule: str = "tiled") -> int:
-    """Number of persistent K/V positions read (per batch row and head) by one layer over n
-    positions: the naive schedule re-reads the whole prefix for every block (Θ(N^2)); the tiled
-    one reads each key tile once per tile update (Θ(N log N)). Temporary pairs (read once each)
-    are left out of both."""
-    nb = -(-n // block)
-    if schedule == "naive":
-        return sum(min(t * block, n) for t in range(nb))
-    edges = block_edges(0, n, block)
-    return sum(edges[t + 1] - edges[t - P + 1] for t, P, _ in tile_schedule(nb))
