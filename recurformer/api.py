@@ -2,7 +2,7 @@
 
     import recurformer
 
-    run = recurformer.train("tinystories-cpu", train={"steps": 50, "out_dir": "runs/short"})  # or **{"train.steps": 50}
+    run = recurformer.train("tinystories-cpu", {"train.steps": 50, "train.out_dir": "runs/short"})  # or train={...}
     model, tok = recurformer.load(run.checkpoint)                      # or a pretrained dir / Hub id
     results = recurformer.evaluate(model, tok, dataset="tinystories-sample", lengths=[256, 1024])
     probed = recurformer.probe(model, tok, task="repeat", docs=50)
@@ -15,14 +15,15 @@ sizes that failed and what to lower."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from .config import RecurformerError, make_options, merge, opt
+from .config import RecurformerError, make_options, merge, opt, suggest
 from .data import Tokenizer
 from .device import cpu_threads
 from .evaluate import LengthOptions, LengthResult, evaluate_options
@@ -42,36 +43,78 @@ class Run:
     config: dict[str, Any] = field(default_factory=dict)  # the full run config as saved
 
 
-def _overrides(overrides: dict[str, Any]) -> dict[str, Any]:
-    """``train={"steps": 5}`` and ``**{"train.steps": 5}`` -> a nested dict of config values."""
+def _sections() -> dict[str, set[str] | None]:
+    """The sections an override may name, each with its keys (None: any key; ``per_model``'s are
+    model names and the model's keys depend on the model, which its own check names)."""
+    from .data import DataConfig
+    from .models import model_names
+    from .registry import config_keys
+    from .train import TrainConfig
+
+    models = {k for name in model_names() for k in config_keys(name)} | {"name"}
+    train, data = ({f.name for f in dataclasses.fields(c) if f.init} for c in (TrainConfig, DataConfig))
+    return {"model": models, "data": data, "train": train, "per_model": None}
+
+
+def _overrides(given: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"train": {"steps": 5}}``, ``{"train.steps": 5}`` (or either as keywords) -> a nested dict
+    of config values. A key that names no section, and a section given something else than a dict,
+    are one line in the caller's spelling; a section's unknown keys are the config's own check."""
+    if not isinstance(given, Mapping):
+        raise RecurformerError(
+            f'overrides must be a dict of config keys, as {{"train.steps": 20}} or {opt("train.steps", 20)}, '
+            f"got {given!r}"
+        )
+    sections = _sections()
     out: dict[str, Any] = {}
-    for key, value in overrides.items():
-        nested: Any = value
-        for part in reversed(key.split(".")[1:]):
+    for key, value in given.items():
+        section, *rest = str(key).split(".")
+        if section not in sections:
+            owners = [s for s, keys in sections.items() if keys and section in keys]
+            if owners and not rest:  # a section's key given alone: steps=20
+                ways = [opt(f"{o}.{key}", value) for o in owners] + [f'{{"{o}.{key}": {value!r}}}' for o in owners]
+                raise RecurformerError(f"'{key}' is a config key, not a section: give it as {' or '.join(ways)}")
+            raise RecurformerError(
+                f"'{key}' names no config section{suggest(section, list(sections)).replace('keys', 'sections')}; "
+                f'override as {opt("train.steps", 20)} or {{"train.steps": 20}}'
+            )
+        if not rest and not isinstance(value, Mapping):
+            raise RecurformerError(
+                f'{section} takes a dict of its config keys, as {section}={{"KEY": {value!r}}} or '
+                f'{{"{section}.KEY": {value!r}}}; got {value!r}'
+            )
+        nested: Any = dict(value) if isinstance(value, Mapping) else value
+        for part in reversed(rest):
             nested = {part: nested}
-        out = merge(out, {key.split(".")[0]: nested})
+        out = merge(out, {section: nested})
     return out
 
 
 @cpu_threads()
 def train(
     config: str | Path | dict[str, Any] | None = None,
+    overrides: Mapping[str, Any] | None = None,
     *,
     resume: str | Path | None = None,
     progress: bool = True,
     overwrite: bool = False,
-    **overrides: Any,
+    **sections: Any,
 ) -> Run:
     """Train as ``recurformer train`` does. ``config``: a YAML path, a bundled config name
-    (``"tinystories-cpu"``) or a dict with model/data/train sections; ``overrides`` as sections
-    (``model={"dim": 64}``) or dotted keys (``**{"train.steps": 10}``); ``resume``: a run or
-    checkpoint directory to continue exactly (written into that run's directory unless
+    (``"tinystories-cpu"``) or a dict with model/data/train sections. Config values override it
+    as a dict of dotted keys, ``train("tinystories-cpu", {"train.steps": 20, "model.dim": 64})``
+    (what ``--set`` takes), or as keywords, one dict per section:
+    ``train("tinystories-cpu", train={"steps": 20}, model={"dim": 64})``; both may be given (the
+    keywords win); the dict may hold sections too (``{"train": {"steps": 20}}``), and dotted keys
+    may be keywords (``**{"train.steps": 20}``). ``resume``:
+    a run or checkpoint directory to continue exactly (written into that run's directory unless
     ``train.out_dir`` is given); ``overwrite``: replace a run already in ``train.out_dir``."""
     from . import checkpoint as ckpt
     from .train import train_main
 
     resumed = str(resume) if resume is not None else None
-    trainer, metrics = train_main(config, _overrides(overrides), resumed, overwrite, progress)
+    over = merge(_overrides({} if overrides is None else overrides), _overrides(sections))
+    trainer, metrics = train_main(config, over, resumed, overwrite, progress)
     try:
         last = ckpt.resolve(trainer.out_dir)
     except RecurformerError:

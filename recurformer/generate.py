@@ -48,6 +48,9 @@ class GenerateOptions:
     cuda_graphs: bool = option(False, "decode each new token through a captured CUDA graph (a CUDA GPU)")
 
 
+DEFAULTS = GenerateOptions(checkpoint="")  # the command line's: the Python API generates with the same
+
+
 @dataclass
 class Session:
     """A generation in progress: ``state`` covers every token read or emitted so far and
@@ -121,17 +124,18 @@ def read(model: StreamingModel, session: Session, tokens: Tensor, step: Step | N
 def stream(
     model: StreamingModel,
     prompt: Tensor | Sequence[int] | None,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
+    max_new_tokens: int = DEFAULTS.max_new_tokens,
+    temperature: float = DEFAULTS.temperature,
+    top_k: int | None = DEFAULTS.top_k,
+    top_p: float | None = DEFAULTS.top_p,
+    seed: int | None = DEFAULTS.seed,
     session: Session | None = None,
     stop_tokens: Sequence[int] = (),
     step: Step | None = None,
 ) -> Iterator[Tensor]:
-    """Yield new tokens [B] one step at a time. Rows that produced a stop token yield -1 from then
-    on; the iterator ends when every row has stopped or after ``max_new_tokens``. ``session``
+    """Yield new tokens [B] one step at a time, sampled by default as ``recurformer generate``
+    samples (``DEFAULTS``; ``temperature=0`` is greedy). Rows that produced a stop token yield -1
+    from then on; the iterator ends when every row has stopped or after ``max_new_tokens``. ``session``
     continues an earlier generation (and is updated in place); ``step`` reads each new token
     (the prompt is read by the model's own call)."""
     check_values(GenerateOptions, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -165,11 +169,11 @@ def stream(
 def generate(
     model: StreamingModel,
     prompt: Tensor | Sequence[int] | None,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
+    max_new_tokens: int = DEFAULTS.max_new_tokens,
+    temperature: float = DEFAULTS.temperature,
+    top_k: int | None = DEFAULTS.top_k,
+    top_p: float | None = DEFAULTS.top_p,
+    seed: int | None = DEFAULTS.seed,
     session: Session | None = None,
     stop_tokens: Sequence[int] = (),
 ) -> list[list[int]]:
@@ -312,14 +316,22 @@ class GenerationMixin:
     """``generate`` and ``stream`` as methods of a model (``nn.StreamingLM`` inherits them)."""
 
     def generate(
-        self: StreamingModel, prompt: Any, max_new_tokens: int, temperature: float, **kwargs: Any
+        self: StreamingModel,
+        prompt: Any,
+        max_new_tokens: int = DEFAULTS.max_new_tokens,
+        temperature: float = DEFAULTS.temperature,
+        **kwargs: Any,
     ) -> list[list[int]]:
-        """Sample ``max_new_tokens`` after ``prompt`` (see ``recurformer.generate.generate``).
-        ``temperature=0`` is greedy; there is no default on purpose."""
+        """Sample ``max_new_tokens`` after ``prompt`` (see ``recurformer.generate.generate``), with
+        the command line's defaults; ``temperature=0`` is greedy."""
         return generate(self, prompt, max_new_tokens, temperature, **kwargs)
 
     def stream(
-        self: StreamingModel, prompt: Any, max_new_tokens: int, temperature: float, **kwargs: Any
+        self: StreamingModel,
+        prompt: Any,
+        max_new_tokens: int = DEFAULTS.max_new_tokens,
+        temperature: float = DEFAULTS.temperature,
+        **kwargs: Any,
     ) -> Iterator[Tensor]:
         """Iterator form of ``generate``: yields the new tokens [B] one step at a time."""
         return stream(self, prompt, max_new_tokens, temperature, **kwargs)

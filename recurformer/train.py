@@ -1123,6 +1123,11 @@ class TrainOptions:
         "replace the run in train.out_dir (or, with --resume of an older checkpoint, delete the run's later checkpoints)",
     )
     compile: bool = option(False, "torch.compile every layer (regional compilation; same as --set train.compile=true)")
+    cuda_graphs: bool = option(
+        False,
+        "train through captured CUDA graphs, one per call shape, replayed every step (a CUDA GPU, one "
+        "process; calls that cannot be captured run eagerly; same as --set train.cuda_graphs=true)",
+    )
     device: str | None = option(
         None, "auto (CUDA when present; the default), cpu, cuda or cuda:N (same as --set train.device=...)"
     )
@@ -1141,6 +1146,7 @@ def train_command(o: TrainOptions, sets: list[str]) -> dict[str, Any]:
     sets = (
         sets
         + (["train.compile=true"] if o.compile else [])
+        + (["train.cuda_graphs=true"] if o.cuda_graphs else [])
         + ([f"train.device={o.device}"] if o.device else [])
         + ([f"data.text_field={o.text_field}"] if o.text_field else [])
     )

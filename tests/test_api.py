@@ -3,6 +3,7 @@ give, and the API's errors name its keywords."""
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -27,12 +28,63 @@ def test_train_returns_the_run(run) -> None:
 
 def test_train_overrides_and_resume(corpus, tmp_path) -> None:
     cfg = tiny_config(corpus, tmp_path)
-    a = recurformer.train(cfg, progress=False, train={"steps": 2}, **{"model.dim": 16})
+    a = recurformer.train(cfg, {"train.steps": 2}, progress=False, model={"dim": 16})  # a dict and a keyword
     assert a.metrics["step"] == 2 and a.model.config.dim == 16
     b = recurformer.train(resume=a.dir, progress=False, **{"train.steps": 4})
     assert b.metrics["step"] == 4 and b.model.config.dim == 16 and b.dir == a.dir
     with pytest.raises(RecurformerError, match="unknown config key 'train.stepz'"):
         recurformer.train(cfg, progress=False, train={"stepz": 2})
+
+
+@pytest.fixture
+def overrides_given(monkeypatch) -> list[dict]:
+    """The overrides ``recurformer.train`` hands to the trainer (which is not run)."""
+    given: list[dict] = []
+
+    def train_main(config, over, *args):  # type: ignore[no-untyped-def]
+        given.append(over)
+        raise RecurformerError("stopped before training")
+
+    monkeypatch.setattr(importlib.import_module("recurformer.train"), "train_main", train_main)
+    return given
+
+
+@pytest.mark.parametrize(
+    "args, keywords",
+    [
+        (({"train.steps": 20, "model.dim": 64},), {}),  # the dict of dotted keys, as --set takes them
+        (({"train": {"steps": 20}, "model": {"dim": 64}},), {}),  # the dict of sections
+        ((), {"train": {"steps": 20}, "model": {"dim": 64}}),  # sections as keywords
+        ((), {"train.steps": 20, "model.dim": 64}),  # dotted keys as keywords
+        (({"train.steps": 20},), {"model": {"dim": 64}}),  # both
+        (({"train.steps": 1, "model.dim": 64},), {"train": {"steps": 20}}),  # both: the keywords win
+    ],
+)
+def test_overrides_as_a_dict_or_as_keywords(overrides_given, args, keywords) -> None:
+    with pytest.raises(RecurformerError, match="stopped before training"):
+        recurformer.train("tinystories-cpu", *args, progress=False, **keywords)
+    assert overrides_given == [{"train": {"steps": 20}, "model": {"dim": 64}}]
+
+
+@pytest.mark.parametrize(
+    "args, keywords, message",
+    [
+        ((20,), {}, 'overrides must be a dict of config keys, as {"train.steps": 20} or train={"steps": 20}, got 20'),
+        (
+            (),
+            {"steps": 20},
+            """'steps' is a config key, not a section: give it as train={"steps": 20} or {"train.steps": 20}""",
+        ),
+        (({"trian.steps": 5},), {}, "'trian.steps' names no config section (did you mean 'train'?); override as"),
+        ((), {"trian": {"steps": 5}}, "'trian' names no config section (did you mean 'train'?); override as"),
+        ((), {"train": 5}, 'train takes a dict of its config keys, as train={"KEY": 5} or {"train.KEY": 5}; got 5'),
+        (({"train": 5},), {}, 'train takes a dict of its config keys, as train={"KEY": 5} or {"train.KEY": 5}; got 5'),
+    ],
+)
+def test_bad_overrides_are_one_line_in_the_callers_spelling(overrides_given, args, keywords, message) -> None:
+    with pytest.raises(RecurformerError) as e:
+        recurformer.train("tinystories-cpu", *args, progress=False, **keywords)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value) and overrides_given == []
 
 
 def test_evaluate_matches_the_cli(run, corpus, tmp_path, capsys) -> None:

@@ -6,16 +6,21 @@ session continues exactly like an uninterrupted run (in the API and through ``ge
 
 from __future__ import annotations
 
+import argparse
+import inspect
+
 import pytest
 import torch
 from helpers import DEVICES, TEST_CONFIGS, randomize_params
 
 import recurformer
 from recurformer import RecurformerError, build_model
+from recurformer.cli import build_parser
 from recurformer.cli import main as cli_main
 from recurformer.data import Tokenizer
 from recurformer.generate import filter_logits, generate, load_session, new_session, read, sample, save_session, stream
 from recurformer.models import REGISTRY
+from recurformer.nn import StreamingLM
 
 
 def small(name: str):
@@ -218,6 +223,31 @@ def test_cli_top_k_top_p_and_seed(pretrained, monkeypatch) -> None:
     assert a == cli_tokens([*common, "--temperature", "1", "--seed", "1"], monkeypatch)
     assert a != cli_tokens([*common, "--temperature", "1", "--seed", "2"], monkeypatch)
     assert a != greedy
+
+
+def test_python_generation_defaults_are_the_command_lines() -> None:
+    """``model.generate(prompt)`` and ``generate.generate``/``stream`` default to what the
+    ``generate`` command's parser defaults to, so the two cannot drift apart."""
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    cli = {a.dest: a.default for a in commands.choices["generate"]._actions}
+    sampling = ["max_new_tokens", "temperature", "top_k", "top_p", "seed"]
+    for fn, names in [
+        (generate, sampling),
+        (stream, sampling),
+        (StreamingLM.generate, sampling[:2]),  # the rest are passed on to generate
+        (StreamingLM.stream, sampling[:2]),
+    ]:
+        params = inspect.signature(fn).parameters
+        assert {n: params[n].default for n in names} == {n: cli[n] for n in names}, fn.__qualname__
+
+
+def test_model_generate_with_its_defaults_samples_as_the_cli(pretrained, monkeypatch) -> None:
+    path, model = pretrained
+    tok = Tokenizer.byte()
+    cli = cli_tokens(["--checkpoint", str(path), "--prompt", "the", "--no-stop-at-eos"], monkeypatch)
+    (python,) = model.generate(torch.tensor([[tok.bos_id, *tok.encode("the")]]))
+    assert python == cli and len(set(cli)) > 4
 
 
 def held_bytes(state) -> int:

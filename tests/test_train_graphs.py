@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from helpers import tiny_config, write_corpus
 
 from recurformer import RecurformerError
+from recurformer.cli import main as cli_main
 from recurformer.train import Trainer, load_run_config
 
 WORDS = "the a cat dog ran sat on mat big small red blue".split()
@@ -155,3 +158,19 @@ def test_a_carried_state_of_position_reading_layers_trains_eager_with_one_line(c
     tr.capture_steps("eager")
     err = capsys.readouterr().err.strip().splitlines()
     assert tr.graphs is None and len(err) == 1 and "sliding_window reads absolute positions" in err[0], err
+
+
+def test_train_cuda_graphs_flag_is_the_config_key(tmp_path, capsys) -> None:
+    """``train --cuda-graphs`` (as ``eval`` and ``generate`` have it) sets train.cuda_graphs=true:
+    on the CPU it gives the config key's one line, before any work."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(write_corpus(tmp_path / "corpus.txt"), tmp_path)))
+    lines = []
+    for switch in (["--cuda-graphs"], ["--set", "train.cuda_graphs=true"]):
+        assert cli_main(["train", "--config", str(config), "--device", "cpu", *switch]) == 2
+        lines.append(capsys.readouterr().err)
+    assert lines[0] == lines[1] and lines[0].count("\n") == 1, lines
+    assert lines[0].startswith(
+        "recurformer: error: train.cuda_graphs needs one process on a CUDA GPU; this run trains on cpu"
+    )
+    assert not (tmp_path / "run").exists() and not (tmp_path / "prepared").exists()
