@@ -262,7 +262,7 @@ def run_config_from_dict(raw: dict[str, Any]) -> RunConfig:
     cfg = from_dict(RunConfig, raw)
     if "name" not in cfg.model:
         raise RecurformerError("config key 'model.name' is required (e.g. memory_attention)")
-    make_config(cfg.model["name"], {k: v for k, v in cfg.model.items() if k != "name"})  # validate now
+    make_config(cfg.model["name"], {k: v for k, v in cfg.model.items() if k != "name"}, ("name",))  # validate now
     if cfg.train.schedule:  # every stage's segment length fits the model's chunk, before any work starts
         with torch.device("meta"):
             boundary = build_from_run_config(cfg, 2).reset_boundary

@@ -144,3 +144,14 @@ def test_an_option_in_the_middle_of_a_message_is_spelled_for_its_reader(pretrain
         command("generate", "generate_text")(pretrained, "a", save_state=blocker / "s")
     assert cli_main(["generate", "--checkpoint", str(pretrained), "--save-state", str(blocker / "s")]) == 2
     assert capsys.readouterr().err.startswith("recurformer: error: cannot write --save-state file ")
+
+
+def test_a_swapped_pair_of_letters_is_one_edit(tmp_path, monkeypatch, capsys) -> None:
+    """The did-you-mean counts a transposition as one edit: ``nmae`` is one edit from ``name``
+    (a run config's model section names its model beside the model's own keys)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["train", "--config", "tinystories-cpu", "--set", "model.nmae=rmt"]) == 2
+    assert capsys.readouterr().err == "recurformer: error: unknown config key 'model.nmae' (did you mean 'name'?)\n"
+    assert cli_main(["train", "--config", "tinystories-cpu", "--set", "train.bet1a=0.8"]) == 2
+    assert capsys.readouterr().err == "recurformer: error: unknown config key 'train.bet1a' (did you mean 'beta1'?)\n"
+    assert list(tmp_path.iterdir()) == []
