@@ -650,14 +650,15 @@ class Trainer:
             )
         self.show_progress = show_progress and self.rank == 0
         self.out_dir = Path(t.out_dir)
-        resumed = ckpt.load_checkpoint(resume, with_train_state=True) if resume else None
+        resumed = ckpt.load_checkpoint(resume, with_train_state=True, resuming=True) if resume else None
         if resumed is not None and (saved := resumed["config"].get("model", {}).get("name")) != cfg.model["name"]:
             raise RecurformerError(
                 f"checkpoint {resumed['dir']} holds a '{saved}' model, the config asks for '{cfg.model['name']}'"
             )
         self.resumed_from: Path | None = resumed["dir"] if resumed is not None else None
+        self.unreadable: list[str] = []  # the checkpoints after the resumed one that did not read, deleted
         if self.rank == 0:  # before the data is prepared: fail fast
-            ckpt.claim_run_dir(self.out_dir, resumed, overwrite)
+            self.unreadable = ckpt.claim_run_dir(self.out_dir, resumed, overwrite)
         self.data = run_data(cfg.data, resumed, self.rank, self.world)
         self.meta, self.val_tokens, self.tokenizer, self.data_dir = (
             self.data.meta,
@@ -1006,8 +1007,9 @@ class Trainer:
                     if line.startswith("warning:"):
                         print(line, file=sys.stderr, flush=True)
             if self.resumed_from is not None:
+                gone = f" (deleted {', '.join(self.unreadable)} after it: unreadable)" if self.unreadable else ""
                 self._say(
-                    f"resuming from {self.resumed_from} at step {self.step} of {t.steps}, writing to {self.out_dir}"
+                    f"resuming from {self.resumed_from} at step {self.step} of {t.steps}, writing to {self.out_dir}{gone}"
                 )
             self.model.train()
             bar = tqdm(
