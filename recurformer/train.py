@@ -689,6 +689,7 @@ class Trainer:
             self.capture_steps("cuda")
 
         self.streams: Any = self._make_streams(t.seq_len, t.seed)
+        self._val_streams()  # a validation split too short for the streams fails now, not at the first evaluation
         self.state: State | None = None
         self._unread: torch.Tensor | None = None  # train_step's losses not yet read (read_loss)
         self._unread_from = 0
@@ -741,6 +742,8 @@ class Trainer:
                 rank=self.rank,
                 world_size=self.world,
                 bos_id=self.data.meta["bos_id"],
+                seq_multiple=self.model.reset_boundary,
+                split="training",
             )
         return ShuffledWindows(
             self.data.train_tokens, t.batch_size, seq_len, rank=self.rank, world_size=self.world, seed=seed
@@ -955,15 +958,28 @@ class Trainer:
             )
         return mean
 
+    def _val_streams(self) -> Any:
+        """B fresh streams over the validation split."""
+        from .data import ContiguousStreams
+
+        t = self.cfg.train
+        return ContiguousStreams(
+            self.val_tokens,
+            t.batch_size,
+            t.seq_len,
+            rank=self.rank,
+            world_size=self.world,
+            seq_multiple=self.model.reset_boundary,
+            split="validation",
+        )
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over ``eval_batches`` consecutive validation segments of B fresh streams,
         carrying the state between them in ``carry`` mode."""
-        from .data import ContiguousStreams
-
         t = self.cfg.train
         self.model.eval()
-        streams = ContiguousStreams(self.val_tokens, t.batch_size, t.seq_len, rank=self.rank, world_size=self.world)
+        streams = self._val_streams()
         state, losses = None, []
         for _ in range(t.eval_batches):
             loss, state = self._segment(streams.next_batch(), state, evaluating=True)
