@@ -43,13 +43,18 @@ def edit_distance(a: str, b: str) -> int:
     return rows[-1][-1]
 
 
-def suggest(key: str, valid: list[str]) -> str:
-    """`` (did you mean 'x'?)`` for the valid key ``x`` closest to ``key``: the fewest edits
-    (``edit_distance``) among those ``difflib`` finds alike and those within a third of ``key``'s
-    length in edits, ties in ``difflib``'s order; else the valid keys."""
+def closest(key: str, valid: list[str]) -> str | None:
+    """The one of ``valid`` closest to ``key``: the fewest edits (``edit_distance``) among those
+    ``difflib`` finds alike and those within a third of ``key``'s length in edits, ties in
+    ``difflib``'s order; None when none is close."""
     alike = difflib.get_close_matches(key, valid, n=max(1, len(valid)), cutoff=0.5)
     near = alike + [v for v in valid if v not in alike and edit_distance(key, v) <= max(1, len(key) // 3)]
-    close = min(near, key=lambda v: edit_distance(key, v), default=None)
+    return min(near, key=lambda v: edit_distance(key, v), default=None)
+
+
+def suggest(key: str, valid: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the valid key ``x`` closest to ``key``; else the valid keys."""
+    close = closest(key, valid)
     return f" (did you mean '{close}'?)" if close else f" (valid keys: {', '.join(sorted(valid))})"
 
 
