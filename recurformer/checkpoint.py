@@ -208,16 +208,46 @@ def load_config(path: str | Path) -> dict[str, Any]:
     return _resolve_paths(_load_json(ck / "config.json"), ck)
 
 
-def load_checkpoint(path: str | Path, with_train_state: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, with_train_state: bool = False, resuming: bool = False) -> dict[str, Any]:
     """Returns ``{"dir", "config", "model", "tokenizer_dir"}`` (+ ``"train_tensors"``,
-    ``"train_json"`` when asked)."""
+    ``"train_json"`` when asked). A run's checkpoint that does not read (a truncated file) is one
+    line naming the run's newest checkpoint before it that reads (``resuming``: and the option
+    that resumes from it)."""
     ck = resolve(path)
+    try:
+        return _read_checkpoint(ck, with_train_state)
+    except RecurformerError as e:
+        raise RecurformerError(e.args[0] + _readable_before(ck, resuming)) from None
+
+
+def _read_checkpoint(ck: Path, with_train_state: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"dir": ck, "config": load_config(ck), "model": _load_tensors(ck / "model.safetensors")}
     out["tokenizer_dir"] = ck if (ck / "tokenizer.json").is_file() else None
     if with_train_state:
         out["train_tensors"] = _load_tensors(ck / "train_state.safetensors")
         out["train_json"] = _load_json(ck / "train_state.json")
     return out
+
+
+def readable(ck: Path) -> bool:
+    """Whether every file of the run checkpoint ``ck`` reads (weights and train state): a run can resume from it."""
+    try:
+        _read_checkpoint(ck, with_train_state=True)
+    except RecurformerError:
+        return False
+    return True
+
+
+def _readable_before(ck: Path, resuming: bool) -> str:
+    """``"; RUN/step_000750, the run's newest checkpoint before it, reads"`` for the run checkpoint
+    ``ck`` (``resuming``: with the option that resumes from it); empty when there is none."""
+    step = step_of(ck)
+    earlier = [c for c in checkpoints(ck.parent) if step is not None and (step_of(c) or 0) < step]
+    for c in reversed(earlier):
+        if readable(c):
+            how = f": resume from it with {opt('resume', str(c))}" if resuming else ""
+            return f"; {c}, the run's newest checkpoint before it, reads{how}"
+    return ""
 
 
 def load_model_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -318,13 +348,15 @@ def free_sibling(out: Path, model: str) -> Path:
     return candidate
 
 
-def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool, model: str) -> None:
+def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool, model: str) -> list[str]:
     """Refuse (one line, naming its options with ``config.opt``) to write into a run directory that is
     not writable, or that holds a model of its own (an exported or pretrained directory: never
-    replaced), another run, or checkpoints beyond the resumed step (``resumed`` is what
-    ``load_checkpoint`` returned with the train state); with ``overwrite``, delete those. ``model``:
-    the name of the model this run trains; a directory holding another model's run is refused with
-    a free directory beside it offered first, and what ``overwrite`` would delete named."""
+    replaced), another run, or readable checkpoints beyond the resumed step (``resumed`` is what
+    ``load_checkpoint`` returned with the train state); with ``overwrite``, delete those. Checkpoints
+    beyond the resumed step that do not read (``readable``) are no history to keep: they are
+    deleted, and their names returned. ``model``: the name of the model this run trains; a directory
+    holding another model's run is refused with a free directory beside it offered first, and what
+    ``overwrite`` would delete named."""
     check_writable(out, "run directory", is_dir=True)
     elsewhere = opt("train.out_dir", "DIR", True)
     if (out / "model.safetensors").is_file():
@@ -334,16 +366,18 @@ def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool, mo
         )
     if resumed is not None and out.resolve() == resumed["dir"].parent.resolve():  # the same run
         step = resumed["train_json"]["step"]
-        later = [c.name for c in checkpoints(out) if (step_of(c) or 0) > step]
-        if later and not overwrite:
+        later = [c for c in checkpoints(out) if (step_of(c) or 0) > step]
+        kept = [c for c in later if readable(c)]
+        if kept and not overwrite:
+            newest = out if kept[-1] == later[-1] else kept[-1]  # the run itself, unless its newest does not read
             raise RecurformerError(
-                f"{out} has checkpoints after step {step} ({', '.join(later)}); continuing from step {step} would mix two "
-                f"histories: resume the newest with {opt('resume', str(out))}, write elsewhere "
+                f"{out} has checkpoints after step {step} ({', '.join(c.name for c in later)}); continuing from step "
+                f"{step} would mix two histories: resume the newest with {opt('resume', str(newest))}, write elsewhere "
                 f"with {elsewhere}, or pass {opt('overwrite', True)} to delete them"
             )
         if later:
             clear_run(out, keep_until=step)
-        return
+        return [c.name for c in later if c not in kept]
     found = run_contents(out)
     if found and not overwrite and not checkpoints(out):  # e.g. a run killed before its first save
         raise RecurformerError(
@@ -365,6 +399,7 @@ def claim_run_dir(out: Path, resumed: dict[str, Any] | None, overwrite: bool, mo
         )
     if found:
         clear_run(out)
+    return []
 
 
 def entries(out: Path) -> set[str] | None:

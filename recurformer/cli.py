@@ -112,7 +112,8 @@ def cli_spelling(command: str) -> Callable[[str], str]:
         if value is not None and f"{name}={value}" in flags:
             return flags[f"{name}={value}"]
         spelled = flags.get(name, "--" + name.replace("_", "-"))
-        return spelled if value is None or value is True else f"{spelled} {value}"
+        shown = ",".join(map(str, value)) if isinstance(value, list) else value  # a list as --lengths takes it
+        return spelled if value is None or value is True else f"{spelled} {shown}"
 
     return lambda text: spell(text, flag)
 

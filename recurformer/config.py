@@ -29,9 +29,33 @@ class RecurformerError(ValueError):
 T = TypeVar("T")
 
 
+def edit_distance(a: str, b: str) -> int:
+    """The optimal string alignment distance between ``a`` and ``b``: insertions, deletions,
+    substitutions and transpositions of two neighbours ("nmae" -> "name") count one edit each."""
+    rows = [list(range(len(b) + 1))]
+    for i, ca in enumerate(a, 1):
+        row = [i]
+        for j, cb in enumerate(b, 1):
+            row.append(min(rows[-1][j] + 1, row[j - 1] + 1, rows[-1][j - 1] + (ca != cb)))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                row[j] = min(row[j], rows[-2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
+
+
+def closest(key: str, valid: list[str]) -> str | None:
+    """The one of ``valid`` closest to ``key``: the fewest edits (``edit_distance``) among those
+    ``difflib`` finds alike and those within a third of ``key``'s length in edits, ties in
+    ``difflib``'s order; None when none is close."""
+    alike = difflib.get_close_matches(key, valid, n=max(1, len(valid)), cutoff=0.5)
+    near = alike + [v for v in valid if v not in alike and edit_distance(key, v) <= max(1, len(key) // 3)]
+    return min(near, key=lambda v: edit_distance(key, v), default=None)
+
+
 def suggest(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    return f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(sorted(valid))})"
+    """`` (did you mean 'x'?)`` for the valid key ``x`` closest to ``key``; else the valid keys."""
+    close = closest(key, valid)
+    return f" (did you mean '{close}'?)" if close else f" (valid keys: {', '.join(sorted(valid))})"
 
 
 def coerce(value: Any, tp: Any, where: str) -> Any:

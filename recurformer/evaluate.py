@@ -148,7 +148,15 @@ def eval_tokens(
             raise RecurformerError("this checkpoint has no tokenizer.json; evaluate it with --data DIR")
         key = (dataset, tuple(text or ()), id(tok))
         if key not in cache:
-            docs = load_documents(dataset, None, 0.05)[1] if dataset else [read_text_file(f) for f in text or []]
+            if dataset:
+                docs = load_documents(dataset, None, 0.05)[1]
+            else:
+                docs = [read_text_file(f) for f in text or []]
+                empty = [f for f, d in zip(text or [], docs) if not d.strip()]
+                if empty:
+                    raise RecurformerError(
+                        f"{empty[0]} holds no text; give {opt('text')} a file with text to evaluate on"
+                    )
             ids: list[int] = []
             for d in docs:
                 ids += [tok.bos_id, *tok.encode(d)]
@@ -253,9 +261,10 @@ class EvalOptions(LengthOptions):
     )
 
 
-def check_lengths(o: LengthOptions) -> int:
-    """The options of ``evaluate_lengths`` checked (one-line errors naming them, ``config.opt``);
-    returns the context the windows end after."""
+def check_lengths(o: LengthOptions, n_tokens: int | None = None) -> int:
+    """The options of ``evaluate_lengths`` checked (one-line errors naming them, ``config.opt``),
+    and that ``n_tokens`` evaluation tokens hold a window when given; returns the context the
+    windows end after."""
     check_fields(o)
     if not o.lengths:
         raise RecurformerError(f"{opt('lengths')} is empty")
@@ -266,7 +275,24 @@ def check_lengths(o: LengthOptions) -> int:
     context = span if o.context is None else o.context
     if context < span:
         raise RecurformerError(f"{opt('context')} {context} is shorter than warm-up + the longest length ({span})")
+    if n_tokens is not None and n_tokens < context + 1:
+        raise RecurformerError(
+            f"{n_tokens} evaluation tokens are too few for windows of {context} tokens (+1): {_fit(o, n_tokens)}"
+        )
     return context
+
+
+def _fit(o: LengthOptions, n_tokens: int) -> str:
+    """What to give for windows that ``n_tokens`` tokens hold: the lengths that fit and the longest."""
+    if o.context is not None:
+        return f"lower {opt('context')} to at most {n_tokens - 1}, or give a longer text"
+    longest = n_tokens - 1 - o.warm_state
+    if longest >= o.last:
+        lengths = sorted({L for L in o.lengths if L <= longest} | {longest})
+        return f"use {opt('lengths', lengths)} (the longest that fits is {longest})"
+    if longest >= 1:
+        return f"use {opt('lengths', [longest])} and {opt('last', longest)} (the longest that fits is {longest})"
+    return "give a longer text"
 
 
 def evaluate_lengths(
@@ -295,7 +321,7 @@ def evaluate_lengths(
         raise RecurformerError(
             f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}"
         )
-    context = check_lengths(LengthOptions(lengths, last, windows, chunk, batch_size, warm, context))
+    context = check_lengths(LengthOptions(lengths, last, windows, chunk, batch_size, warm, context), len(tokens))
     step = DecodeGraphs(model, graphs).or_eager(note, True, "reading") if graphs else None
     ends = window_ends(len(tokens), context, last, windows)
     targets = ends[:, None] - last + np.arange(last)  # stream positions of the scored tokens
@@ -418,7 +444,7 @@ def evaluate_checkpoints(
     given = {"checkpoint": list(checkpoints), "out": out} | ({"lengths": list(lengths)} if lengths is not None else {})
     o = make_options(EvalOptions, given | options)
     check_lengths(o)
-    lengths, last, windows, warm_state, context = o.lengths, o.last, o.windows, o.warm_state, o.context  # the log's
+    lengths, last, windows, warm_state = o.lengths, o.last, o.windows, o.warm_state  # the log's
     window, data, dataset, text = o.window, o.data, o.dataset, o.text
     dev = pick_device(o.device)
     if o.cuda_graphs and dev.type != "cuda":
@@ -440,8 +466,8 @@ def evaluate_checkpoints(
             model.set_window(window)
             label += f" (window {window})"
         tokens = eval_tokens(tok, config, data=data, dataset=dataset, text=text, cache=cache)
-        span = context or warm_state + max(lengths)
-        every = len(window_ends(len(tokens), span, last)) if len(tokens) > span else 0
+        span = check_lengths(o, len(tokens))
+        every = len(window_ends(len(tokens), span, last))
         n = min(every, windows or every)
         every_one = opt("windows", "None", True)
         how = (

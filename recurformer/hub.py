@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from .checkpoint import load_checkpoint, load_model_weights, metrics, resolve, run_contents, train_json
 from .compat import FORMAT
-from .config import RecurformerError, opt, option
+from .config import RecurformerError, closest, opt, option
 from .data import Tokenizer
 from .files import move_files
 from .registry import build_model, description, model_name
@@ -49,9 +49,19 @@ class Loaded:
 
 
 def is_hub_id(path_or_hub_id: str | Path) -> bool:
-    """Whether ``path_or_hub_id`` names a Hub repo (``owner/name``) rather than a local directory."""
+    """Whether ``path_or_hub_id`` names a Hub repo (``owner/name``) rather than a local directory:
+    not a path that exists, nor one that looks local (it starts with ``.``, ``/`` or ``~``, holds a
+    backslash, or its first component is a local directory, as ``runs`` in ``runs/typo``)."""
     s = str(path_or_hub_id)
-    return not Path(s).exists() and s.count("/") == 1 and not s.startswith((".", "/")) and not s.endswith("/")
+    owner = s.split("/")[0]
+    return (
+        not Path(s).exists()
+        and s.count("/") == 1
+        and not s.startswith((".", "/", "~"))
+        and not s.endswith("/")
+        and "\\" not in s
+        and not Path(owner).is_dir()
+    )
 
 
 def locate(path_or_hub_id: str | Path, revision: str | None = None) -> Path:
@@ -59,11 +69,15 @@ def locate(path_or_hub_id: str | Path, revision: str | None = None) -> Path:
     (``checkpoint.resolve``: a run is its newest checkpoint), or else a Hub repo id, fetched (or
     found in the cache) by ``snapshot_download``."""
     if not is_hub_id(path_or_hub_id):
-        if not Path(path_or_hub_id).exists():
+        path = Path(path_or_hub_id).expanduser()
+        if not path.exists():
+            siblings = [d.name for d in path.parent.iterdir() if d.is_dir()] if path.parent.is_dir() else []
+            close = closest(path.name, siblings)
+            hint = f"; did you mean '{path.parent / close}'?" if close else ""
             raise RecurformerError(
-                f"checkpoint not found: {path_or_hub_id} (neither a local directory nor a Hub repo id owner/name)"
+                f"checkpoint not found: {path_or_hub_id} (neither a local directory nor a Hub repo id owner/name{hint})"
             )
-        return resolve(path_or_hub_id)
+        return resolve(path)
     try:
         return resolve(snapshot_download(str(path_or_hub_id), revision=revision, allow_patterns=FILES))
     except (HfHubHTTPError, LocalEntryNotFoundError, HFValidationError, OSError) as e:

@@ -89,15 +89,20 @@ def config_keys(name: str) -> set[str]:
     return {f.name for f in dataclasses.fields(lookup(name)[0]) if f.init}
 
 
-def make_config(name: str, values: dict[str, Any] | None = None) -> Any:
-    """The config of model ``name`` from ``values``; a key of other models only names them."""
+def make_config(name: str, values: dict[str, Any] | None = None, beside: tuple[str, ...] = ()) -> Any:
+    """The config of model ``name`` from ``values``; a key of other models only names them. An
+    unknown key names the closest of the config's keys and ``beside``, the keys its section holds
+    besides them (a run config's ``name``)."""
     values = dict(values or {})
+    keys = config_keys(name)
     for key in values:
         owners = [n for n in model_names() if key in config_keys(n)]
-        if owners and key not in config_keys(name):
+        if owners and key not in keys:
             raise RecurformerError(
                 f"config key 'model.{key}' is a setting of {', '.join(owners)}, not of {name}; leave it out for {name}"
             )
+        if key not in keys:
+            raise RecurformerError(f"unknown config key 'model.{key}'{suggest(key, sorted(keys) + list(beside))}")
     return from_dict(lookup(name)[0], values, where="model")
 
 

@@ -467,6 +467,15 @@ class Progress:
 def load_progress(save_dir: str | Path) -> dict[str, Any]:
     """The newest progress checkpoint of a run saved with ``--save save_dir`` and ``synth.save_every``."""
     where = Path(save_dir) / PROGRESS
+    if not Path(save_dir).exists():
+        raise RecurformerError(
+            f"{save_dir} does not exist: give --resume the directory a synth run was saved to "
+            "(--save DIR with synth.save_every > 0)"
+        )
+    if checkpoints(Path(save_dir)):  # step_* directories of its own: a run of `recurformer train`
+        raise RecurformerError(
+            f"{save_dir} is a train run, not a synth run: resume it with `recurformer train --resume {save_dir}`"
+        )
     if not checkpoints(where):
         raise RecurformerError(
             f"{save_dir} holds no synth run in progress (no checkpoint in {where}): "

@@ -262,7 +262,7 @@ def run_config_from_dict(raw: dict[str, Any]) -> RunConfig:
     cfg = from_dict(RunConfig, raw)
     if "name" not in cfg.model:
         raise RecurformerError("config key 'model.name' is required (e.g. memory_attention)")
-    make_config(cfg.model["name"], {k: v for k, v in cfg.model.items() if k != "name"})  # validate now
+    make_config(cfg.model["name"], {k: v for k, v in cfg.model.items() if k != "name"}, ("name",))  # validate now
     if cfg.train.schedule:  # every stage's segment length fits the model's chunk, before any work starts
         with torch.device("meta"):
             boundary = build_from_run_config(cfg, 2).reset_boundary
@@ -650,14 +650,15 @@ class Trainer:
             )
         self.show_progress = show_progress and self.rank == 0
         self.out_dir = Path(t.out_dir)
-        resumed = ckpt.load_checkpoint(resume, with_train_state=True) if resume else None
+        resumed = ckpt.load_checkpoint(resume, with_train_state=True, resuming=True) if resume else None
         if resumed is not None and (saved := resumed["config"].get("model", {}).get("name")) != cfg.model["name"]:
             raise RecurformerError(
                 f"checkpoint {resumed['dir']} holds a '{saved}' model, the config asks for '{cfg.model['name']}'"
             )
         self.resumed_from: Path | None = resumed["dir"] if resumed is not None else None
+        self.unreadable: list[str] = []  # the checkpoints after the resumed one that did not read, deleted
         if self.rank == 0:  # before the data is prepared: fail fast
-            ckpt.claim_run_dir(self.out_dir, resumed, overwrite, cfg.model["name"])
+            self.unreadable = ckpt.claim_run_dir(self.out_dir, resumed, overwrite, cfg.model["name"])
         self.data = run_data(cfg.data, resumed, self.rank, self.world)
         self.meta, self.val_tokens, self.tokenizer, self.data_dir = (
             self.data.meta,
@@ -688,6 +689,7 @@ class Trainer:
             self.capture_steps("cuda")
 
         self.streams: Any = self._make_streams(t.seq_len, t.seed)
+        self._val_streams()  # a validation split too short for the streams fails now, not at the first evaluation
         self.state: State | None = None
         self._unread: torch.Tensor | None = None  # train_step's losses not yet read (read_loss)
         self._unread_from = 0
@@ -740,6 +742,8 @@ class Trainer:
                 rank=self.rank,
                 world_size=self.world,
                 bos_id=self.data.meta["bos_id"],
+                seq_multiple=self.model.reset_boundary,
+                split="training",
             )
         return ShuffledWindows(
             self.data.train_tokens, t.batch_size, seq_len, rank=self.rank, world_size=self.world, seed=seed
@@ -954,15 +958,28 @@ class Trainer:
             )
         return mean
 
+    def _val_streams(self) -> Any:
+        """B fresh streams over the validation split."""
+        from .data import ContiguousStreams
+
+        t = self.cfg.train
+        return ContiguousStreams(
+            self.val_tokens,
+            t.batch_size,
+            t.seq_len,
+            rank=self.rank,
+            world_size=self.world,
+            seq_multiple=self.model.reset_boundary,
+            split="validation",
+        )
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over ``eval_batches`` consecutive validation segments of B fresh streams,
         carrying the state between them in ``carry`` mode."""
-        from .data import ContiguousStreams
-
         t = self.cfg.train
         self.model.eval()
-        streams = ContiguousStreams(self.val_tokens, t.batch_size, t.seq_len, rank=self.rank, world_size=self.world)
+        streams = self._val_streams()
         state, losses = None, []
         for _ in range(t.eval_batches):
             loss, state = self._segment(streams.next_batch(), state, evaluating=True)
@@ -1006,8 +1023,9 @@ class Trainer:
                     if line.startswith("warning:"):
                         print(line, file=sys.stderr, flush=True)
             if self.resumed_from is not None:
+                gone = f" (deleted {', '.join(self.unreadable)} after it: unreadable)" if self.unreadable else ""
                 self._say(
-                    f"resuming from {self.resumed_from} at step {self.step} of {t.steps}, writing to {self.out_dir}"
+                    f"resuming from {self.resumed_from} at step {self.step} of {t.steps}, writing to {self.out_dir}{gone}"
                 )
             self.model.train()
             bar = tqdm(

@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import recurformer
 import recurformer.checkpoint as ckpt
 from recurformer import RecurformerError
 from recurformer.cli import main as cli
@@ -276,6 +277,36 @@ def test_resume_truncates_metrics_refuses_mixed_histories_and_reports_a_finished
     assert "has checkpoints after step 3 (step_000006)" in capsys.readouterr().err
     assert train("--resume", str(run / "step_000003"), "--overwrite", "--set", "train.steps=4") == 0
     assert steps_in(run) == [3, 4] and metric_steps(run)[-1] == (4, "val")
+
+
+def test_a_truncated_checkpoint_names_the_one_before_it_and_a_resume_from_that_one_works(
+    corpus, tmp_path, capsys
+) -> None:
+    run = tmp_path / "run"
+    assert train(*tiny(corpus, run, tmp_path / "data", steps=9)) == 0
+    weights_file = run / "step_000009" / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:1000])  # a copy cut short
+    capsys.readouterr()
+    assert train("--resume", str(run)) == 2
+    err = last_error(capsys)
+    assert err.startswith(f"recurformer: error: cannot read {weights_file}: ") and err.endswith(
+        f"; {run / 'step_000006'}, the run's newest checkpoint before it, reads: "
+        f"resume from it with --resume {run / 'step_000006'}"
+    )
+    with pytest.raises(RecurformerError, match=re.escape(f"resume from it with resume='{run / 'step_000006'}'")):
+        recurformer.train(resume=run, progress=False)
+    # an older readable checkpoint in between is never deleted without --overwrite, and is the one to resume
+    assert train("--resume", str(run / "step_000003")) == 2
+    assert last_error(capsys).endswith(
+        f"has checkpoints after step 3 (step_000006, step_000009); continuing from step 3 would mix two "
+        f"histories: resume the newest with --resume {run / 'step_000006'}, write elsewhere with "
+        f"--set train.out_dir=DIR, or pass --overwrite to delete them"
+    )
+    assert steps_in(run) == [3, 6, 9]
+    # the command the error gave resumes; the unreadable checkpoint after it is replaced, and said so
+    assert train("--resume", str(run / "step_000006")) == 0
+    assert f"at step 6 of 9, writing to {run} (deleted step_000009 after it: unreadable)" in capsys.readouterr().out
+    assert steps_in(run) == [3, 6, 9] and ckpt.readable(run / "step_000009")
 
 
 def test_checkpoint_paths_resolve_from_anywhere_and_resume_writes_into_the_given_run(

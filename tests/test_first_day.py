@@ -321,6 +321,29 @@ def test_data_errors_point_at_the_fix_and_never_at_deleting(corpus, tmp_path) ->
     assert not empty.exists()
 
 
+def test_too_little_text_names_the_batch_size_and_the_seq_len_that_fit(tmp_path, monkeypatch, capsys) -> None:
+    """The README's command on a short text: its validation split holds too few tokens for 8 streams
+    of 256; the error names both options with values that fit, and each of them trains."""
+    monkeypatch.chdir(tmp_path)
+    Path("mine.txt").write_text("<|endoftext|>".join(stories(20)))
+    base = ["model.dim=32", "model.n_layers=1", "data.tokenizer=byte", "data.text_files=[mine.txt]"]
+    argv = ["train", "--config", "tinystories-cpu", *sets([*base, "train.steps=1", "train.loggers=[]"])]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    fit = re.fullmatch(
+        r"recurformer: error: (\d+) tokens in the validation split are too few for 8 streams of seq_len 256 "
+        r"\(each needs 257, the shortest has \d+\): use --set (train.batch_size=\d+) \(at seq_len 256\) "
+        r"or --set (train.seq_len=\d+) \(at batch_size 8\)",
+        err,
+    )
+    assert fit, err
+    assert fit[2] == f"train.batch_size={int(fit[1]) // 257}" and int(fit[3].split("=")[1]) % 32 == 0  # chunks of 32
+    for fix in fit[2], fit[3]:
+        assert cli_main([*argv, "--set", fix, "--set", f"train.out_dir=runs/{fix}"]) == 0, fix
+    with pytest.raises(RecurformerError, match=r'use train=\{"batch_size": \d+\} \(at seq_len 256\) or train='):
+        Trainer(load_run_config("tinystories-cpu", [*base, "train.loggers=[]"]), show_progress=False)
+
+
 # -- small things -----------------------------------------------------------------------------------
 
 

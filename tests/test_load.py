@@ -86,3 +86,21 @@ def test_run_directory_reader(tmp_path) -> None:
     assert train_json(tmp_path) is None
     (tmp_path / "train_state.json").write_text('{"step": 3, "tokens_seen": 96}')
     assert train_json(tmp_path) == {"step": 3, "tokens_seen": 96}
+
+
+def test_a_mistyped_local_path_is_missing_with_a_suggestion_not_a_hub_id(
+    offline, tmp_path, monkeypatch, capsys
+) -> None:
+    """``runs/typo`` where ``runs/`` exists (or ``./x``, ``~/x``) is a local path: reported as
+    missing, naming the closest directory beside it, never looked up on the Hub."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "tinystories-cpu").mkdir(parents=True)
+    assert cli_main(["eval", "--checkpoint", "runs/tinystories-cpuu"]) == 2
+    assert capsys.readouterr().err == (
+        "recurformer: error: checkpoint not found: runs/tinystories-cpuu (neither a local directory nor a Hub repo "
+        "id owner/name; did you mean 'runs/tinystories-cpu'?)\n"
+    )
+    with pytest.raises(RecurformerError, match=r"^checkpoint not found: runs/typo \(neither .* owner/name\)$"):
+        load("runs/typo")
+    with pytest.raises(RecurformerError, match=r"^checkpoint not found: ~/no-such-run-here \(neither"):
+        load("~/no-such-run-here")

@@ -784,6 +784,15 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys) -> None:
     for argv, says in [
         (["synth", "--resume", str(other)], "is not a synth run's progress"),
         (["synth", "--resume", str(tmp_path)], "holds no synth run in progress"),
+        (
+            ["synth", "--resume", str(tmp_path / "missing")],
+            f"{tmp_path / 'missing'} does not exist: give --resume the directory a synth run was saved to",
+        ),
+        (
+            ["synth", "--resume", str(other / "progress")],
+            f"{other / 'progress'} is a train run, not a synth run: resume it with "
+            f"`recurformer train --resume {other / 'progress'}`",
+        ),
         (["synth", "--resume", str(tmp_path), "--set", "synth.steps=9"], "--set does not apply"),
         (
             ["synth", "--task", "mqar", "--model", "llama", "--set", "synth.save_every=2", "--lrs", "1e-3"],

@@ -144,3 +144,35 @@ def test_an_option_in_the_middle_of_a_message_is_spelled_for_its_reader(pretrain
         command("generate", "generate_text")(pretrained, "a", save_state=blocker / "s")
     assert cli_main(["generate", "--checkpoint", str(pretrained), "--save-state", str(blocker / "s")]) == 2
     assert capsys.readouterr().err.startswith("recurformer: error: cannot write --save-state file ")
+
+
+def test_a_swapped_pair_of_letters_is_one_edit(tmp_path, monkeypatch, capsys) -> None:
+    """The did-you-mean counts a transposition as one edit: ``nmae`` is one edit from ``name``
+    (a run config's model section names its model beside the model's own keys)."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["train", "--config", "tinystories-cpu", "--set", "model.nmae=rmt"]) == 2
+    assert capsys.readouterr().err == "recurformer: error: unknown config key 'model.nmae' (did you mean 'name'?)\n"
+    assert cli_main(["train", "--config", "tinystories-cpu", "--set", "train.bet1a=0.8"]) == 2
+    assert capsys.readouterr().err == "recurformer: error: unknown config key 'train.bet1a' (did you mean 'beta1'?)\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_text_too_short_names_the_lengths_that_fit(pretrained, tmp_path, monkeypatch, capsys) -> None:
+    """The default lengths on a short text: the error names ``--lengths`` with those that fit and
+    the longest, and that value evaluates; an empty text file is named as such."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "short.txt").write_text("a" * 417)  # bytes: a BOS and 417 tokens
+    argv = ["eval", "--checkpoint", str(pretrained), "--text", "short.txt", "--chunk", "64", "--windows", "1"]
+    assert cli_main(argv) == 2
+    assert capsys.readouterr().err == (
+        "recurformer: error: 418 evaluation tokens are too few for windows of 4096 tokens (+1): "
+        "use --lengths 256,417 (the longest that fits is 417)\n"
+    )
+    with pytest.raises(RecurformerError, match=re.escape("use lengths=[256, 417] (the longest that fits is 417)")):
+        command("evaluate", "evaluate_checkpoints")([str(pretrained)], text=["short.txt"])
+    assert cli_main([*argv, "--lengths", "256,417"]) == 0
+    (tmp_path / "empty.txt").write_text("\n")
+    assert cli_main([*argv[:3], "--text", "empty.txt"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "recurformer: error: empty.txt holds no text; give --text a file with text to evaluate on\n"
+    )

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from recurformer.config import RecurformerError
+from recurformer.config import RecurformerError, opt
 
 
 @dataclass
@@ -61,6 +61,24 @@ def _check_state(d: dict, expected: dict[str, int], kind: str) -> int:
     return step
 
 
+def _next_bos(tokens: np.ndarray, bos_id: int, start: int, limit: int, chunk: int = 1 << 20) -> int:
+    """First position >= start (and < limit) holding BOS; ``start`` itself if there is none."""
+    for lo in range(start, limit, chunk):
+        hit = np.flatnonzero(np.asarray(tokens[lo : min(lo + chunk, limit)]) == bos_id)
+        if hit.size:
+            return lo + int(hit[0])
+    return start
+
+
+def _bounds(tokens: np.ndarray, n: int, bos_id: int | None) -> np.ndarray:
+    """The n + 1 boundaries of n equal contiguous regions of ``tokens``; with ``bos_id``, each
+    inner boundary moved forward to the next BOS token."""
+    bounds = [s * (len(tokens) // n) for s in range(n)] + [len(tokens)]
+    if bos_id is not None:
+        bounds[1:-1] = [_next_bos(tokens, bos_id, b, bounds[i + 2]) for i, b in enumerate(bounds[1:-1])]
+    return np.array(bounds, dtype=np.int64)
+
+
 class ContiguousStreams:
     """``batch_size * world_size`` streams over equal contiguous regions; rank r owns rows r*B..(r+1)*B-1.
 
@@ -69,6 +87,10 @@ class ContiguousStreams:
     tail is skipped) and ``wrapped`` is True for that row in that batch. With ``bos_id`` given,
     each region start (except the first) is moved forward to the next BOS token, so every stream
     starts - and restarts - at a document boundary (regions are then only nearly equal).
+
+    Too few tokens for the streams is one line naming ``train.batch_size`` and ``train.seq_len``
+    with the largest values that fit (a segment length a multiple of ``seq_multiple``, the model's
+    chunk); ``split`` names the tokens there (``"validation"``).
     """
 
     def __init__(
@@ -79,33 +101,42 @@ class ContiguousStreams:
         rank: int = 0,
         world_size: int = 1,
         bos_id: int | None = None,
+        seq_multiple: int = 1,
+        split: str = "",
     ) -> None:
         _check_common(tokens, batch_size, seq_len, rank, world_size)
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
         self.rank, self.world_size, self.bos_id = rank, world_size, bos_id
-        n = batch_size * world_size
-        bounds = [s * (len(tokens) // n) for s in range(n)] + [len(tokens)]
-        if bos_id is not None:
-            bounds[1:-1] = [self._next_bos(b, bounds[i + 2]) for i, b in enumerate(bounds[1:-1])]
-        self.region_start = np.array(bounds[:-1], dtype=np.int64)
-        self.region_len = np.diff(np.array(bounds, dtype=np.int64))
+        bounds = _bounds(tokens, batch_size * world_size, bos_id)
+        self.region_start = bounds[:-1]
+        self.region_len = np.diff(bounds)
         if self.region_len.min() < seq_len + 1:
-            raise RecurformerError(
-                f"{len(tokens)} tokens are too few for {n} streams of seq_len {seq_len}: "
-                f"each stream region needs >= {seq_len + 1} tokens, the smallest has {int(self.region_len.min())}"
-            )
+            raise RecurformerError(self._too_few(seq_multiple, split))
         # Windows per pass over a region: starts 0, T, 2T, ... while start + T + 1 <= region length.
         self.windows_per_pass: np.ndarray = (self.region_len - 1) // seq_len
         self.rows = slice(rank * batch_size, (rank + 1) * batch_size)
         self.step = 0
 
-    def _next_bos(self, start: int, limit: int, chunk: int = 1 << 20) -> int:
-        """First position >= start (and < limit) holding BOS; ``start`` itself if there is none."""
-        for lo in range(start, limit, chunk):
-            hit = np.flatnonzero(np.asarray(self.tokens[lo : min(lo + chunk, limit)]) == self.bos_id)
-            if hit.size:
-                return lo + int(hit[0])
-        return start
+    def _too_few(self, multiple: int, split: str) -> str:
+        """The message for regions shorter than a window: the largest batch size at this segment
+        length and the longest segment length (a multiple of ``multiple``) at this batch size."""
+        B, T, world, n_tokens = self.batch_size, self.seq_len, self.world_size, len(self.tokens)
+
+        def longest(b: int) -> int:  # the longest segment length that b rows per rank fit
+            return int((np.diff(_bounds(self.tokens, b * world, self.bos_id)).min() - 1) // multiple * multiple)
+
+        fewer = next((b for b in range(B - 1, 0, -1) if longest(b) >= T), None)
+        fixes = [f"{opt('train.batch_size', fewer)} (at seq_len {T})"] if fewer else []
+        if longest(B) >= 1:
+            fixes.append(f"{opt('train.seq_len', longest(B))} (at batch_size {B})")
+        elif not fixes and longest(1) >= 1:
+            fixes.append(f"{opt('train.batch_size', 1)} and {opt('train.seq_len', longest(1))}")
+        fix = f"use {' or '.join(fixes)}" if fixes else "give more text"
+        where = f" in the {split} split" if split else ""
+        return (
+            f"{n_tokens} tokens{where} are too few for {B * world} streams of seq_len {T} (each needs {T + 1}, "
+            f"the shortest has {int(self.region_len.min())}): {fix}"
+        )
 
     def cursors(self) -> np.ndarray:
         """Offset within its region where each of the ``batch_size * world_size`` streams reads next."""
