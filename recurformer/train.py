@@ -689,7 +689,6 @@ class Trainer:
             self.capture_steps("cuda")
 
         self.streams: Any = self._make_streams(t.seq_len, t.seed)
-        self._val_streams()  # a validation split too short for the streams fails now, not at the first evaluation
         self.state: State | None = None
         self._unread: torch.Tensor | None = None  # train_step's losses not yet read (read_loss)
         self._unread_from = 0
@@ -1013,6 +1012,7 @@ class Trainer:
                     f"(raise it with {opt('train.steps', 'N', True)} to train further)"
                 )
                 return {}
+            self._val_streams()  # a validation split too short for the streams fails now, not at the first evaluation
             stop = self._stop_requested()
             if stop:  # a signal while the run was being set up
                 raise TrainingInterrupted(stop, self.step, None, self.out_dir)

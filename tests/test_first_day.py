@@ -329,6 +329,7 @@ def test_too_little_text_names_the_batch_size_and_the_seq_len_that_fit(tmp_path,
     base = ["model.dim=32", "model.n_layers=1", "data.tokenizer=byte", "data.text_files=[mine.txt]"]
     argv = ["train", "--config", "tinystories-cpu", *sets([*base, "train.steps=1", "train.loggers=[]"])]
     assert cli_main(argv) == 2
+    assert not Path("runs/tinystories-cpu").exists()  # no run left behind by the refused one
     err = capsys.readouterr().err.strip().splitlines()[-1]
     fit = re.fullmatch(
         r"recurformer: error: (\d+) tokens in the validation split are too few for 8 streams of seq_len 256 "
@@ -341,7 +342,7 @@ def test_too_little_text_names_the_batch_size_and_the_seq_len_that_fit(tmp_path,
     for fix in fit[2], fit[3]:
         assert cli_main([*argv, "--set", fix, "--set", f"train.out_dir=runs/{fix}"]) == 0, fix
     with pytest.raises(RecurformerError, match=r'use train=\{"batch_size": \d+\} \(at seq_len 256\) or train='):
-        Trainer(load_run_config("tinystories-cpu", [*base, "train.loggers=[]"]), show_progress=False)
+        Trainer(load_run_config("tinystories-cpu", [*base, "train.loggers=[]"]), show_progress=False).run()
 
 
 # -- small things -----------------------------------------------------------------------------------
