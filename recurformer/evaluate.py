@@ -434,12 +434,12 @@ def evaluate_checkpoints(
     directory) and its PNG plot. The JSON is rewritten (atomically) as each length finishes, with
     ``"complete": false`` until the end, ``cuda_graphs`` reads every aligned chunk through a CUDA
     graph (``evaluate_lengths``'s ``graphs``), so an interrupted eval keeps what it finished; progress
-    shows as a bar on a terminal, as lines through ``log`` elsewhere. Every option is checked
-    before any work."""
+    shows on stderr (``progress.Progress``): a bar on a terminal, lines with the time left elsewhere.
+    Every option is checked before any work."""
     from .device import memory_kind, pick_device
     from .files import check_writable
     from .hub import default_output, eval_labels, load, locate
-    from .loggers import Progress
+    from .progress import Progress
 
     given = {"checkpoint": list(checkpoints), "out": out} | ({"lengths": list(lengths)} if lengths is not None else {})
     o = make_options(EvalOptions, given | options)
@@ -487,7 +487,7 @@ def evaluate_checkpoints(
                 f"{r.windows} windows, bootstrap over {r.units} {r.unit}  {r.tokens_per_s:,.0f} tok/s  peak {memory_kind(dev)} {r.peak_memory_mb:,.0f} MB"
             )
 
-        progress = Progress(n * len(lengths), label, "window", log)
+        progress = Progress(n * len(lengths), label, "window")
         try:
             bos = tok.bos_id if tok is not None else None
             evaluate_options(label, model, tokens, o, bos, progress=progress.update, done=keep, note=log)

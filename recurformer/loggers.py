@@ -3,58 +3,18 @@
 ``train.loggers`` lists the sinks: ``tensorboard`` (the default; skipped with a note in the
 header when TensorBoard is not installed) and ``wandb`` (Weights & Biases; an error when the
 ``wandb`` package is missing; ``WANDB_MODE=offline`` logs without a network, ``WANDB_PROJECT``
-names the project, default ``recurformer``). ``Progress`` shows how far a long loop got, in a
-log as on a terminal."""
+names the project, default ``recurformer``)."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
 LOGGERS = ("tensorboard", "wandb")
-
-
-class Progress:
-    """How far a long loop got: a tqdm bar on a terminal; elsewhere (a log file, a pipe, nohup, a
-    scheduler) a plain line through ``log`` at most every ``every`` seconds and at the end, with the
-    time so far and the time left at the rate so far. Call ``update(n)`` after n more units."""
-
-    def __init__(
-        self, total: int, desc: str, unit: str, log: Callable[[str], object] = print, every: float = 30.0
-    ) -> None:
-        from tqdm import tqdm
-
-        self.total, self.desc, self.unit, self.log, self.every = total, desc, unit, log, every
-        self.bar = tqdm(total=total, desc=desc, unit=unit, leave=False) if sys.stderr.isatty() else None
-        self.done = 0
-        self.start = self.shown = time.monotonic()
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if self.bar is not None:
-            self.bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self.shown < self.every and self.done < self.total:
-            return
-        self.shown = now
-        spent = now - self.start
-        left = spent / self.done * (self.total - self.done) if self.done else 0.0
-        self.log(
-            f"  {self.desc}: {self.done:,}/{self.total:,} {self.unit}s, {spent / 60:.1f} min"
-            + (f", about {left / 60:.1f} min left" if self.done < self.total else "")
-        )
-        sys.stdout.flush()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 class Sink(Protocol):

@@ -143,8 +143,10 @@ def niah(
     chunk: int = NiahOptions.chunk,
     text: Sequence[str | Path] | None = None,
     seed: int = NiahOptions.seed,
+    progress: Callable[[int], object] | None = None,
 ) -> list[Cell]:
-    """Every (depth, length) cell: ``trials`` prompts (one batch), scored at the answer."""
+    """Every (depth, length) cell: ``trials`` prompts (one batch), scored at the answer;
+    ``progress(n)`` is called after each cell, n its prompts' tokens (trials x length)."""
     for d in depths:
         if not 0 <= d <= 100:
             raise RecurformerError(f"depth {d} is not a percentage in [0, 100]")
@@ -168,6 +170,8 @@ def niah(
             ll = torch.where(mask, lp, torch.zeros_like(lp)).sum(1)
             exact = ((logp.argmax(-1) == tgt) | ~mask).all(1).float()
             cells.append(Cell(L, float(d), float(ll.mean()), float(exact.mean()), trials))
+            if progress is not None:
+                progress(trials * L)
     return cells
 
 
@@ -253,10 +257,12 @@ def niah_checkpoint(
     """``recurformer niah``: needle in a haystack over ``depths`` x ``lengths`` (default:
     ``NiahOptions``'s; ``options``: its other fields) for a checkpoint, read by recurformer or
     (``via="transformers"``) through ``AutoModelForCausalLM``; logs the table and writes ``out``
-    (JSON; default ``niah.json`` in the checkpoint's run directory) and its heatmap PNG."""
+    (JSON; default ``niah.json`` in the checkpoint's run directory) and its heatmap PNG; progress on
+    stderr (``progress.Progress``): a bar on a terminal, lines with the time left in a log."""
     from .device import pick_device
     from .files import check_writable
     from .hub import default_output, load
+    from .progress import Progress
 
     given: dict[str, Any] = {"checkpoint": str(checkpoint), "out": out}
     given |= {k: list(v) for k, v in (("lengths", lengths), ("depths", depths)) if v is not None}
@@ -277,7 +283,11 @@ def niah_checkpoint(
         model, tok = loaded.model, loaded.tokenizer
     if tok is None:
         raise RecurformerError(f"{checkpoint} has no tokenizer.json: the haystack is text")
-    cells = niah(model, tok, lengths, depths, trials, chunk, text, seed)
+    progress = Progress(len(depths) * trials * sum(lengths), "niah", "token")
+    try:
+        cells = niah(model, tok, lengths, depths, trials, chunk, text, seed, progress.update)
+    finally:
+        progress.close()
     log(table(cells))
     meta = {
         "checkpoint": str(checkpoint),

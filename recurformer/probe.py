@@ -415,7 +415,8 @@ def row_losses(
 ) -> list[np.ndarray]:
     """Per-position losses of each row: ``out[r][p]`` = cross-entropy of token p given tokens < p
     (``out[r][0]`` is NaN). Rows of any lengths are batched with padding at their end (which no
-    earlier position can see) and read ``chunk`` tokens per call, carrying the state."""
+    earlier position can see) and read ``chunk`` tokens per call, carrying the state; ``progress(n)``
+    is called after each batch, n its rows' tokens."""
     if chunk < 1:
         raise RecurformerError(f"--chunk must be >= 1, got {chunk}")
     device = model.tok_emb.weight.device
@@ -436,7 +437,7 @@ def row_losses(
         for b, i in enumerate(idx):
             out[i] = losses[b, : len(rows[i])].numpy()
         if progress is not None:
-            progress(len(idx))
+            progress(sum(len(rows[i]) for i in idx))
     return out
 
 
@@ -583,11 +584,12 @@ def probe_checkpoints(
     ``ProbeOptions``, ``device``) on the same documents
     (``dataset`` defaults to ``tinystories-repeat`` for ``repeat``, else the checkpoint's own);
     logs the tables, writes ``out`` (JSON with ``meta``; default ``probe.json`` in the first
-    checkpoint's run directory) and its PNG plot; progress as a bar on a terminal, as lines in a log."""
+    checkpoint's run directory) and its PNG plot; progress on stderr (``progress.Progress``): a bar on a
+    terminal, lines with the time left in a log."""
     from .device import pick_device, slow_bf16_warning
     from .files import atomic_write, check_writable
     from .hub import default_output, eval_labels, load, locate
-    from .loggers import Progress
+    from .progress import Progress
 
     o = make_options(ProbeCommandOptions, {"checkpoint": list(checkpoints), "out": out, **options})
     check_probe(o)
@@ -625,8 +627,7 @@ def probe_checkpoints(
         log(
             f"probing {label} ({name}, receptive field {'unbounded' if R is None else R}) on {len(samples)} documents, task {task}"
         )
-        rows = sum(len(s.rows) for s in samples)
-        progress = Progress(rows, label, "row", log)
+        progress = Progress(sum(len(r) for s in samples for r in s.rows), label, "token")
         try:
             metrics = probe_model(model, samples, METRICS[task], chunk, batch_size, precision, seed, progress.update)
         finally:

@@ -57,12 +57,13 @@ from tqdm import tqdm
 from .checkpoint import RNGState, checkpoints, load_checkpoint, load_model_weights, save_checkpoint
 from .config import RecurformerError, from_dict, merge, option, parse_overrides
 from .curriculum import Pace, Schedule, check_state_init_share, schedule_from
-from .data.synthetic import TASKS, Task, TaskData, get_task, make_split
+from .data.synthetic import TASKS, Task, TaskData, get_task, make_split, row_tokens
 from .device import autocast_context, device_option, pick_device, slow_bf16_warning
 from .models import build_model, lookup, model_names
 from .modules import RMSNorm
 from .nn import IGNORE_INDEX, ModelConfig, State, StreamingLM
 from .optim import make_optimizer, optimizer_from_flat, optimizer_to_flat
+from .progress import Progress as Bar  # (this module's own Progress saves a run)
 from .statesize import measure
 from .tbptt import Update, backprop, start_state
 
@@ -299,27 +300,39 @@ class Learner(nn.Module):
         return sum(float(v) for v in losses), kept
 
     @torch.no_grad()
-    def predict(self, x: Tensor, chunk: int) -> Tensor:
-        """Argmax predictions [B, T], reading ``x`` ``chunk`` tokens per call with the state carried."""
+    def predict(self, x: Tensor, chunk: int, progress: Callable[[int], object] | None = None) -> Tensor:
+        """Argmax predictions [B, T], reading ``x`` ``chunk`` tokens per call with the state carried;
+        ``progress(n)`` after each call, n the tokens it read."""
+        starts = range(0, x.shape[1], chunk)
         if self.decoder is None:
-            return torch.cat([out.logits.argmax(-1) for out in self.model.read(x, chunk)], dim=1)
+            parts = []
+            for a, out in zip(starts, self.model.read(x, chunk)):
+                parts.append(out.logits.argmax(-1))
+                if progress is not None:
+                    progress(x[:, a : a + chunk].numel())
+            return torch.cat(parts, dim=1)
         state, last = None, None
-        for a in range(0, x.shape[1], chunk):  # the hidden states, which the autoencoder head reads
+        for a in starts:  # the hidden states, which the autoencoder head reads
             h, state = self.model.features(x[:, a : a + chunk], state)
             last = h[:, -1]
+            if progress is not None:
+                progress(x[:, a : a + chunk].numel())
         return self.decoder(last, x.shape[1]).argmax(-1)
 
 
 @torch.no_grad()
-def evaluate(learner: Learner, data: TaskData, chunk: int, batch_size: int) -> Scores:
+def evaluate(
+    learner: Learner, data: TaskData, chunk: int, batch_size: int, progress: Callable[[int], object] | None = None
+) -> Scores:
     """Teacher-forced argmax at the scored positions, reading each row ``chunk`` tokens per call;
     also by order (MQAR's j-th query: a model that only rules out the values already answered is
-    right on the last query and near chance on the first)."""
+    right on the last query and near chance on the first). ``progress(n)`` after each call, n the
+    tokens it read."""
     learner.eval()
     device = learner.model.tok_emb.weight.device
     preds = torch.cat(
         [
-            learner.predict(data.inputs[lo : lo + batch_size].to(device), chunk).cpu()
+            learner.predict(data.inputs[lo : lo + batch_size].to(device), chunk, progress).cpu()
             for lo in range(0, len(data.inputs), batch_size)
         ]
     )
@@ -503,7 +516,8 @@ def train_model(
     many steps the validation accuracy and the mean training loss since the last point (recall
     tasks learn in a sudden jump after a plateau; each point also printed to stderr), else empty,
     and the schedule's ``Pace`` (where each stage started; a self-paced stage is announced on
-    stderr when it starts early); ``progress``: a tqdm bar; ``saving``: the run's progress saved
+    stderr when it starts early); ``progress``: the steps on stderr (``progress.Progress``: a bar on
+    a terminal, lines with the time left in a log); ``saving``: the run's progress saved
     every so many steps (and restored first, when it resumes one)."""
     min_lr, warmup = lr * cfg.min_lr_ratio, int(cfg.warmup * cfg.steps)
     device = learner.model.tok_emb.weight.device
@@ -524,16 +538,8 @@ def train_model(
         pos, tail, since, curve = loop["pos"], loop["tail"], loop["since"], loop["curve"]
         pace = Pace(**loop["pace"]) if "pace" in loop else pace
     learner.train()
-    for step in tqdm(
-        range(start, cfg.steps),
-        desc=f"lr {lr:g}",
-        unit="step",
-        initial=start,
-        total=cfg.steps,
-        leave=False,
-        disable=not progress,
-        dynamic_ncols=True,
-    ):
+    bar = Bar(cfg.steps, f"lr {lr:g}", "step", initial=start, show=progress)
+    for step in bar.track(range(start, cfg.steps)):
         if isinstance(data, TaskData):
             if pos + cfg.batch_size > n:
                 order, pos = torch.randperm(n, generator=gen), 0
@@ -661,7 +667,7 @@ def check_eval_budget(
     ``cfg.eval_memory_gb``: the ``n_rows`` test rows (default ``cfg.n_length_test``) and their
     predictions (int64), and the model's state for ``cfg.eval_batch_size`` rows at the row's end
     (fp32; measured, ``statesize.measure``: constant for a bounded state, a KV cache grows with the
-    row)."""
+    row). Computed from sizes alone (``row_tokens``): no row is built, however long."""
     if not lengths:
         return
     n = cfg.n_length_test if n_rows is None else n_rows
@@ -670,7 +676,7 @@ def check_eval_budget(
     knobs += " or synth.eval_batch_size"
     size = measure(model)
     for L in sorted(lengths, reverse=True):
-        T = make_split(t.name, 1, 0, t.at_length(params, L)).inputs.shape[1]
+        T = row_tokens(t.name, t.at_length(params, L))
         rows = 3 * 8 * n * T
         state = 4 * cfg.eval_batch_size * size.at(T)
         if (need := (rows + state) / 2**30) > cfg.eval_memory_gb:
@@ -695,7 +701,8 @@ def run_synth(
     resume: dict[str, Any] | None = None,
 ) -> SynthResult:
     """Train ``model_name`` on ``task`` for every lr of ``cfg.lrs``; select by validation accuracy.
-    ``progress``: a tqdm bar (on stderr) for each learning rate's training; ``save``: a directory
+    ``progress``: each learning rate's training and the tests at ``eval_lengths`` on stderr
+    (``progress.Progress``: a bar on a terminal, lines with the time left in a log); ``save``: a directory
     to save the selected model in (``StreamingLM.save_pretrained``), and with ``cfg.save_every``
     the run's progress in its ``progress`` subdirectory, removed once the model is saved;
     ``resume``: a progress checkpoint (``load_progress``) to continue from."""
@@ -792,9 +799,11 @@ def run_synth(
         if saving is not None:  # the run is saved whole: its progress is spent
             shutil.rmtree(saving.directory, ignore_errors=True)
     by_length: dict[int, float] = {}
+    bar = Bar(sum(d.inputs.numel() for d in length_data.values()), "test at eval_lengths", "token", show=progress)
     for L, data in length_data.items():
-        by_length[L] = evaluate(learner, data, cfg.chunk, cfg.eval_batch_size).headline(t.metric)
+        by_length[L] = evaluate(learner, data, cfg.chunk, cfg.eval_batch_size, bar.update).headline(t.metric)
         log(f"  {task} at length {L}: test accuracy {by_length[L]:.4f}")
+    bar.close()
     return SynthResult(
         task=task,
         model=model_name,
@@ -828,11 +837,13 @@ def score_lengths(
     lengths: list[int],
     n_rows: int,
     cfg: SynthConfig | None = None,
+    progress: bool = False,
 ) -> dict[int, Scores]:
     """A trained model (e.g. one saved by ``run_synth(save=...)``) scored on ``n_rows`` rows of
     ``task`` at each of ``lengths``, drawn as ``run_synth`` draws its length tests
     (``length_split``), read ``cfg.chunk`` tokens per call: a length curve finer or longer than a
-    run's ``eval_lengths``, without training again."""
+    run's ``eval_lengths``, without training again. ``progress``: the tokens read on stderr
+    (``progress.Progress``: a bar on a terminal, lines with the time left in a log)."""
     cfg = cfg or SynthConfig()
     t = get_task(task)
     if t.head != "lm":
@@ -841,10 +852,14 @@ def score_lengths(
         raise RecurformerError(f"task {task} has no length to sweep")
     check_eval_budget(t, params, cfg, model, lengths, n_rows)
     learner = Learner(model, t)
-    return {
-        L: evaluate(learner, length_split(t, params, L, n_rows, cfg.seed), cfg.chunk, cfg.eval_batch_size)
+    total = n_rows * sum(row_tokens(task, t.at_length(params, L)) for L in lengths)
+    bar = Bar(total, "evaluate", "token", show=progress)
+    scores = {
+        L: evaluate(learner, length_split(t, params, L, n_rows, cfg.seed), cfg.chunk, cfg.eval_batch_size, bar.update)
         for L in lengths
     }
+    bar.close()
+    return scores
 
 
 def synth_config(values: dict[str, Any]) -> SynthConfig:
@@ -988,7 +1003,7 @@ def train_and_report(
         cfg,
         log=print,
         device=args.device,
-        progress=sys.stderr.isatty(),
+        progress=True,
         save=save,
         resume=resume,
     )
@@ -1041,7 +1056,7 @@ def synth_evaluate(args: SynthCommandOptions) -> None:
         raise RecurformerError(f"{args.evaluate} holds no synthetic task (task.name): not saved by synth --save")
     params.update(task_over)
     rows = args.n_test or EVALUATE_ROWS
-    scores = score_lengths(model, task, params, lengths, rows, synth_config(synth_over))
+    scores = score_lengths(model, task, params, lengths, rows, synth_config(synth_over), progress=True)
     print(f"{args.evaluate}: {name} on {task}, {rows} rows per length")
     print("| length | exact match | token accuracy |\n|---|---|---|")
     for L, sc in scores.items():

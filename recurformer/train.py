@@ -685,6 +685,12 @@ class Trainer:
             self.ddp = DDP(self.model, broadcast_buffers=False)
         self.graphs: StepGraphs | None = None  # the training calls as captured steps (capture_steps)
         self._said: set[str] = set()  # the one-time notes already given (_note)
+        if t.warmup > t.steps:  # the warmup is cut off before it reaches train.lr
+            self._note(
+                f"warning: train.warmup = {t.warmup} is more than train.steps = {t.steps}: the learning rate never "
+                f"reaches train.lr = {t.lr:g} (it ends at {self.update.lr_at(t.steps - 1):.3g}); set train.warmup to "
+                f"at most {t.steps}, e.g. {t.steps // 10}"
+            )
         if t.cuda_graphs:
             self.capture_steps("cuda")
 

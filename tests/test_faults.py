@@ -694,9 +694,9 @@ def test_a_default_eval_reads_a_sample_says_how_far_it_got_in_a_log_and_keeps_wh
     assert cli([*ev, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["complete"] and [r["windows"] for r in doc["results"]["run"]] == [DEFAULT_WINDOWS] * 2
-    log = capsys.readouterr().out
+    log, err = capsys.readouterr()
     assert f"{DEFAULT_WINDOWS} windows (evenly spaced, of " in log and "--all for all" in log
-    assert f"run: {2 * DEFAULT_WINDOWS}/{2 * DEFAULT_WINDOWS} windows" in log  # the progress line, not a bar
+    assert f"run: {2 * DEFAULT_WINDOWS}/{2 * DEFAULT_WINDOWS} windows" in err  # the progress line, not a bar
     assert cli([*ev, "--all", "--json", str(out)]) == 0
     every = json.loads(out.read_text())["results"]["run"][0]["windows"]
     assert (

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "recurformer"
 # The floors, lowest first. A module may import only modules on a lower floor.
 FLOORS: list[list[str]] = [
     # 0: nothing of the package
-    ["config", "modules", "compat", "optim", "ops", "ops.reference", "tap", "openmp"],
+    ["config", "modules", "compat", "optim", "ops", "ops.reference", "tap", "openmp", "progress"],
     # 1: the state types, files, the registry, the recurrent cell, devices, data readers, the attention ops
     [
         "files",

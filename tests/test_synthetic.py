@@ -491,7 +491,7 @@ def test_scores_by_order_on_a_predictor_whose_answer_is_known() -> None:
     stub = SimpleNamespace(
         eval=lambda: None,
         model=SimpleNamespace(tok_emb=SimpleNamespace(weight=torch.zeros(1))),
-        predict=lambda x, chunk: preds[: len(x)] if len(x) == len(preds) else None,
+        predict=lambda x, chunk, progress=None: preds[: len(x)] if len(x) == len(preds) else None,
     )
     s = evaluate(stub, d, chunk=8, batch_size=16)  # type: ignore[arg-type]
     assert s.by_order == [0.0, 0.0, 0.0, 1.0] and s.token_accuracy == 0.25

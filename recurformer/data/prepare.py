@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from tqdm import tqdm
 
 from recurformer.config import RecurformerError
 from recurformer.data.sources import EOT, documents, kind_of
 from recurformer.data.tokenizer import FILENAME as TOKENIZER_FILE
 from recurformer.data.tokenizer import Tokenizer
 from recurformer.files import atomic_dir, check_writable
+from recurformer.progress import Progress
 
 DATASETS = ("tinystories-sample", "tinystories-repeat", "tinystories-cased", "warpeace", "books", "tinystories")
 TOKENIZERS = ("bpe", "byte")
@@ -246,7 +246,8 @@ def _write_tokens(
 
     group: list[tuple[str, str]] = []
     size = 0
-    with tqdm(total=total, desc="encode", unit="doc", leave=False) as bar:
+    bar = Progress(total, "encode", "doc")
+    try:
         for item in docs:
             group.append(item)
             size += len(item[1])
@@ -256,6 +257,8 @@ def _write_tokens(
                 group, size = [], 0
         flush(group)
         bar.update(len(group))
+    finally:
+        bar.close()
     return counts
 
 
@@ -271,12 +274,12 @@ def _stream_sources(
             yield from documents(f, text_field)
 
     total = n = 0
-    for doc in tqdm(docs(), desc="measure", unit="doc", leave=False):
+    for doc in Progress(None, "measure", "doc").track(docs()):  # no total: a line only every so often
         total, n = total + len(doc), n + 1
     if not n:
         raise RecurformerError(f"text files {', '.join(map(str, text_files))} contain no text")
     counts = {"train": 0, "val": 0}
-    for split, _ in _labelled(docs(), total, val_fraction):
+    for split, _ in _labelled(Progress(n, "split", "doc").track(docs()), total, val_fraction):
         counts[split] += 1
     sample: list[str] = []
     if bpe:

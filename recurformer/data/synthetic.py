@@ -481,3 +481,22 @@ def make_split(
 
 def vocab_size(task: str, params: dict[str, Any] | None = None) -> int:
     return int(get_task(task).params(params)["vocab_size"])
+
+
+# the input tokens of one row of a task with a length, from its parameters (the layouts of the
+# generators above): a row at a long length is counted, never built
+ROW_TOKENS: dict[str, Callable[[dict[str, Any]], int]] = {
+    "copy": lambda p: 2 * p["max_len"] + 2,
+    "delayed_copy": lambda p: 2 * p["copy_len"] + p["delay"],
+    "passkey": lambda p: 2 * p["key_len"] + p["length"],
+    "mqar": lambda p: max(p["seq_len"], 2 * p["num_pairs"] + p["distance"] + 2 * p["num_queries"] - 1),
+}
+
+
+def row_tokens(task: str, params: dict[str, Any] | None = None) -> int:
+    """The input tokens of one row of ``task`` with ``params``: counted for a task with a length
+    (``ROW_TOKENS``; a memory check must not build the row it refuses), else read off one row built."""
+    kw = get_task(task).params(params)
+    if task in ROW_TOKENS:
+        return ROW_TOKENS[task](kw)
+    return int(make_split(task, 1, 0, kw).inputs.shape[1])
