@@ -89,3 +89,49 @@ def test_a_closed_write_and_no_decay_hold_the_state_exactly() -> None:
         o, S = fn(q, k, v, torch.zeros_like(b), torch.zeros_like(g), S0)
         assert torch.equal(S, S0)
         torch.testing.assert_close(o, (S0[:, :, None] @ q[..., None])[..., 0].expand_as(o), rtol=0, atol=1e-15)
+
+
+def fla_naive():  # type: ignore[no-untyped-def]
+    """flash-linear-attention's own pure-PyTorch references of the gated delta rule
+    (``fla/ops/gated_delta_rule/naive.py``), read from the installed ``fla-core`` without importing
+    the ``fla`` package, whose ``__init__`` needs Triton; skipped where fla-core is not installed."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("fla-core is not installed (pip install fla-core)")
+    path = Path(spec.submodule_search_locations[0]) / "ops" / "gated_delta_rule" / "naive.py"
+    module_spec = importlib.util.spec_from_file_location("fla_gated_delta_rule_naive", path)
+    assert module_spec is not None and module_spec.loader is not None, path
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("form, T, chunk", [("chunk", 37, 16), ("chunk", 64, 64), ("recurrent", 29, 8)])
+def test_chunked_equals_flash_linear_attentions_reference(form: str, T: int, chunk: int) -> None:
+    """An external reference: fla's ``naive_chunk_gated_delta_rule`` / ``naive_recurrent_gated_delta_rule``
+    (q, k [B, T, H, K], v [B, T, H, V], log-decay g and write strength beta [B, T, H], the state
+    [B, H, K, V]: ours transposed; ``scale=1``: our q is normalised, not scaled). They compute in
+    float32 whatever they are given, so our chunked form runs in float64 as the truth, and their
+    outputs, final state and every gradient must agree with it to float32 rounding."""
+    fla = fla_naive()
+    gen = torch.Generator().manual_seed(T + chunk)
+    xs = inputs(2, 3, T, 8, 6, gen)
+    w, wS = torch.randn(2, 3, T, 6, generator=gen, **F64), torch.randn(2, 3, 6, 8, generator=gen, **F64)
+    want = grads(lambda *a: delta_rule_chunked(*a, chunk), xs, w, wS)
+
+    def theirs(q, k, v, b, g, S):  # type: ignore[no-untyped-def]
+        heads_second = [t.transpose(1, 2) for t in (q, k, v, b, g)]  # [B, H, T, ...] -> [B, T, H, ...]
+        q_, k_, v_, b_, g_ = heads_second
+        kw = dict(scale=1.0, initial_state=S.transpose(-1, -2), output_final_state=True)
+        if form == "chunk":
+            o, S_T = fla.naive_chunk_gated_delta_rule(q_, k_, v_, g_, b_, chunk_size=chunk, **kw)
+        else:
+            o, S_T = fla.naive_recurrent_gated_delta_rule(q_, k_, v_, b_, g_, **kw)
+        return o.transpose(1, 2).double(), S_T.transpose(-1, -2).double()
+
+    got = grads(theirs, xs, w, wS)
+    for n, a, b in zip(["o", "S_T", "dq", "dk", "dv", "db", "dg", "dS0"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
