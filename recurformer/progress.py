@@ -1,5 +1,5 @@
 """How far a long command got, shown the same way by every command that can run for minutes
-(``synth`` training and ``--evaluate``, ``eval``, ``probe``, ``niah``, ``prepare``): on stderr, so
+(``train``, ``synth`` training and ``--evaluate``, ``eval``, ``probe``, ``niah``, ``prepare``): on stderr, so
 that stdout keeps a command's results (tables, JSON) as scripts parse them."""
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Progress:
         )
         self.done = self.initial = initial
         self.start = self.shown = time.monotonic()
+        self.note = ""  # the latest figures of the loop (``set_postfix``), shown after the count
 
     def update(self, n: int) -> None:
         self.done += n
@@ -54,13 +55,20 @@ class Progress:
         sys.stdout.flush()  # the results so far first, where both streams go to one log
         print(self.line(now - self.start), file=sys.stderr, flush=True)
 
+    def set_postfix(self, **figures: str) -> None:
+        """The loop's latest figures (``loss="3.120"``): beside the bar on a terminal, at the end of
+        the next line in a log."""
+        if self.bar is not None:
+            self.bar.set_postfix(**figures)
+        self.note = ", ".join(f"{k} {v}" for k, v in figures.items())
+
     def line(self, spent: float) -> str:
         """The log line after ``spent`` seconds: done (of total), the time so far and the time left."""
         count = f"{self.done:,}" if self.total is None else f"{self.done:,}/{self.total:,}"
         text = f"  {self.desc}: {count} {self.unit}s, {spent / 60:.1f} min"
         if self.total is not None and self.initial < self.done < self.total:
             text += f", about {spent / (self.done - self.initial) * (self.total - self.done) / 60:.1f} min left"
-        return text
+        return f"{text}; {self.note}" if self.note else text
 
     def track(self, items: Iterable[T]) -> Iterator[T]:
         """``items``, each one unit done once the loop has used it; closed at the end."""

@@ -64,6 +64,7 @@ from .flops import reference_peak, train_flops_per_token
 from .models import build_model, make_config, model_names
 from .nn import State, StreamingLM, check_compile
 from .optim import make_optimizer, optimizer_from_flat, optimizer_to_flat
+from .progress import Progress
 from .registry import config_keys
 from .statesize import state_size_line
 from .tbptt import Update, backprop, start_state
@@ -1034,15 +1035,13 @@ class Trainer:
                     f"resuming from {self.resumed_from} at step {self.step} of {t.steps}, writing to {self.out_dir}{gone}"
                 )
             self.model.train()
-            bar = tqdm(
-                total=t.steps, initial=self.step, disable=not self.show_progress, desc="train", dynamic_ncols=True
-            )
+            bar = Progress(t.steps, "train", "step", initial=self.step, show=self.show_progress)
             try:
                 return self._loop(bar)
             finally:
                 bar.close()
 
-    def _loop(self, bar: Any) -> dict[str, Any]:
+    def _loop(self, bar: Progress) -> dict[str, Any]:
         t = self.cfg.train
         last: dict[str, Any] = {}
         self.meter.start(self.tokens_seen)

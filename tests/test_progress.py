@@ -192,3 +192,17 @@ def test_a_terminal_gets_a_bar_with_the_time_left(monkeypatch, capsys) -> None:
     err = capsys.readouterr().err
     assert "lr 0.001:   0%|" in err and "| 0/3 [00:00<" in err  # tqdm's bar: elapsed<left
     assert "steps, " not in err  # not a line
+
+
+def test_train_shows_lines_with_its_loss_in_a_log(tmp_path, capsys) -> None:
+    """``train`` where stderr is a log: lines with the steps done, the time left and the latest
+    loss, never a bar's carriage returns; stdout keeps the run's own lines."""
+    import recurformer
+
+    corpus = write_corpus(tmp_path / "c.txt", 30)
+    cfg = tiny_config(corpus, tmp_path)
+    cfg["train"] |= {"steps": 4, "warmup": 1, "log_every": 2, "eval_every": 4, "save_every": 4}
+    recurformer.train(cfg)
+    out, err = capsys.readouterr()
+    assert "\r" not in err and "step 4: val loss" in out
+    assert re.search(r"^  train: 4/4 steps, \d+\.\d min; loss \d+\.\d{3}, tok_s [\d,]+", err, re.M), err
