@@ -1,4 +1,6 @@
-"""Every test starts from the same seeds; ``offline`` keeps the tests of the optional integrations
+"""Every test starts from the same seeds, in an empty working directory of its own (its ``tmp_path``:
+nothing a user keeps where pytest starts, such as the README's ``runs/`` and ``data/``, changes a
+result, and no test writes there); ``offline`` keeps the tests of the optional integrations
 (transformers, lm-eval, datasets) off the network: no Hub access (``HF_HUB_OFFLINE``,
 ``HF_DATASETS_OFFLINE``), ``HF_HOME`` in a temporary directory, and any socket connection fails."""
 
@@ -6,6 +8,7 @@ import os
 import random
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: see recurformer/__init__.py
@@ -19,6 +22,21 @@ from helpers import tiny_config, write_corpus  # noqa: E402
 def _own_cache(tmp_path_factory) -> None:
     """The cached matmul peak (flops.reference_peak) of a test session stays out of the user's cache."""
     os.environ["RECURFORMER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_cwd(tmp_path_factory) -> Iterator[None]:
+    """Session- and module-scoped fixtures, set up before any test's own directory, run in an empty
+    directory too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("cwd"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _own_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test runs in its ``tmp_path``: relative paths (the default ``runs/...``) land there."""
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,8 @@ import torch
 if TYPE_CHECKING:
     from recurformer.train import RunConfig
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository: build its paths (README.md, configs/) from here
+
 # tests that run on every device: CUDA rows are skipped (not failed) on a machine without a GPU
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")

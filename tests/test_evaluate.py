@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TEST_CONFIGS, randomize_params
+from helpers import ROOT, TEST_CONFIGS, randomize_params
 
 from recurformer import build_model
 from recurformer.config import RecurformerError
@@ -167,7 +167,7 @@ def peak(name: str, L: int) -> float:
         capture_output=True,
         text=True,
         check=True,
-        env={"OMP_NUM_THREADS": "1", "PATH": ""},
+        env={"OMP_NUM_THREADS": "1", "PATH": "", "PYTHONPATH": str(ROOT)},
     )
     return json.loads(out.stdout)["peak"]
 

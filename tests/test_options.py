@@ -4,12 +4,11 @@ Python alike (one shared check, ``config.check_options``), before anything is pr
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import TEST_CONFIGS
+from helpers import ROOT, TEST_CONFIGS
 
 import recurformer
 from recurformer import RecurformerError, build_model
@@ -243,6 +242,7 @@ def test_openmp_waits_passively_unless_the_user_says_otherwise() -> None:
 
     code = "import os, recurformer; print(os.environ['OMP_WAIT_POLICY'])"
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["PYTHONPATH"] = str(ROOT)  # this checkout's recurformer, whatever the working directory
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "PASSIVE"
     out = subprocess.run(
@@ -290,7 +290,7 @@ def test_the_api_does_not_spin_against_a_busy_machine_when_torch_came_first(impo
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = str(ROOT)
     if policy:
         env["OMP_WAIT_POLICY"] = policy
     code = THREADS_SEEN.format(imports=imports)
