@@ -89,12 +89,19 @@ def test_public_text_has_no_internal_words() -> None:
 
 
 def test_experiment_configs_load() -> None:
+    """Every YAML under experiments/ is a training config that loads, or a study config that loads
+    by name (a synth config, checked as one in tests/test_memory.py::test_synth_config_files)."""
+    from recurformer.config import load_yaml, study_configs
     from recurformer.train import load_run_config
 
     configs = sorted((ROOT / "experiments").rglob("*.yaml"))
-    assert configs
+    studies = study_configs()
+    assert configs and studies
+    for name, path in studies.items():
+        assert load_yaml(name) == load_yaml(path) and "synth" in load_yaml(path), name
     for path in configs:
-        assert load_run_config(str(path)).model["name"], path
+        if path not in studies.values():
+            assert load_run_config(str(path)).model["name"], path
 
 
 def test_benchmarks_readme_lists_every_script() -> None:
