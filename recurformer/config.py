@@ -193,17 +193,30 @@ def bundled_configs() -> list[str]:
     return sorted(names)
 
 
+# A study's configs stay beside the study in a repository checkout, outside the wheel: study -> folder.
+STUDY_CONFIGS = {"memory": Path(__file__).resolve().parent.parent / "experiments" / "memory" / "configs"}
+
+
+def study_configs() -> dict[str, Path]:
+    """The configs of the studies under ``experiments/`` by name, in a repository checkout
+    (``memory/passkey-rmt-mixed`` is ``experiments/memory/configs/passkey-rmt-mixed.yaml``); none
+    where the package is installed from a wheel. Each is usable wherever a config path is."""
+    return {f"{study}/{f.stem}": f for study, d in STUDY_CONFIGS.items() if d.is_dir() for f in d.glob("*.yaml")}
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML config: the file ``path``, or else the bundled config of that name (``tinystories-cpu``)."""
+    """A YAML config: the file ``path``, or else the bundled config of that name (``tinystories-cpu``),
+    or in a repository checkout the study config of that name (``memory/mqar-fixed``)."""
     p: Any = Path(path)  # or a package resource (importlib.resources)
     name = str(path).removesuffix(".yaml")
     if not p.is_file():
-        names = bundled_configs()
+        studies = study_configs()
+        names = sorted([*bundled_configs(), *studies])
         if name not in names:
             close = difflib.get_close_matches(name, names, n=3, cutoff=0.8)
             hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
             raise RecurformerError(f"config file not found: {p} ({hint}bundled configs: {', '.join(names)})")
-        p = resources.files("recurformer") / "configs" / f"{name}.yaml"
+        p = studies.get(name) or resources.files("recurformer") / "configs" / f"{name}.yaml"
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:  # file:line:column of the problem, as compilers write it

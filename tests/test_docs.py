@@ -1,5 +1,5 @@
-"""The public docs hold together: every relative link in the README, docs/, benchmarks/ and
-experiments/ names a file (and, for a Markdown target with ``#anchor``, one of its headings), public
+"""The public docs hold together: every relative link in the README, docs/, benchmarks/,
+experiments/ and dev/ names a file (and, for a Markdown target with ``#anchor``, one of its headings), public
 text carries no internal words (work periods, internal paper numbers, private paths), the
 one-study configs under experiments/ still load, and the results read as a product: every claim
 row of docs/results/README.md names its page, hardware and date, and every results page gives
@@ -19,6 +19,7 @@ PAGES = sorted(
         *(ROOT / "docs").rglob("*.md"),
         *(ROOT / "benchmarks").glob("*.md"),
         *(ROOT / "experiments").rglob("*.md"),
+        *(ROOT / "dev").rglob("*.md"),
     ]
 )
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
@@ -59,6 +60,16 @@ def test_relative_links_resolve(page: Path) -> None:
     assert broken_links(page) == []
 
 
+def test_results_data_holds_only_what_a_page_cites() -> None:
+    """Every file or folder under docs/results/data/<topic>/ is named by a page outside dev/ (a plot
+    or table by the JSON beside it); superseded and A/B runs live in dev/data/, quoted by dev/LOG.md."""
+    text = "\n".join(p.read_text(encoding="utf-8") for p in PAGES if ROOT / "dev" not in p.parents)
+    entries = sorted((ROOT / "docs" / "results" / "data").glob("*/*"))
+    assert entries
+    named = [e for e in entries if e.name in text or e.with_suffix(".json").name in text]
+    assert [str(e.relative_to(ROOT)) for e in entries if e not in named] == []
+
+
 def test_link_check_sees_a_broken_link(tmp_path: Path) -> None:
     page = "# Top part\n\n[ok](a.md#top-part) [file](b.md) [gone](c.md) [no heading](a.md#no)\n"
     (tmp_path / "a.md").write_text(page)
@@ -89,12 +100,19 @@ def test_public_text_has_no_internal_words() -> None:
 
 
 def test_experiment_configs_load() -> None:
+    """Every YAML under experiments/ is a training config that loads, or a study config that loads
+    by name (a synth config, checked as one in tests/test_memory.py::test_synth_config_files)."""
+    from recurformer.config import load_yaml, study_configs
     from recurformer.train import load_run_config
 
     configs = sorted((ROOT / "experiments").rglob("*.yaml"))
-    assert configs
+    studies = study_configs()
+    assert configs and studies
+    for name, path in studies.items():
+        assert load_yaml(name) == load_yaml(path) and "synth" in load_yaml(path), name
     for path in configs:
-        assert load_run_config(str(path)).model["name"], path
+        if path not in studies.values():
+            assert load_run_config(str(path)).model["name"], path
 
 
 def test_benchmarks_readme_lists_every_script() -> None:

@@ -467,9 +467,9 @@ def test_readout_cli_on_a_saved_synth_model(tmp_path, capsys) -> None:
 
 
 def test_synth_config_files(tmp_path, capsys) -> None:
-    """--config: model / task / synth sections, later files and --set winning; every bundled
-    memory config is a valid synth config of its task."""
-    from recurformer.config import bundled_configs, load_yaml
+    """--config: model / task / synth sections, later files and --set winning; every study
+    config of experiments/memory/configs/ is a valid synth config of its task."""
+    from recurformer.config import load_yaml, study_configs
 
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     a.write_text(
@@ -503,7 +503,7 @@ def test_synth_config_files(tmp_path, capsys) -> None:
     b.write_text("train: {steps: 3}\n")
     assert main(["synth", "--task", "mqar", "--model", "llama", "--config", str(b)]) == 2
     assert "has section 'train'; valid sections: model, task, synth" in capsys.readouterr().err
-    memory = [n for n in bundled_configs() if n.startswith("memory/")]
+    memory = [n for n in study_configs() if n.startswith("memory/")]
     # 6 recipes x 2 tasks, MQAR's twostage, twostage-mixed, recall-first, selfpaced and
     # selfpaced-mixed, 6 whole experiments (best results), the Block-Recurrent LSTM gate on passkey
     # and MQAR, the stage of the passkey's curriculum over segment counts, Gated DeltaNet's closed writes

@@ -1,5 +1,5 @@
 """The package as a user installs it: the version and ``python -m``, the bundled configs by name (from a
-clone and from a built wheel)."""
+clone and from a built wheel), the study configs by name from a clone only."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from importlib import resources
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import tomllib
 import recurformer
 from recurformer import RecurformerError
 from recurformer.cli import main as cli_main
-from recurformer.config import bundled_configs, load_yaml
+from recurformer.config import bundled_configs, load_yaml, study_configs
 from recurformer.train import load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +76,22 @@ def test_configs_are_package_data_and_load_by_name(tmp_path, monkeypatch) -> Non
         load_yaml("nope")
 
 
+def test_study_configs_load_by_name_from_a_clone_and_are_not_package_data(tmp_path, monkeypatch) -> None:
+    """The one-study configs live in experiments/memory/configs/, outside the package, and in a
+    clone load by name from any directory, as the results pages' commands give them."""
+    studies = study_configs()
+    home = ROOT / "experiments" / "memory" / "configs"
+    assert {"memory/passkey-gated-deltanet-closed", "memory/mqar-selfpaced-mixed", "memory/mqar-fixed"} <= set(studies)
+    assert sorted(studies.values()) == sorted(home.glob("*.yaml")) and not set(studies) & set(bundled_configs())
+    monkeypatch.chdir(tmp_path)  # not the clone's root: the name is found beside the package
+    assert load_yaml("memory/passkey-rmt-mixed") == load_yaml(home / "passkey-rmt-mixed.yaml")
+    assert load_yaml("memory/mqar-fixed.yaml") == load_yaml(home / "mqar-fixed.yaml")
+    with pytest.raises(
+        RecurformerError, match=r"did you mean 'memory/passkey-rmt-mixed'.*bundled configs: .*repro/base"
+    ):
+        load_yaml("memory/passkey-rmt-mix")
+
+
 @pytest.mark.slow
 def test_configs_load_by_name_from_a_built_wheel(tmp_path) -> None:
     """Build the wheel (pip, as a user would) and import the package from it, not from the source
@@ -90,9 +107,13 @@ def test_configs_load_by_name_from_a_built_wheel(tmp_path) -> None:
     )
     assert build.returncode == 0, build.stderr
     (wheel,) = (tmp_path / "dist").glob("recurformer-*.whl")
+    shipped = [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("recurformer/configs/")]
+    general = ["memory-attention-paper", "repro/base", "tinystories-cpu", "tinystories-rmt"]
+    assert sorted(shipped) == [f"recurformer/configs/{n}.yaml" for n in general]  # no study's configs
     code = (
         "import recurformer; from recurformer.config import load_yaml; from recurformer.train import load_run_config; "
-        "print(recurformer.__file__); print(load_run_config('tinystories-cpu').model['name'], load_yaml('memory-attention-paper')['model']['name'])"
+        "print(recurformer.__file__); print(load_run_config('tinystories-cpu').model['name'], load_yaml('memory-attention-paper')['model']['name'])\n"
+        "from recurformer.config import study_configs; print(study_configs())"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -102,7 +123,11 @@ def test_configs_load_by_name_from_a_built_wheel(tmp_path) -> None:
         env={**os.environ, "PYTHONPATH": str(wheel)},
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [str(wheel / "recurformer" / "__init__.py"), "memory_attention memory_attention"]
+    assert out.stdout.splitlines() == [
+        str(wheel / "recurformer" / "__init__.py"),
+        "memory_attention memory_attention",
+        "{}",
+    ]
 
 
 def test_configs_path_in_a_clone_is_the_same_files() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A curriculum over segment counts for the passkey (Bulatov et al., "Scaling Transformer to 1M
 # tokens and beyond with RMT", 2023, §3): stages of 1, 2, 4, 8, 16 segments of 32 tokens, each a
-# `recurformer synth` run of configs/memory/passkey-gated-deltanet-segments.yaml started from the
+# `recurformer synth` run of experiments/memory/configs/passkey-gated-deltanet-segments.yaml started from the
 # last stage's saved model (synth.init_from), then the last model tested at long lengths with
 # `synth --evaluate` (OUT/eval.stage<n>.{json,log}). Every stage leaves OUT/stage<n>.{json,log,model};
 # a stage (or test) whose JSON exists is skipped, so a stopped chain continues where it was.

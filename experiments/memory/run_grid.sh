@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The synthetic memory grid: passkey and MQAR x every registered model x every recipe of
-# configs/memory/ x seeds, each cell one `recurformer synth` run (1 thread), JOBS cells side by
+# experiments/memory/configs/ x seeds, each cell one `recurformer synth` run (1 thread), JOBS cells side by
 # side. A cell whose JSON exists is skipped, so a stopped grid continues where it was. Then the
 # MQAR pictures (accuracy vs distance, accuracy vs state size) and the tables.
 #
@@ -32,9 +32,9 @@ cells() {  # task model recipe seed, one cell per line
 run_cell() {  # task model recipe seed
   local dir="$OUT/$1" name="$2.$3.seed$4"
   [ -f "$dir/$name.json" ] && return 0
-  [ -f "configs/memory/$1-$3.yaml" ] || return 0  # a recipe of one task only (twostage, recall-first: MQAR)
+  [ -f "experiments/memory/configs/$1-$3.yaml" ] || return 0  # a recipe of one task only (twostage, recall-first: MQAR)
   mkdir -p "$dir"
-  $PY -m recurformer synth --task "$1" --model "$2" --config "configs/memory/$1-$3.yaml" --set "synth.seed=$4" \
+  $PY -m recurformer synth --task "$1" --model "$2" --config "experiments/memory/configs/$1-$3.yaml" --set "synth.seed=$4" \
     --json "$dir/$name.json" --save "$dir/$name.model" $EXTRA > "$dir/$name.log" 2>&1 || echo "failed: $1 $2 $3 seed $4 (see $dir/$name.log)"
 }
 export -f run_cell
