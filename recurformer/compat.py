@@ -1,12 +1,15 @@
-"""Checkpoints and saved states of format 1 (before the per-layer state; main up to ec70819) in
-today's names. Format 2 is written in the metadata of ``model.safetensors``.
+"""Checkpoints and saved states of format 1 (before the per-layer state; main up to ec70819), and
+weights of format 2 with names since changed, in today's names. Format 2 is written in the metadata
+of ``model.safetensors``.
 
 Weights: Memory Attention's stacked ``init_memory`` [L, C, D] and the Block-Recurrent
 Transformer's ``initial_state`` [R, S, D] become per-layer parameters; the Block-Recurrent
-Transformer's attention moved under ``layers.<i>.attn``. States: the per-field lists ``<field>.<i>``
-become ``layers.<i>.<field>``, the model-level ``pos``/``start`` are derived where the old state had
-none (a chunked layer's offset; Transformer-XL's ``mem_valid``), and Transformer-XL's memory, which
-held the layer's raw inputs, holds them normed."""
+Transformer's attention moved under ``layers.<i>.attn``; a layer's short convolution, the
+parameter ``conv_weight`` up to 31288d4, is the module ``conv`` (``modules.ShortConvolution``).
+States: the per-field lists ``<field>.<i>`` become ``layers.<i>.<field>``, the model-level
+``pos``/``start`` are derived where the old state had none (a chunked layer's offset;
+Transformer-XL's ``mem_valid``), and Transformer-XL's memory, which held the layer's raw inputs,
+holds them normed."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ _BRT_ATTN = re.compile(r"^layers\.(\d+)\.(wq|wk|wv|wq2|wo|rel_bias|qk|qk2|cell)\
 
 
 def upgrade_weights(model: Any, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Format-1 weight names -> today's (an identity on format-2 weights); the prefix ``model.`` of a
+    """Earlier weight names -> today's (an identity on today's weights); the prefix ``model.`` of a
     directory written by ``transformers`` is dropped."""
     own = model.state_dict()
     if tensors and all(k.startswith("model.") for k in tensors) and not any(k.startswith("model.") for k in own):
@@ -33,6 +36,8 @@ def upgrade_weights(model: Any, tensors: dict[str, Tensor]) -> dict[str, Tensor]
             out.update({f"layers.{i}.attn.{k}": v[j] for j, i in enumerate(owners)})
         elif k not in own and _BRT_ATTN.match(k):
             out[_BRT_ATTN.sub(r"layers.\1.attn.\2.", k)] = v
+        elif k.endswith(".conv_weight") and k not in own:  # the short convolution became a module
+            out[k.removesuffix("_weight") + ".weight"] = v
         else:
             out[k] = v
     return out

@@ -1,6 +1,6 @@
 """Building blocks in plain PyTorch, importing nothing of the package: RMSNorm, the MLP (SwiGLU or
-ReLU), the short causal convolution, the closed-at-initialisation memory write gate, RoPE with arbitrary positions, ALiBi
-slopes, attention helpers over PyTorch SDPA, and ``pieces``, which splits a call into chunks /
+ReLU), the short causal convolution (a function, and a module with its piece of state), the
+closed-at-initialisation memory write gate, RoPE with arbitrary positions, ALiBi slopes, attention helpers over PyTorch SDPA, and ``pieces``, which splits a call into chunks /
 segments / blocks at the current offset."""
 
 from __future__ import annotations
@@ -117,6 +117,45 @@ def init_short_conv(weight: Tensor) -> None:
     """``short_conv``'s weight [C, K] as PyTorch's Conv1d default: uniform, bound 1/sqrt(K)."""
     bound = 1 / math.sqrt(weight.shape[1])
     nn.init.uniform_(weight, -bound, bound)
+
+
+class ShortConvolution(nn.Module):
+    """``short_conv`` as a module with its own piece of state (as flash-linear-attention's
+    ``ShortConvolution``): the weight [C, K] (``weight``), initialised by ``init_extra`` as
+    PyTorch's Conv1d (``init_short_conv``), and the state piece, the last K-1 inputs [B, K-1, C]
+    (``init_state``: zeros, as at a document start; ``reset``: zeros in the fresh rows;
+    ``check_state``: its shape).
+    ``forward(x, cache)`` continues the convolution from ``cache`` (None: from zeros in x's dtype)
+    and returns the output and the new cache. An owner registers it before its other modules: its
+    weight then comes right after the owner's own parameters, and its ``init_extra`` runs right
+    after the owner's (the order of the random draws from a seed)."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, kernel))
+
+    def init_extra(self, std: float) -> None:
+        init_short_conv(self.weight)
+
+    def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> Tensor:
+        C, K = self.weight.shape
+        return torch.zeros(batch_size, K - 1, C, device=device, dtype=dtype)
+
+    def reset(self, cache: Tensor, fresh: Tensor) -> Tensor:
+        """``cache`` with the rows where ``fresh`` back to zero."""
+        return torch.where(fresh.view(-1, 1, 1), cache.new_zeros(()), cache)
+
+    def check_state(self, cache: Tensor | None) -> str | None:
+        """None if ``cache`` fits (the state's field ``conv``), else what is wrong."""
+        if cache is None:
+            return "'conv' is missing"
+        want = (cache.shape[0], self.weight.shape[1] - 1, self.weight.shape[0])
+        return None if cache.shape == want else f"'conv' has shape {tuple(cache.shape)}, expected {want}"
+
+    def forward(self, x: Tensor, cache: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        if cache is None:
+            cache = x.new_zeros(x.shape[0], self.weight.shape[1] - 1, x.shape[2])
+        return short_conv(x, cache, self.weight)
 
 
 class WriteGate(nn.Module):

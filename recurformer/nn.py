@@ -11,7 +11,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ from .config import RecurformerError
 from .device import autocast_context
 from .generate import GenerationMixin
 from .hub import HubMixin
-from .modules import MLP, RMSNorm, cross_entropy
+from .modules import MLP, RMSNorm, ShortConvolution, cross_entropy
 from .registry import build_layer
 from .state import IGNORE_INDEX, Call, LayerState, Output, Room, State, reset_rows, writable
 
@@ -201,7 +201,12 @@ class Block(Layer):
 
     A mixer may answer for the last rows of x only (a shorter output, as RMT's last layer): the
     block is then those rows' (h = x[:, -m:] + mixer(...), m its output's length). The block is
-    the layer: its state, reset, period and reach are the mixer's."""
+    the layer: its state, reset, period and reach are the mixer's.
+
+    A mixer may own a short convolution of its input (its ``conv``, a ``ShortConvolution``: the
+    option ``qkv_conv``), which the block runs between the norm and the mixer,
+    h = x + mixer(SiLU(conv(n(x))), state); the block keeps the convolution's piece of the state
+    (the state's ``conv``): makes it, resets it, checks it and carries it across calls."""
 
     def __init__(self, cfg: ModelConfig, mixer: Layer, mlp: Literal["swiglu", "relu"] = "swiglu") -> None:
         super().__init__()
@@ -234,14 +239,29 @@ class Block(Layer):
     def state_cls(self) -> type[LayerState]:
         return self.attn.state_cls
 
+    @property
+    def conv(self) -> ShortConvolution | None:
+        """The mixer's short convolution of its input, if it has one."""
+        return getattr(self.attn, "conv", None)
+
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> LayerState:
-        return self.attn.init_state(batch_size, device, dtype)
+        state = self.attn.init_state(batch_size, device, dtype)
+        if (conv := self.conv) is None:
+            return state
+        return with_conv(state, conv.init_state(batch_size, device, dtype))
 
     def reset(self, state: LayerState, fresh: Tensor) -> LayerState:
-        return self.attn.reset(state, fresh)
+        new = self.attn.reset(state, fresh)
+        if (conv := self.conv) is None:
+            return new
+        return with_conv(new, conv.reset(getattr(state, "conv"), fresh))
 
     def check_state(self, state: LayerState, pos: int) -> str | None:
-        return self.attn.check_state(state, pos)
+        if (conv := self.conv) is None or type(state) is not self.state_cls:
+            return self.attn.check_state(state, pos)
+        if (why := self.attn.check_state(with_conv(state, None), pos)) is not None:
+            return why
+        return conv.check_state(getattr(state, "conv"))
 
     def reach(self, q: int) -> int | None:
         return self.attn.reach(q)
@@ -250,9 +270,19 @@ class Block(Layer):
         return self.attn.describe()
 
     def forward(self, x: Tensor, state: LayerState, call: Call) -> tuple[Tensor, LayerState]:
-        a, state = self.attn(self.attn_norm(x), state, call)
+        n = self.attn_norm(x)
+        if (conv := self.conv) is not None:
+            n, cache = conv(n, getattr(state, "conv"))
+        a, state = self.attn(n, state, call)
+        if conv is not None:
+            state = with_conv(state, cache)
         h = (x if a.shape[1] == x.shape[1] else x[:, x.shape[1] - a.shape[1] :]) + a
         return h + self.ffn(self.ffn_norm(h)), state
+
+
+def with_conv(state: LayerState, cache: Tensor | None) -> LayerState:
+    """``state`` (of a mixer with a short convolution) with the convolution's piece replaced."""
+    return dataclasses.replace(cast(Any, state), conv=cache)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Slow references, read literally from the papers, that the fast models are tested against (as
-fla keeps ``naive.py`` beside each kernel). They run the model's own weights without caching or
+fla keeps ``naive.py`` beside each kernel): Memory Attention's Algorithm 1, the RMT and ARMT one
+segment at a time. They run the model's own weights without caching or
 batching tricks; the fast code lives in ``models/`` and ``ops/``."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch import Tensor
 
 from .config import RecurformerError
 from .models.memory_attention import MemoryAttention, MemoryAttentionConfig, MemoryAttentionLayer
+from .models.rmt import RMT, Associative, AssociativeBlock, RMTAttention
 from .modules import apply_rope, rope_cos_sin
 from .nn import Block
 
@@ -62,3 +64,111 @@ def algorithm_1(model: MemoryAttention, tokens: Tensor) -> Tensor:
         h = h + torch.cat(outs, 1)
         h = h + block.ffn(block.ffn_norm(h))
     return F.linear(model.norm(h), model.tok_emb.weight)
+
+
+def rmt_segments(model: RMT, tokens: Tensor) -> Tensor:
+    """The Recurrent Memory Transformer (Bulatov et al. 2022, §3, the decoder) read literally: the
+    slow reference that the tests hold ``RMT`` to. Logits [B, T, V] of a fresh state, one segment
+    at a time: [H^mem; E(x); H^mem] through every block with a square causal mask and RoPE at
+    0..2M+S-1 (``block_literal``); the new memory is the final-normed output of the write slots
+    (held by the write gate with ``memory_update: write_gate``). T need not be a multiple of S (the
+    last segment is short and writes no memory)."""
+    c = model.config
+    S, M = c.segment_len, c.memory_size
+    B, T = tokens.shape
+    memory = model.init_memory.expand(B, M, c.dim)
+    out = []
+    for a in range(0, T, S):
+        x = model.tok_emb(tokens[:, a : a + S])
+        n = x.shape[1]
+        h = torch.cat((memory, x, memory), 1)
+        cos, sin = rope_cos_sin(torch.arange(h.shape[1]), c.head_dim, c.rope_theta, h.dtype)
+        for block in model.layers:
+            h = block_literal(cast(Block, block), h, cos, sin)
+        out.append(model.norm(h[:, M : M + n]))
+        new = model.norm(h[:, -M:])
+        if model.write_gate is not None:  # g = sigmoid(W_g new + b_g), M <- M + g (new - M)
+            new = memory + torch.sigmoid(model.write_gate.proj(new)) * (new - memory)
+        memory = new
+    return F.linear(torch.cat(out, 1), model.tok_emb.weight)
+
+
+def block_literal(block: Block, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """One pre-norm RMT block over a whole extended segment h [B, L, D], one causal mask."""
+    att = cast(RMTAttention, block.attn)
+    c = att.cfg
+    B, u = h.shape[0], block.attn_norm(h)
+    q, k, v = (w(u).view(B, -1, c.n_heads, c.head_dim).transpose(1, 2) for w in (att.wq, att.wk, att.wv))
+    o = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True)
+    h = h + att.wo(o.transpose(1, 2).reshape(B, -1, c.dim))
+    return h + block.ffn(block.ffn_norm(h))
+
+
+def phi_literal(x: Tensor, nu: int = 3) -> Tensor:
+    """DPFP of one vector x [d]: r = (relu(x_1..x_d), relu(-x_1..-x_d)), phi = (r_i r_{i-j mod 2d})
+    for j = 1..nu, i = 1..2d."""
+    r = [a.clamp(min=0) for a in x] + [(-a).clamp(min=0) for a in x]
+    n = len(r)
+    return torch.stack([r[i] * r[(i - j) % n] for j in range(1, nu + 1) for i in range(n)])
+
+
+def feature_literal(x: Tensor) -> Tensor:
+    """ARMT's feature of one vector (the authors' code): DPFP divided by its Euclidean length."""
+    f = phi_literal(x)
+    return f / torch.sqrt(sum(a * a for a in f))
+
+
+def read_literal(assoc: Associative, x: Tensor, A: Tensor, z: Tensor) -> Tensor:
+    """ARMT's read (Rodkin et al. 2024, §3) of one row x [D]: phi(W_q x) A / (z . phi(W_q x) + eps)."""
+    q = feature_literal(assoc.wq.weight @ x)
+    return cast(Tensor, sum(q[f] * A[f] for f in range(len(q))) / (sum(z[f] * q[f] for f in range(len(q))) + assoc.eps))
+
+
+def write_literal(assoc: Associative, m: Tensor, A: Tensor, z: Tensor) -> tuple[Tensor, Tensor, list[float]]:
+    """ARMT's write (§3) of the slots' outputs m [M, D], one slot at a time, every slot reading the
+    A and z of before the segment; returns (A, z, the gammas)."""
+    A_new, z_new, gammas = A, z, []
+    for mi in m:
+        k = feature_literal(assoc.wk.weight @ mi)
+        v = assoc.wv.weight @ mi
+        beta = torch.sigmoid(assoc.wb.weight[0] @ mi + assoc.wb.bias[0])
+        vbar = (k @ A) / (z @ k + assoc.eps)
+        gamma = torch.clamp(1 - (z @ k) / (k @ k), 0, 1).detach()
+        A_new = A_new + beta * torch.outer(k, v - vbar)
+        z_new = z_new + gamma * k
+        gammas.append(float(gamma))
+    return A_new, z_new, gammas
+
+
+def armt_segments(model: RMT, tokens: Tensor) -> tuple[Tensor, list[list[Tensor]], list[list[Tensor]]]:
+    """The Associative Recurrent Memory Transformer (Rodkin et al. 2024, §3) read literally, in
+    float64: logits of a fresh state and every layer's final (A, z) per batch row, one segment at a
+    time: the same learned slots [init_memory; E(x); init_memory] every segment ([E(x);
+    init_memory] with ``read_slots: false``); before each layer every row of every batch row gets
+    its read added (``read_literal``); after a full segment each layer writes its write slots'
+    outputs (``write_literal``)."""
+    c = model.config
+    S, M, N, R = c.segment_len, c.memory_size, c.n_layers, c.n_read
+    B, T = tokens.shape
+    K = Associative.features(c.assoc_dim)
+    A = [[torch.zeros(K, c.dim, dtype=torch.float64) for _ in range(B)] for _ in range(N)]
+    z = [[torch.zeros(K, dtype=torch.float64) for _ in range(B)] for _ in range(N)]
+    slots = model.init_memory.expand(B, M, c.dim)
+    out = []
+    for a in range(0, T, S):
+        x = model.tok_emb(tokens[:, a : a + S])
+        n = x.shape[1]
+        h = torch.cat((slots[:, :R], x, slots), 1)
+        cos, sin = rope_cos_sin(torch.arange(h.shape[1]), c.head_dim, c.rope_theta, h.dtype)
+        for i, layer in enumerate(model.layers):
+            block = cast(AssociativeBlock, layer)
+            reads = [
+                [read_literal(block.assoc, h[b, p], A[i][b], z[i][b]) for p in range(h.shape[1])] for b in range(B)
+            ]
+            h = h + torch.stack([torch.stack(r) for r in reads])
+            h = block_literal(block, h, cos, sin)
+            if n == S:
+                for b in range(B):
+                    A[i][b], z[i][b], _ = write_literal(block.assoc, h[b, -M:], A[i][b], z[i][b])
+        out.append(model.norm(h[:, R : R + n]))
+    return F.linear(torch.cat(out, 1), model.tok_emb.weight), A, z

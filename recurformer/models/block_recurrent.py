@@ -57,6 +57,7 @@ from .. import tap
 from ..cells import QK, StateCell, t5_buckets
 from ..config import RecurformerError, check_options
 from ..modules import (
+    ShortConvolution,
     apply_rope,
     biased_attend,
     compiled_region,
@@ -64,12 +65,10 @@ from ..modules import (
     group_bias,
     group_heads,
     grouped_attend,
-    init_short_conv,
     merge_heads,
     pieces,
     project_heads,
     rope_cos_sin,
-    short_conv,
     ungroup_heads,
 )
 from ..nn import Block, Layer, ModelConfig, StreamingLM
@@ -154,6 +153,7 @@ class BlockAttention(Layer):
         super().__init__()
         D, Dkv = cfg.dim, cfg.key_value_heads * cfg.head_dim
         self.cfg = cfg
+        self.conv = ShortConvolution(cfg.dim, cfg.qkv_conv) if cfg.qkv_conv else None  # run by ``Block``
         self.n_heads, self.kv_heads = cfg.n_heads, cfg.key_value_heads
         self.wq = nn.Linear(D, D, bias=False)
         self.wk = nn.Linear(D, Dkv, bias=False)
@@ -167,8 +167,6 @@ class BlockAttention(Layer):
             self.qk2 = QK(cfg)
             self.initial_state = nn.Parameter(torch.zeros(cfg.states, D))
         self.wo = nn.Linear(2 * D if recurrent else D, D, bias=False)
-        if cfg.qkv_conv:
-            self.conv_weight = nn.Parameter(torch.empty(D, cfg.qkv_conv))
 
     @property
     def period(self) -> int:
@@ -178,8 +176,6 @@ class BlockAttention(Layer):
         if self.cell is not None:
             with torch.no_grad():
                 self.initial_state.normal_(0.0, 0.1)  # meliad's initial state
-        if self.cfg.qkv_conv:
-            init_short_conv(self.conv_weight)
 
     def describe(self) -> str:
         W = self.cfg.block_size
@@ -193,16 +189,12 @@ class BlockAttention(Layer):
         z = lambda *s: torch.zeros(*s, device=device, dtype=dtype)  # noqa: E731
         cell = z(B, c.states, c.dim) if self.cell is not None else None  # replaced by initial_state (fresh)
         kv = (B, c.key_value_heads, c.block_size, c.head_dim)
-        conv = z(B, c.qkv_conv - 1, c.dim) if c.qkv_conv else None
-        return BlockRecurrentState(k=z(*kv), v=z(*kv), cell=cell, conv=conv)
+        return BlockRecurrentState(k=z(*kv), v=z(*kv), cell=cell)
 
     def reset(self, st: BlockRecurrentState, fresh: Tensor) -> BlockRecurrentState:
         zero = torch.zeros_like(st.k[0])
         cell = None if st.cell is None else reset_rows(fresh, st.cell, self.initial_state)
-        conv = None if st.conv is None else reset_rows(fresh, st.conv, st.conv.new_zeros(()))
-        return BlockRecurrentState(
-            k=reset_rows(fresh, st.k, zero), v=reset_rows(fresh, st.v, zero), cell=cell, conv=conv
-        )
+        return BlockRecurrentState(k=reset_rows(fresh, st.k, zero), v=reset_rows(fresh, st.v, zero), cell=cell)
 
     def tile_bias(self, m: int, dtype: torch.dtype, device: torch.device, call: Call) -> Tensor:
         """[H, m, W + m] additive attention bias (grouped as the queries: ``group_bias``) of a tile
@@ -267,9 +259,6 @@ class BlockAttention(Layer):
         tokens' reads of it) goes block by block."""
         cfg, W, H, T, D = self.cfg, self.cfg.block_size, self.n_heads, x.shape[1], self.cfg.dim
         r = st.k.shape[2] - W  # offset inside the current block
-        conv = st.conv
-        if conv is not None:  # qkv_conv: q/k/v read SiLU(conv(x)), continued across calls
-            x, conv = short_conv(x, conv, self.conv_weight)
         ws = (self.wq.weight, self.wk.weight, self.wv.weight) + ((self.wq2.weight,) if self.cell is not None else ())
         parts = project_heads(x, ws, (H, self.kv_heads, self.kv_heads, H)[: len(ws)])
         q, k = self.qk.query(parts[0], sdpa=False), self.qk.key(parts[1])  # [B, H, T, d], for biased_attend
@@ -295,7 +284,7 @@ class BlockAttention(Layer):
         kc, vc = kx[:, :, -keep:], vx[:, :, -keep:]
         if keep < kx.shape[2]:  # a copy, so the state does not hold the whole call's keys
             kc, vc = kc.clone(), vc.clone()
-        return self.wo(o), BlockRecurrentState(kc, vc, cell, conv)
+        return self.wo(o), BlockRecurrentState(kc, vc, cell)
 
     def recurrent(
         self, q2: Tensor, kx: Tensor, vx: Tensor, r: int, cell: Tensor, rope: tuple[Tensor, Tensor] | None, call: Call

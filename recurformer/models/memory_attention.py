@@ -54,15 +54,14 @@ from ..config import RecurformerError, check_options
 from ..modules import (
     MLP,
     RMSNorm,
+    ShortConvolution,
     WriteGate,
     apply_rope,
     attend,
     compiled_region,
-    init_short_conv,
     merge_heads,
     pieces,
     rope_cos_sin,
-    short_conv,
     split_heads,
 )
 from ..nn import Block, Layer, ModelConfig, StreamingLM
@@ -128,6 +127,7 @@ class MemoryAttentionLayer(Layer):
 
     def __init__(self, cfg: MemoryAttentionConfig) -> None:
         super().__init__()
+        self.conv = ShortConvolution(cfg.dim, cfg.qkv_conv) if cfg.qkv_conv else None  # run by ``Block``
         self.cfg = cfg
         self.n_heads = cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -148,8 +148,6 @@ class MemoryAttentionLayer(Layer):
             self.write_gate = WriteGate(cfg.dim)
         if cfg.init_memory == "learned":  # zero-initialised and trainable, as `train_orimem` in the code
             self.init_memory = nn.Parameter(torch.zeros(cfg.chunk_size, cfg.dim))
-        if cfg.qkv_conv:
-            self.conv_weight = nn.Parameter(torch.empty(cfg.dim, cfg.qkv_conv))
 
     @property
     def period(self) -> int:
@@ -158,8 +156,6 @@ class MemoryAttentionLayer(Layer):
     def init_extra(self, std: float) -> None:
         if self.cfg.memory_update == "gated":
             nn.init.constant_(self.mem_gate.bias, 1.0)
-        if self.cfg.qkv_conv:
-            init_short_conv(self.conv_weight)
 
     def describe(self) -> str:
         update = self.cfg.memory_update
@@ -175,15 +171,11 @@ class MemoryAttentionLayer(Layer):
             part_k=z(B, H, 0, d),
             part_v=z(B, H, 0, d),
             part_o=z(B, 0, D),
-            conv=z(B, self.cfg.qkv_conv - 1, D) if self.cfg.qkv_conv else None,
         )
 
     def reset(self, state: MemoryState, fresh: Tensor) -> MemoryState:
         init = self.init_memory if self.cfg.init_memory == "learned" else torch.zeros_like(state.memory[0])
-        new = {"memory": reset_rows(fresh, state.memory, init)}
-        if state.conv is not None:
-            new["conv"] = reset_rows(fresh, state.conv, state.conv.new_zeros(()))
-        return MemoryState(**{**state.tensors(), **new})
+        return MemoryState(**{**state.tensors(), "memory": reset_rows(fresh, state.memory, init)})
 
     def evolve(self, m: Tensor) -> Tensor:
         """Eq. 2: M' = Norm(M + FFN(Norm(M))). Zero memory stays exactly zero."""
@@ -268,9 +260,6 @@ class MemoryAttentionLayer(Layer):
         outputs in the state); the projections, RoPE (chunk positions C..2C-1, whatever chunk a
         token is in) and, for ``pre_wo`` memory, Wo run once over all T tokens."""
         C, T, H, D = self.cfg.chunk_size, x.shape[1], self.n_heads, self.cfg.dim
-        conv = st.conv
-        if conv is not None:  # qkv_conv: the tokens' q/k/v read SiLU(conv(x)), continued across calls
-            x, conv = short_conv(x, conv, self.conv_weight)
         cos, sin, mask = call.shared(("memory", C, x.dtype), lambda: self.tables(x))
         r0 = call.pos % C  # tokens of the current chunk read by earlier calls
         pos = C + (r0 + torch.arange(T, device=x.device)) % C
@@ -311,7 +300,7 @@ class MemoryAttentionLayer(Layer):
                 part_k, part_v, part_o = k, v, src
             outs.append(out)
         y = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        return self.wo(y) if pre_wo else y, MemoryState(memory, mem_k, mem_v, part_k, part_v, part_o, conv)
+        return self.wo(y) if pre_wo else y, MemoryState(memory, mem_k, mem_v, part_k, part_v, part_o)
 
 
 @register_layer("memory", MemoryAttentionConfig)

@@ -81,15 +81,14 @@ from .. import tap
 from ..config import RecurformerError, check_options
 from ..modules import (
     RMSNorm,
+    ShortConvolution,
     WriteGate,
     apply_rope,
     attend,
     compiled_region,
-    init_short_conv,
     merge_heads,
     pieces,
     rope_cos_sin,
-    short_conv,
     split_heads,
 )
 from ..nn import Block, Layer, ModelConfig, StreamingLM
@@ -168,21 +167,16 @@ class RMTAttention(Layer):
 
     def __init__(self, cfg: RMTConfig, index: int) -> None:
         super().__init__()
+        self.conv = ShortConvolution(cfg.dim, cfg.qkv_conv) if cfg.qkv_conv else None  # run by ``Block``
         self.cfg, self.index = cfg, index
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        if cfg.qkv_conv:
-            self.conv_weight = nn.Parameter(torch.empty(cfg.dim, cfg.qkv_conv))
 
     @property
     def period(self) -> int:
         return self.cfg.segment_len
-
-    def init_extra(self, std: float) -> None:
-        if self.cfg.qkv_conv:
-            init_short_conv(self.conv_weight)
 
     def describe(self) -> str:
         return f"rmt(S={self.cfg.segment_len}, M={self.cfg.memory_size})"
@@ -190,15 +184,14 @@ class RMTAttention(Layer):
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> RMTState:
         c = self.cfg
         z = torch.zeros(batch_size, c.n_heads, 0, c.head_dim, device=device, dtype=dtype)
-        conv = torch.zeros(batch_size, c.qkv_conv - 1, c.dim, device=device, dtype=dtype) if c.qkv_conv else None
         if not c.associative:
             memory = (
                 torch.zeros(batch_size, c.memory_size, c.dim, device=device, dtype=dtype) if self.index == 0 else None
             )
-            return RMTState(k=z, v=z, memory=memory, conv=conv)
+            return RMTState(k=z, v=z, memory=memory)
         K = Associative.features(c.assoc_dim)
         A = torch.zeros(batch_size, K, c.dim, device=device, dtype=dtype)
-        return RMTState(k=z, v=z, assoc=A, assoc_z=torch.zeros(batch_size, K, device=device, dtype=dtype), conv=conv)
+        return RMTState(k=z, v=z, assoc=A, assoc_z=torch.zeros(batch_size, K, device=device, dtype=dtype))
 
     def reset(self, state: RMTState, fresh: Tensor) -> RMTState:
         """A and z of the fresh rows back to zero (the KV cache is empty at a segment boundary, and
@@ -238,9 +231,6 @@ class RMTAttention(Layer):
         rows), a = 0 otherwise."""
         R, S, H, c, n = self.cfg.n_read, self.cfg.segment_len, self.cfg.n_heads, state.k.shape[2], x.shape[1]
         a = R if c == 0 and self.index == self.cfg.n_layers - 1 else 0
-        conv = state.conv
-        if conv is not None:  # qkv_conv: q/k/v read SiLU(conv(x)) over the extended segment so far
-            x, conv = short_conv(x, conv, self.conv_weight)
         cos, sin, mask = call.shared(("rmt", c, n, x.dtype), lambda: self.tables(c, n, x))
         k, v = apply_rope(split_heads(self.wk(x), H), cos, sin), split_heads(self.wv(x), H)
         if c:  # a cache to continue (a piece that starts a segment has none)
@@ -254,7 +244,7 @@ class RMTAttention(Layer):
             tokens = (p >= R) & (p < R + S)
             vis = torch.arange(c + n, device=x.device)[None, :] <= p[:, None]
             tap.record(self, tap.attention_share(q[:, :, tokens], k, vis[tokens], R))
-        return self.wo(merge_heads(o)), dataclasses.replace(state, k=k, v=v, conv=conv)
+        return self.wo(merge_heads(o)), dataclasses.replace(state, k=k, v=v)
 
 
 def with_memory(state: LayerState, memory: Tensor) -> RMTState:
@@ -459,9 +449,8 @@ class RMT(StreamingLM):
         empty = x.new_empty(B, c.n_heads, 0, c.head_dim)
         out = []
         for i, layer in enumerate(self.layers):
-            conv = x.new_zeros(B, c.qkv_conv - 1, c.dim) if c.qkv_conv else None
             A, z = (carried[2 * i], carried[2 * i + 1]) if c.associative else (None, None)
-            x, s = layer(x, RMTState(k=empty, v=empty, assoc=A, assoc_z=z, conv=conv), call)
+            x, s = layer(x, RMTState(k=empty, v=empty, assoc=A, assoc_z=z), call)
             out += [s.assoc, s.assoc_z] if c.associative else []
         return x, out
 

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import RecurformerError, check_options
-from ..modules import init_short_conv, pieces, short_conv, split_heads
+from ..modules import ShortConvolution, pieces, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..ops.relative import relative_scores, sinusoid_table
 from ..registry import register, register_layer
@@ -169,6 +169,7 @@ class RelAttention(Layer):
 
     def __init__(self, cfg: TransformerXLConfig) -> None:
         super().__init__()
+        self.conv = ShortConvolution(cfg.dim, cfg.qkv_conv) if cfg.qkv_conv else None  # run by ``Block``
         self.cfg = cfg
         self.n_heads = cfg.n_heads
         self.scale = cfg.head_dim**-0.5
@@ -179,12 +180,6 @@ class RelAttention(Layer):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.u = nn.Parameter(torch.zeros(cfg.n_heads, cfg.head_dim))  # global content bias
         self.v = nn.Parameter(torch.zeros(cfg.n_heads, cfg.head_dim))  # global position bias
-        if cfg.qkv_conv:
-            self.conv_weight = nn.Parameter(torch.empty(cfg.dim, cfg.qkv_conv))
-
-    def init_extra(self, std: float) -> None:
-        if self.cfg.qkv_conv:
-            init_short_conv(self.conv_weight)
 
     @property
     def period(self) -> int:
@@ -201,13 +196,10 @@ class RelAttention(Layer):
 
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> XLState:
         z = lambda n: torch.zeros(batch_size, n, self.cfg.dim, device=device, dtype=dtype)  # noqa: E731
-        return XLState(
-            mem=z(self.cfg.memory_len), seg=z(0), conv=z(self.cfg.qkv_conv - 1) if self.cfg.qkv_conv else None
-        )
+        return XLState(mem=z(self.cfg.memory_len), seg=z(0))
 
     def reset(self, state: XLState, fresh: Tensor) -> XLState:
-        conv = None if state.conv is None else reset_rows(fresh, state.conv, state.conv.new_zeros(()))
-        return XLState(mem=reset_rows(fresh, state.mem, torch.zeros_like(state.mem[0])), seg=state.seg, conv=conv)
+        return XLState(mem=reset_rows(fresh, state.mem, torch.zeros_like(state.mem[0])), seg=state.seg)
 
     def mask(self, call: Call, start: int, N: int, r: int, n: int) -> Tensor:
         """[B, N, 1, n, M+r+n] bool for N windows of segments from position ``start`` on, L apart:
@@ -302,9 +294,6 @@ class RelAttention(Layer):
         piece."""
         c = self.cfg
         L, M, T, H = c.segment_len, c.memory_len, x.shape[1], self.n_heads
-        conv = st.conv
-        if conv is not None:  # qkv_conv: q/k/v (and so the memory) read SiLU(conv(x)), continued across calls
-            x, conv = short_conv(x, conv, self.conv_weight)
         room = None if torch.is_grad_enabled() else self.room(st, x, call)
         rel = self.rel(x, call) if room is None else room.rel
         mem, seg, r0 = st.mem, st.seg, st.seg.shape[1]
@@ -337,7 +326,7 @@ class RelAttention(Layer):
         if done:  # the last M of them become the memory (stop-gradient)
             mem = torch.cat((mem[:, min(done, M) :], live[:, max(done - M, 0) : done]), dim=1).detach()
         seg = live[:, done:].clone() if done else live
-        new = XLState(mem=mem, seg=seg, room=room, conv=conv)
+        new = XLState(mem=mem, seg=seg, room=room)
         if room is not None:
             room.held = (identity(mem), identity(seg))
         return self.wo(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]), new

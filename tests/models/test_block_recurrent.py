@@ -52,7 +52,7 @@ def reference(model: BlockRecurrent, tokens: torch.Tensor) -> torch.Tensor:
     for layer in model.layers:
         xn = layer.attn_norm(x)
         if c.qkv_conv:  # every query, key and value reads the convolved inputs
-            xn = conv_literal(xn, layer.attn.conv_weight)
+            xn = conv_literal(xn, layer.attn.conv.weight)
         q = layer.attn.wq(xn).view(B, T, H, d)
         k, v = (m(xn).view(B, T, Hkv, d) for m in (layer.attn.wk, layer.attn.wv))
         zeros = torch.zeros(B, W, Hkv, d, dtype=x.dtype)

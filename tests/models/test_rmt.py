@@ -13,123 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers import randomize_params, run_config
 from safetensors.torch import load_file, save_file
 
 from recurformer import RecurformerError, build_model
 from recurformer.generate import new_session, read
 from recurformer.models.rmt import Associative
-from recurformer.modules import apply_rope, rope_cos_sin
+from recurformer.reference import armt_segments, read_literal, rmt_segments, write_literal
 from recurformer.train import Trainer
 
 BASE = dict(vocab_size=61, dim=32, n_heads=4)
 ARMT = dict(BASE, associative=True, assoc_dim=4)
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "rmt_plain" / "expected.safetensors"
-
-
-def reference(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of a fresh state, one segment at a time as the paper's decoder (§3): the sequence
-    [H^mem; E(x); H^mem] through every block with a square causal mask and RoPE at 0..2M+S-1; the
-    new memory is the final-normed output of the write slots. T need not be a multiple of S (the
-    last segment is short and writes no memory)."""
-    c = model.config
-    S, M = c.segment_len, c.memory_size
-    B, T = tokens.shape
-    memory = model.init_memory.expand(B, M, c.dim)
-    out = []
-    for a in range(0, T, S):
-        x = model.tok_emb(tokens[:, a : a + S])
-        n = x.shape[1]
-        h = torch.cat((memory, x, memory), 1)
-        cos, sin = rope_cos_sin(torch.arange(h.shape[1]), c.head_dim, c.rope_theta, h.dtype)
-        for block in model.layers:
-            h = block_literal(block, h, cos, sin)
-        out.append(model.norm(h[:, M : M + n]))
-        new = model.norm(h[:, -M:])
-        if c.memory_update == "write_gate":  # g = sigmoid(W_g new + b_g), M <- M + g (new - M)
-            new = memory + torch.sigmoid(model.write_gate.proj(new)) * (new - memory)
-        memory = new
-    return F.linear(torch.cat(out, 1), model.tok_emb.weight)
-
-
-def block_literal(block, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One pre-norm block over the whole extended segment h [B, 2M + n, D], one causal mask."""
-    c = block.attn.cfg
-    B, att, u = h.shape[0], block.attn, block.attn_norm(h)
-    q, k, v = (w(u).view(B, -1, c.n_heads, c.head_dim).transpose(1, 2) for w in (att.wq, att.wk, att.wv))
-    o = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True)
-    h = h + att.wo(o.transpose(1, 2).reshape(B, -1, c.dim))
-    return h + block.ffn(block.ffn_norm(h))
-
-
-def phi_literal(x: torch.Tensor, nu: int = 3) -> torch.Tensor:
-    """DPFP of one vector x [d]: r = (relu(x_1..x_d), relu(-x_1..-x_d)), phi = (r_i r_{i-j mod 2d})
-    for j = 1..nu, i = 1..2d."""
-    r = [a.clamp(min=0) for a in x] + [(-a).clamp(min=0) for a in x]
-    n = len(r)
-    return torch.stack([r[i] * r[(i - j) % n] for j in range(1, nu + 1) for i in range(n)])
-
-
-def feature_literal(x: torch.Tensor) -> torch.Tensor:
-    """ARMT's feature of one vector (the authors' code): DPFP divided by its Euclidean length."""
-    f = phi_literal(x)
-    return f / torch.sqrt(sum(a * a for a in f))
-
-
-def read_literal(assoc: Associative, x: torch.Tensor, A: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """ARMT's read (Rodkin et al. 2024, §3) of one row x [D]: phi(W_q x) A / (z . phi(W_q x) + eps)."""
-    q = feature_literal(assoc.wq.weight @ x)
-    return sum(q[f] * A[f] for f in range(len(q))) / (sum(z[f] * q[f] for f in range(len(q))) + assoc.eps)
-
-
-def write_literal(assoc: Associative, m: torch.Tensor, A: torch.Tensor, z: torch.Tensor):
-    """ARMT's write (§3) of the slots' outputs m [M, D], one slot at a time, every slot reading the
-    A and z of before the segment; returns (A, z, the gammas)."""
-    A_new, z_new, gammas = A, z, []
-    for mi in m:
-        k = feature_literal(assoc.wk.weight @ mi)
-        v = assoc.wv.weight @ mi
-        beta = torch.sigmoid(assoc.wb.weight[0] @ mi + assoc.wb.bias[0])
-        vbar = (k @ A) / (z @ k + assoc.eps)
-        gamma = torch.clamp(1 - (z @ k) / (k @ k), 0, 1).detach()
-        A_new = A_new + beta * torch.outer(k, v - vbar)
-        z_new = z_new + gamma * k
-        gammas.append(float(gamma))
-    return A_new, z_new, gammas
-
-
-def armt_reference(model, tokens: torch.Tensor):
-    """Logits of a fresh state and every layer's final (A, z), one segment at a time: the same
-    learned slots [init_memory; E(x); init_memory] every segment ([E(x); init_memory] with
-    ``read_slots: false``); before each layer every row of every batch row gets its read added
-    (``read_literal``); after a full segment each layer writes its write slots' outputs
-    (``write_literal``)."""
-    c = model.config
-    S, M, N = c.segment_len, c.memory_size, c.n_layers
-    R = M if c.read_slots else 0
-    B, T = tokens.shape
-    K = Associative.features(c.assoc_dim)
-    A = [[torch.zeros(K, c.dim, dtype=torch.float64) for _ in range(B)] for _ in range(N)]
-    z = [[torch.zeros(K, dtype=torch.float64) for _ in range(B)] for _ in range(N)]
-    slots = model.init_memory.expand(B, M, c.dim)
-    out = []
-    for a in range(0, T, S):
-        x = model.tok_emb(tokens[:, a : a + S])
-        n = x.shape[1]
-        h = torch.cat((slots[:, :R], x, slots), 1)
-        cos, sin = rope_cos_sin(torch.arange(h.shape[1]), c.head_dim, c.rope_theta, h.dtype)
-        for i, block in enumerate(model.layers):
-            reads = [
-                [read_literal(block.assoc, h[b, p], A[i][b], z[i][b]) for p in range(h.shape[1])] for b in range(B)
-            ]
-            h = h + torch.stack([torch.stack(r) for r in reads])
-            h = block_literal(block, h, cos, sin)
-            if n == S:
-                for b in range(B):
-                    A[i][b], z[i][b], _ = write_literal(block.assoc, h[b, -M:], A[i][b], z[i][b])
-        out.append(model.norm(h[:, R : R + n]))
-    return F.linear(torch.cat(out, 1), model.tok_emb.weight), A, z
 
 
 @pytest.mark.parametrize(
@@ -145,7 +40,7 @@ def test_matches_the_paper_read_literally(extra) -> None:
     randomize_params(model, 0.2)
     tokens = torch.randint(0, 61, (2, 30))
     with torch.no_grad():
-        ref = reference(model, tokens)
+        ref = rmt_segments(model, tokens)
         torch.testing.assert_close(model(tokens).logits, ref, rtol=1e-10, atol=1e-10)
         state, steps = None, []
         for t in range(tokens.shape[1]):
@@ -333,13 +228,13 @@ def test_associative_read_and_write_match_the_equations_per_slot() -> None:
 )
 def test_associative_model_matches_the_reference(extra) -> None:
     """Whole and token by token, the associative RMT gives the logits and every layer's (A, z) of
-    ``armt_reference`` (the slots constant, A and z the only path between segments), with read
+    ``reference.armt_segments`` (the slots constant, A and z the only path between segments), with read
     slots and without them (the authors' code)."""
     model = build_model("rmt", dict(ARMT, **extra)).double().eval()
     randomize_params(model, 0.2)
     tokens = torch.randint(0, 61, (2, 30))
     with torch.no_grad():
-        ref, A, z = armt_reference(model, tokens)
+        ref, A, z = armt_segments(model, tokens)
         whole = model(tokens)
         torch.testing.assert_close(whole.logits, ref, rtol=1e-10, atol=1e-10)
         for i, s in enumerate(whole.state.layers):

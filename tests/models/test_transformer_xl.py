@@ -74,7 +74,7 @@ def reference_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     for layer in model.layers:
         A, xn = layer.attn, layer.attn_norm(x)
         if c.qkv_conv:  # q/k/v (and the memory) read the convolved inputs
-            xn = conv_literal(xn, A.conv_weight)
+            xn = conv_literal(xn, A.conv.weight)
         out = []
         for p in range(T):
             S = p // L * L
