@@ -37,6 +37,18 @@ def test_info_gives_the_state_size_for_every_model(name, capsys) -> None:
         assert f"(<= {size.split()[0]} numbers)" in out
 
 
+def test_every_test_config_describes_itself() -> None:
+    """Every model's parameter groups and info lines build on each of its test configs, hybrid
+    stacks included (Block-Recurrent's once read a cell from a window layer that has none)."""
+    from helpers import TEST_CONFIGS
+
+    for name, configs in TEST_CONFIGS.items():
+        for cfg in configs:
+            model = build_model(name, cfg)
+            assert sum(model.param_groups().values()) == model.num_params(), (name, cfg)
+            assert model.info_lines(), (name, cfg)
+
+
 def test_info_takes_the_model_from_a_config_and_needs_one(tmp_path, capsys) -> None:
     """Without --model, ``info`` reads model.name from --config (or a --set); with neither it is a
     one-line error."""

@@ -349,8 +349,8 @@ class BlockRecurrent(StreamingLM):
         out["recurrent layers (token side)"] = out["other layers"] = 0
         for layer in self.layers:
             total = sum(p.numel() for p in layer.parameters())
-            attn = cast(BlockAttention, cast(Block, layer).attn)
-            if attn.cell is not None:
+            attn = cast(Block, layer).attn  # a window or full layer of a hybrid stack has no cell
+            if isinstance(attn, BlockAttention) and attn.cell is not None:
                 cell = sum(p.numel() for p in attn.cell.parameters()) + attn.initial_state.numel()
                 out["recurrent cell (state side)"] += cell
                 out["recurrent layers (token side)"] += total - cell
