@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import RecurformerError
+from .models.armt import Associative, AssociativeBlock
 from .models.memory_attention import MemoryAttention, MemoryAttentionConfig, MemoryAttentionLayer
-from .models.rmt import RMT, Associative, AssociativeBlock, RMTAttention
+from .models.rmt import RMT, RMTAttention
 from .modules import apply_rope, rope_cos_sin
 from .nn import Block
 

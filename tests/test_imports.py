@@ -51,6 +51,8 @@ FLOORS: list[list[str]] = [
     ["layers", "evaluate", "probe", "models.llama", "hf", "lm_eval", "curriculum"],
     # 8: the architectures (``models.*`` files not named elsewhere live on this floor too)
     [],
+    # a variant composed onto its base architecture (ARMT onto the RMT)
+    ["models.armt"],
     # 9
     ["models", "reference"],
     # 10: measure a built model's state; one step of truncated BPTT; whether a model reads its memory

@@ -5,6 +5,7 @@ build a model from a name and a dict of config values."""
 from __future__ import annotations
 
 from ..registry import LAYER_KINDS, REGISTRY, build_layer, build_model, lookup, make_config, model_name, model_names
+from . import armt  # noqa: F401  ARMT: the RMT's segment memory for associative: true
 from .block_recurrent import BlockRecurrent, BlockRecurrentConfig
 from .gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig
 from .llama import Llama, LlamaConfig

@@ -53,28 +53,19 @@ closed at initialisation; ``RMT.next_memory``), so the keep path carries no norm
 
     N_τ = Norm(H~^N_τ[M + S :]),   g = sigmoid(W_g N_τ + b_g),   H^mem_{τ+1} = H^mem_τ + g * (N_τ - H^mem_τ)
 
-``associative: true`` is the Associative Recurrent Memory Transformer (Rodkin, Kuratov, Bulatov,
-Burtsev, "Associative Recurrent Memory Transformer", 2024, §3): every layer l holds a fast-weight
-matrix A [K, D] and a normaliser z [K] (K = 2 nu d_mem features, nu = 3, d_mem = ``assoc_dim``),
-zero at a document start, read by every row of the layer's input and written once per segment
-from the layer's outputs at the write slots (``Associative``). As the authors' code runs it, the
-memory slots are then the same learned vectors (``init_memory``) at every segment: the recurrent
-state is (A, z) of every layer alone, and the write slots' outputs leave the segment only through
-the writes (no RMSNorm gain is reapplied to a carried memory each segment). The read slots stay,
-as a learned prefix that reads A like every row; ``read_slots: false`` drops them, as the authors'
-code has write slots only: a segment is then [E(x_τ); H^mem] at RoPE positions 0..S+M-1 (R = 0
-read slots where the text says M of them before the tokens). The
-read costs every row O(D d_mem + K D) per layer, the write O(M (D d_mem + K D)) per layer and segment.
+``associative: true`` is the Associative Recurrent Memory Transformer (``armt.py``): what crosses
+a segment boundary is then each layer's fast-weight matrix instead of the memory slots. The two
+differ in that alone, so an RMT holds it as one part (``SegmentMemory``: this file's ``Slots``,
+ARMT's ``AssociativeMemory``) that its layers and its segment loop ask, never a branch of their own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tap
@@ -169,6 +160,7 @@ class RMTAttention(Layer):
         super().__init__()
         self.conv = ShortConvolution(cfg.dim, cfg.qkv_conv) if cfg.qkv_conv else None  # run by ``Block``
         self.cfg, self.index = cfg, index
+        self.memory = memory_of(cfg)  # what crosses a segment boundary (not a module: no parameters)
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -184,24 +176,12 @@ class RMTAttention(Layer):
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> RMTState:
         c = self.cfg
         z = torch.zeros(batch_size, c.n_heads, 0, c.head_dim, device=device, dtype=dtype)
-        if not c.associative:
-            memory = (
-                torch.zeros(batch_size, c.memory_size, c.dim, device=device, dtype=dtype) if self.index == 0 else None
-            )
-            return RMTState(k=z, v=z, memory=memory)
-        K = Associative.features(c.assoc_dim)
-        A = torch.zeros(batch_size, K, c.dim, device=device, dtype=dtype)
-        return RMTState(k=z, v=z, assoc=A, assoc_z=torch.zeros(batch_size, K, device=device, dtype=dtype))
+        return self.memory.layer_state(RMTState(k=z, v=z), self.index, batch_size, device, dtype)
 
     def reset(self, state: RMTState, fresh: Tensor) -> RMTState:
-        """A and z of the fresh rows back to zero (the KV cache is empty at a segment boundary, and
-        layer 0's memory is reset by the model)."""
-        if state.assoc is None or state.assoc_z is None:
-            return state
-        zero = state.assoc.new_zeros(())
-        return dataclasses.replace(
-            state, assoc=reset_rows(fresh, state.assoc, zero), assoc_z=reset_rows(fresh, state.assoc_z, zero)
-        )
+        """The fresh rows' part of the segment memory back at a document start (the KV cache is
+        empty at a segment boundary, and layer 0's memory slots are reset by the model)."""
+        return self.memory.reset(state, fresh)
 
     def check_state(self, state: LayerState, pos: int) -> str | None:
         if (why := super().check_state(state, pos)) is not None:
@@ -253,106 +233,100 @@ def with_memory(state: LayerState, memory: Tensor) -> RMTState:
     return dataclasses.replace(state, memory=memory)
 
 
-def dpfp(x: Tensor, nu: int = 3) -> Tensor:
-    """The DPFP feature map (Schlag, Irie, Schmidhuber, "Linear Transformers Are Secretly Fast
-    Weight Programmers", ICML 2021, §5.4), x [..., d] -> [..., 2 nu d]: with r = [relu(x), relu(-x)],
-    phi(x) = [r * roll(r, 1), ..., r * roll(r, nu)] (non-negative, so z . phi stays >= 0)."""
-    r = torch.cat((F.relu(x), F.relu(-x)), dim=-1)
-    return torch.cat([r * r.roll(j, dims=-1) for j in range(1, nu + 1)], dim=-1)
-
-
-class Associative(nn.Module):
-    """ARMT's associative block of one layer (Rodkin et al., "Associative Recurrent Memory
-    Transformer", 2024, §3), phi = ``dpfp`` with nu = 3 then L2-normalised (``feature``),
-    A [K, D] (row f: what feature f recalls):
-
-        read, every row x_j of the layer's input:   x_j <- x_j + phi(q_j) A / (z . phi(q_j) + eps),  q_j = W_q x_j
-        write, once per segment, from the layer's outputs m_i at the M write slots:
-            k_i = phi(W_k m_i),  v_i = W_v m_i,  beta_i = sigmoid(W_b m_i)
-            vbar_i = k_i A / (z . k_i + eps)                         (what A recalls at k_i)
-            gamma_i = clip(1 - z . k_i, 0, 1)                        (detached; §3's 1 - z.k/||k||^2, ||k|| = 1)
-            A <- A + sum_i beta_i k_i^T (v_i - vbar_i)               (delta rule)
-            z <- z + sum_i gamma_i k_i
-
-    Every slot reads the A and z of before the segment (the sum over i). From the authors' code
-    (``AssociativeLayerWrapper``): phi's output is L2-normalised for queries and keys alike, so the
-    read weight z . phi(q) / (z . phi(q) + eps) is ~1 from the first write on at any scale of the
-    hidden states (unnormalised, a product of two projections of a small residual stream, it sits
-    orders of magnitude below eps at initialisation and the read is ~0); W_v starts at zero, so a
-    fresh model's A stays zero (vbar = 0) until W_v learns, while z grows; gamma is detached;
-    eps = 1e-5. Where the code differs: it skips the read on a document's first segment (A = 0
-    reads exactly 0 there, so nothing is skipped here). W_b's bias starts at 0 (beta = 1/2)."""
-
-    eps = 1e-5
-    nu = 3
+class SegmentMemory:
+    """What crosses a segment boundary in an RMT, and where the model reads and writes it: the plain
+    RMT's memory slots (``Slots``: layer 0's state holds them, the write slots' outputs become the
+    next segment's) or ARMT's fast weights (``armt.AssociativeMemory``). ``memory_of`` picks it
+    from the config (``SEGMENT_MEMORIES``)."""
 
     def __init__(self, cfg: RMTConfig) -> None:
-        super().__init__()
-        self.wq = nn.Linear(cfg.dim, cfg.assoc_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.assoc_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wb = nn.Linear(cfg.dim, 1)
-
-    @classmethod
-    def features(cls, assoc_dim: int) -> int:
-        """K: the width of phi's output."""
-        return 2 * cls.nu * assoc_dim
-
-    def init_extra(self, std: float) -> None:
-        nn.init.zeros_(self.wv.weight)
-        nn.init.zeros_(self.wb.bias)
-
-    def feature(self, x: Tensor) -> Tensor:
-        """phi(x) = dpfp(x) / ||dpfp(x)|| (zero where dpfp(x) is zero)."""
-        return F.normalize(dpfp(x, self.nu), dim=-1)
-
-    def read(self, x: Tensor, A: Tensor, z: Tensor) -> Tensor:
-        """phi(W_q x) A / (z . phi(W_q x) + eps) for x [B, n, D], A [B, K, D], z [B, K]."""
-        q = self.feature(self.wq(x))
-        return (q @ A) / (q @ z[:, :, None] + self.eps)
-
-    def write(self, m: Tensor, A: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
-        """(A, z) after the write of the slots' outputs m [B, M, D]."""
-        k = self.feature(self.wk(m))  # [B, M, K]
-        seen = k @ z[:, :, None]  # [B, M, 1]
-        vbar = (k @ A) / (seen + self.eps)
-        beta = torch.sigmoid(self.wb(m))
-        gamma = (1 - seen).clamp(0, 1).detach()
-        return A + (beta * k).transpose(1, 2) @ (self.wv(m) - vbar), z + (gamma * k).sum(1)
-
-
-class AssociativeBlock(Block):
-    """The RMT block with ARMT's associative block before it (``Associative``): the read is added
-    to every input row, and the piece that ends a segment (its last M rows, the write slots, at
-    positions 2M + S - M.. of the extended segment) writes the block's outputs there into A, z."""
-
-    def __init__(self, cfg: RMTConfig, mixer: RMTAttention) -> None:
-        super().__init__(cfg, mixer)
-        self.assoc = Associative(cfg)
         self.cfg = cfg
 
-    def forward(self, x: Tensor, state: LayerState, call: Call) -> tuple[Tensor, LayerState]:
-        assert isinstance(state, RMTState) and state.assoc is not None and state.assoc_z is not None
-        M, S, c = self.cfg.memory_size, self.cfg.segment_len, state.k.shape[2]
-        x = x + self.assoc.read(x, state.assoc, state.assoc_z)
-        y, new = super().forward(x, state, call)
-        if c + x.shape[1] == self.cfg.n_read + S + M:
-            assert isinstance(new, RMTState)
-            A, z = self.assoc.write(y[:, -M:], state.assoc, state.assoc_z)
-            new = dataclasses.replace(new, assoc=A, assoc_z=z)
-        return y, new
+    def layer_state(self, state: RMTState, index: int, batch_size: int, device: Any, dtype: torch.dtype) -> RMTState:
+        """Layer ``index``'s state at a document start, from ``state`` (its empty caches)."""
+        raise NotImplementedError
+
+    def reset(self, state: RMTState, fresh: Tensor) -> RMTState:
+        """A layer's state with the rows ``fresh`` back at a document start (its own part only)."""
+        return state
+
+    def block(self, mixer: RMTAttention) -> Layer:
+        """The block around one layer's attention."""
+        return Block(self.cfg, mixer)
+
+    def slots(
+        self, model: RMT, layers: list[LayerState], fresh: Tensor, dtype: torch.dtype
+    ) -> tuple[Tensor, list[LayerState]]:
+        """The memory slots [B, M, D] of the current segment and the layers' states that hold them."""
+        raise NotImplementedError
+
+    def carried(self, layers: list[LayerState]) -> list[Tensor]:
+        """The tensors a whole segment (``RMT.segment``, a compiled region) reads and writes."""
+        return []
+
+    def segment_state(self, carried: list[Tensor], index: int) -> dict[str, Tensor]:
+        """Layer ``index``'s fields of its state inside ``RMT.segment``, from ``carried``."""
+        return {}
+
+    def carry_out(self, state: LayerState) -> list[Tensor]:
+        """What layer's state after ``RMT.segment`` hands on (``carried``'s part of it)."""
+        return []
+
+    def take(self, layers: list[LayerState], carried: list[Tensor]) -> list[LayerState]:
+        """The layers' states with what ``RMT.segment`` handed on."""
+        return layers
+
+    def next_segment(
+        self, model: RMT, memory: Tensor, slots: Tensor, blank: list[LayerState], layers: list[LayerState]
+    ) -> tuple[Tensor, list[LayerState]]:
+        """After a segment's write slots [B, M, D] (last-layer outputs): the next segment's memory
+        slots and the layers' states (``blank``: empty caches)."""
+        raise NotImplementedError
+
+    def numbers(self) -> tuple[int, str]:
+        """The numbers a row carries across segments, and in words."""
+        raise NotImplementedError
 
 
-def with_assoc(state: LayerState, old: LayerState) -> RMTState:
-    """``state`` (a fresh one: empty caches) with the A and z of ``old``."""
-    assert isinstance(state, RMTState) and isinstance(old, RMTState)
-    return dataclasses.replace(state, assoc=old.assoc, assoc_z=old.assoc_z)
+class Slots(SegmentMemory):
+    """The RMT's memory slots: layer 0's state holds the memory of the current segment (reset to
+    ``init_memory``), and the write slots' final outputs become the next one (``RMT.next_memory``)."""
+
+    def layer_state(self, state: RMTState, index: int, batch_size: int, device: Any, dtype: torch.dtype) -> RMTState:
+        c = self.cfg
+        memory = torch.zeros(batch_size, c.memory_size, c.dim, device=device, dtype=dtype) if index == 0 else None
+        return dataclasses.replace(state, memory=memory)
+
+    def slots(
+        self, model: RMT, layers: list[LayerState], fresh: Tensor, dtype: torch.dtype
+    ) -> tuple[Tensor, list[LayerState]]:
+        # init_memory enters every call's graph (with no fresh row, with a zero gradient), so
+        # that DDP finds every parameter used
+        memory = reset_rows(fresh, getattr(layers[0], "memory"), model.init_memory)
+        return memory, [with_memory(layers[0], memory), *layers[1:]]
+
+    def next_segment(
+        self, model: RMT, memory: Tensor, slots: Tensor, blank: list[LayerState], layers: list[LayerState]
+    ) -> tuple[Tensor, list[LayerState]]:
+        memory = model.next_memory(memory, slots)
+        return memory, [with_memory(blank[0], memory), *blank[1:]]
+
+    def numbers(self) -> tuple[int, str]:
+        return self.cfg.memory_size * self.cfg.dim, "memory M × d"
+
+
+SEGMENT_MEMORIES: dict[str, type[SegmentMemory]] = {"slots": Slots}  # armt.py adds "associative"
+
+
+def memory_of(cfg: RMTConfig) -> SegmentMemory:
+    """The part of an RMT that ``cfg`` carries across segments."""
+    return SEGMENT_MEMORIES["associative" if cfg.associative else "slots"](cfg)
 
 
 @register_layer("rmt", RMTConfig)
 def rmt_layer(cfg: RMTConfig, index: int) -> Layer:
     mixer = RMTAttention(cfg, index)
-    return AssociativeBlock(cfg, mixer) if cfg.associative else Block(cfg, mixer)
+    return mixer.memory.block(mixer)
 
 
 class RMT(StreamingLM):
@@ -363,6 +337,7 @@ class RMT(StreamingLM):
     def __init__(self, config: RMTConfig) -> None:
         super().__init__(config)
         self.init_memory = nn.Parameter(torch.randn(config.memory_size, config.dim) * config.init_std)
+        self.memory = memory_of(config)  # what crosses a segment boundary (``SegmentMemory``)
         self.write_gate = WriteGate(config.dim) if config.memory_update == "write_gate" else None
         if self.write_gate is not None:  # built after the model's init_weights, so initialised here as it would be
             nn.init.normal_(self.write_gate.proj.weight, 0.0, config.init_std)
@@ -376,28 +351,15 @@ class RMT(StreamingLM):
         fresh rows' memory is ``init_memory``; ``StreamingLM.body`` has reset their A and z)."""
         S, M, R, pos = self.config.segment_len, self.config.memory_size, self.config.n_read, call.pos
         B, ns = h.shape[0], pieces(pos % S, h.shape[1], S)
-        layers = list(layers)
-        assoc = self.config.associative
-        if assoc:  # the same slots every segment
-            memory = self.init_memory.to(h.dtype).expand(B, M, -1)
-        else:
-            # init_memory enters every call's graph (with no fresh row, with a zero gradient), so
-            # that DDP finds every parameter used
-            memory = reset_rows(fresh, getattr(layers[0], "memory"), self.init_memory)
-            layers[0] = with_memory(layers[0], memory)
+        memory, layers = self.memory.slots(self, list(layers), fresh, h.dtype)
         blank = None  # the states of a segment start, built once per call
         outs, a = [], 0
         for hp, n in zip(h.split(ns, dim=1), ns, strict=True):  # split: its gradient is one cat
             r, done = (pos + a) % S, (pos + a) % S + n == S
             x = torch.cat([memory] * (r == 0 and R > 0) + [hp] + [memory] * done, dim=1)
             if r == 0 and done:  # a whole segment: one compiled region
-                carried = [t for s in layers for t in (s.assoc, s.assoc_z)] if assoc else []  # type: ignore[attr-defined]
-                x, carried = self.segment(x, call.start, self.segment_tables(x, call), carried)
-                if assoc:
-                    layers = [
-                        dataclasses.replace(cast(RMTState, s), assoc=A, assoc_z=z)
-                        for s, A, z in zip(layers, carried[::2], carried[1::2])
-                    ]
+                x, carried = self.segment(x, call.start, self.segment_tables(x, call), self.memory.carried(layers))
+                layers = self.memory.take(layers, carried)
             else:
                 piece = dataclasses.replace(call, pos=pos + a)
                 for i, (layer, s) in enumerate(zip(self.layers, layers)):
@@ -408,12 +370,7 @@ class RMT(StreamingLM):
             if slots is not None:  # the write slots' outputs are the next memory (or in A); the caches start over
                 if blank is None:
                     blank = [layer.init_state(B, h.device, self.tok_emb.weight.dtype) for layer in self.layers]
-                if assoc:
-                    layers = [with_assoc(f, s) for f, s in zip(blank, layers)]
-                else:
-                    memory = self.next_memory(memory, slots)
-                    layers = list(blank)
-                    layers[0] = with_memory(layers[0], memory)
+                memory, layers = self.memory.next_segment(self, memory, slots, blank, layers)
             a += n
         return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]), layers
 
@@ -436,8 +393,8 @@ class RMT(StreamingLM):
     ) -> tuple[Tensor, list[Tensor]]:
         """A whole segment x = [read slots; S tokens; write slots] [B, R + S + M, D] through the stack
         from empty caches -> the last layer's outputs at the tokens and write slots [B, S + M, D],
-        and with ``associative`` the A, z of every layer after the segment's write (``carried``:
-        A_0, z_0, A_1, ...). A compiled region (``modules.compiled_region``): a compiled model
+        and what the segment memory hands on (``carried``: ARMT's A_0, z_0, A_1, ...; nothing for
+        the memory slots, which leave through the write slots' outputs). A compiled region (``modules.compiled_region``): a compiled model
         traces it once and runs the same graph for every segment. The layers read no position from the call
         (an RMT's positions restart every segment), only ``tables`` (``segment_tables``)."""
         c, (B, L, _) = self.config, x.shape
@@ -449,9 +406,8 @@ class RMT(StreamingLM):
         empty = x.new_empty(B, c.n_heads, 0, c.head_dim)
         out = []
         for i, layer in enumerate(self.layers):
-            A, z = (carried[2 * i], carried[2 * i + 1]) if c.associative else (None, None)
-            x, s = layer(x, RMTState(k=empty, v=empty, assoc=A, assoc_z=z), call)
-            out += [s.assoc, s.assoc_z] if c.associative else []
+            x, s = layer(x, RMTState(k=empty, v=empty, **self.memory.segment_state(carried, i)), call)
+            out += self.memory.carry_out(s)
         return x, out
 
     def next_memory(self, memory: Tensor, out: Tensor) -> Tensor:
@@ -464,10 +420,7 @@ class RMT(StreamingLM):
     def info_lines(self) -> list[str]:
         c = self.config
         S, M, R, N, D = c.segment_len, c.memory_size, c.n_read, c.n_layers, c.dim
-        K = Associative.features(c.assoc_dim)
-        carried, what = (
-            ((K * D + K) * N, f"A, z: (K × d + K) × layers, K = {K}") if c.associative else (M * D, "memory M × d")
-        )
+        carried, what = self.memory.numbers()
         conv = max(c.qkv_conv - 1, 0) * D * N  # the convolution's last K-1 inputs per layer
         most = carried + 2 * (R + S - 1) * D * N + conv
         read = f"{R} read slots; " if R else ""

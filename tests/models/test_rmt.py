@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from recurformer import RecurformerError, build_model
 from recurformer.generate import new_session, read
-from recurformer.models.rmt import Associative
+from recurformer.models.armt import Associative
 from recurformer.reference import armt_segments, read_literal, rmt_segments, write_literal
 from recurformer.train import Trainer
 
