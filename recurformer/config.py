@@ -7,12 +7,13 @@ import dataclasses
 import difflib
 import json
 import math
+import numbers
 import re
 import types
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import yaml
 
@@ -229,53 +230,40 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-# The train section's numeric keys (a command's options carry their ranges in their fields,
-# ``option``): name -> (lowest, is the lowest allowed, highest or None, is the highest allowed).
-RANGES: dict[str, tuple[float, bool, float | None, bool]] = {
-    "lr": (0.0, False, None, False),
-    "min_lr": (0.0, True, None, False),
-    "weight_decay": (0.0, True, None, False),
-    "beta1": (0.0, True, 1.0, False),
-    "beta2": (0.0, True, 1.0, False),
-    "grad_clip": (0.0, True, None, False),
-    "warmup": (0, True, None, False),
-    "eval_batches": (1, True, None, False),
-    "keep_last": (0, True, None, False),
-    "qkv_conv": (0, True, None, False),
-}
-
-
 def _range_text(low: float, low_ok: bool, high: float | None, high_ok: bool) -> str:
+    """What a value in the range must do: ``be >= 1``, ``be in [0, 1)``, ``lie strictly between 0 and 1``."""
     num = lambda x: str(int(x)) if float(x).is_integer() else f"{x:g}"  # noqa: E731
     if high is None:
-        return f"{'>=' if low_ok else '>'} {num(low)}"
-    return f"in {'[' if low_ok else '('}{num(low)}, {num(high)}{']' if high_ok else ')'}"
+        return f"be {'>=' if low_ok else '>'} {num(low)}"
+    if not low_ok and not high_ok:
+        return f"lie strictly between {num(low)} and {num(high)}"
+    return f"be in {'[' if low_ok else '('}{num(low)}, {num(high)}{']' if high_ok else ')'}"
 
 
-def check_range(name: str, value: Any, bounds: tuple[float, bool, float | None, bool], label: str = "") -> None:
+def check_range(
+    name: str, value: Any, bounds: tuple[float, bool, float | None, bool], label: str = "", note: str = ""
+) -> None:
     """One line naming the option ``name`` (``opt``; or ``label``) when ``value`` lies outside
-    ``bounds`` (lowest, is the lowest allowed, highest or None, is the highest allowed); None is
-    not given."""
+    ``bounds`` (lowest, is the lowest allowed, highest or None, is the highest allowed), with
+    ``note`` after the range (``"0: only at the end"``); None is not given."""
     if value is None:
         return
     low, low_ok, high, high_ok = bounds
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
     ok = ok and (value >= low if low_ok else value > low)
     ok = ok and (high is None or (value <= high if high_ok else value < high))
     if not ok:
-        raise RecurformerError(f"{label or opt(name)} must be {_range_text(low, low_ok, high, high_ok)}, got {value!r}")
-
-
-def check_options(section: str, **values: Any) -> None:
-    """``check_range`` for each of ``values`` by its bounds in ``RANGES``, named as config keys of
-    ``section`` (``"train"`` gives ``config key 'train.lr'``)."""
-    for name, value in values.items():
-        check_range(name, value, RANGES[name], f"config key '{section}.{name}'")
+        said = f" ({note})" if note else ""
+        raise RecurformerError(
+            f"{label or opt(name)} must {_range_text(low, low_ok, high, high_ok)}{said}, got {value!r}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
-# command options: each command's options are a dataclass beside the function that runs it; its
-# fields (``option``) carry the help, the range and the flag the command line generates from them
+# options and config sections: each command's options are a dataclass beside the function that
+# runs it, each config section a dataclass; their fields (``option``) carry the help, the range
+# and the flag the command line generates from them, and the range is checked as one is built
+# (``Checked``)
 
 
 def option(
@@ -283,14 +271,25 @@ def option(
     help: str = "",
     *,
     range: str | None = None,
+    note: str = "",
+    key: str | None = None,
     flag: str | None = None,
     **cli: Any,
 ) -> Any:
-    """A command's option as a dataclass field: its ``default`` (a list is copied per instance),
-    its ``help``, the ``range`` its value must lie in (``">= 1"``, ``"> 0"``, ``"(0, 1]"``,
-    ``"[258, 1048576]"``), its ``flag`` where the command line does not spell it ``--name-like-this``,
-    and further ``argparse`` settings (``metavar``, ``nargs``, ``choices``, ``cli=False``: Python only)."""
-    meta = {"help": help, "bounds": parse_range(range) if range else None, "flag": flag, "cli": cli}
+    """An option (or a config key) as a dataclass field: its ``default`` (a list is copied per
+    instance), its ``help``, the ``range`` its value must lie in (``">= 1"``, ``"> 0"``, ``"(0, 1]"``,
+    ``"[258, 1048576]"``) with a ``note`` its message adds (``"0: only at the end"``), the ``key``
+    a message names it by where that is not the field's name, its ``flag`` where the command line
+    does not spell it ``--name-like-this``, and further ``argparse`` settings (``metavar``,
+    ``nargs``, ``choices``, ``cli=False``: Python only)."""
+    meta = {
+        "help": help,
+        "bounds": parse_range(range) if range else None,
+        "note": note,
+        "key": key,
+        "flag": flag,
+        "cli": cli,
+    }
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -305,33 +304,46 @@ def parse_range(text: str) -> tuple[float, bool, float | None, bool]:
     return float(value), op == ">=", None, False
 
 
-def check_fields(options: Any) -> None:
-    """``check_range`` for every field of the dataclass ``options`` that has a range (each value of a list)."""
-    for f in dataclasses.fields(options):
-        value = getattr(options, f.name)
+def check_fields(obj: Any, key_format: str = "") -> None:
+    """``check_range`` for every field of the dataclass ``obj`` that has a range (each value of a
+    list), in field order; ``key_format`` names a field in the message (``"config key 'train.{}'"``; by
+    default it is an option, ``opt``)."""
+    for f in dataclasses.fields(obj):
+        if not f.metadata.get("bounds"):
+            continue
+        name = f.metadata.get("key") or f.name
+        value = getattr(obj, f.name)
         for v in value if isinstance(value, (list, tuple)) else [value]:  # a list: each of its values
-            if f.metadata.get("bounds"):
-                check_range(f.name, v, f.metadata["bounds"])
+            check_range(name, v, f.metadata["bounds"], key_format.format(name), f.metadata.get("note", ""))
 
 
-def check_values(cls: type[Any], section: str | None = None, **values: Any) -> None:
-    """``check_range`` for ``values`` by the ranges of the fields of the same names of ``cls``;
-    ``section`` names them as config keys (``"data"`` gives ``config key 'data.vocab_size'``)."""
+class Checked:
+    """The base of an options or config dataclass: its fields' ranges are checked as it is built
+    (``check_fields``); a subclass's own ``__post_init__`` calls this one first, then checks what
+    no range says (how fields fit together)."""
+
+    key_format: ClassVar[str] = ""  # how a message names a field: "config key 'train.{}'" ("": as an option)
+
+    def __post_init__(self) -> None:
+        check_fields(self, self.key_format)
+
+
+def check_values(cls: type[Any], **values: Any) -> None:
+    """``check_range`` for ``values`` (a function's arguments, say) by the ranges of the fields of
+    the same names of ``cls``, each named as an option (``opt``)."""
     bounds = {f.name: f.metadata["bounds"] for f in dataclasses.fields(cls) if f.metadata.get("bounds")}
     for name, value in values.items():
-        check_range(name, value, bounds[name], f"config key '{section}.{name}'" if section else "")
+        check_range(name, value, bounds[name])
 
 
 def make_options(cls: type[T], values: dict[str, Any]) -> T:
-    """The options dataclass ``cls`` from keyword ``values``, each range checked; an unknown
-    keyword is one line naming the closest option."""
+    """The options dataclass ``cls`` from keyword ``values`` (its ranges checked as it is built,
+    ``Checked``); an unknown keyword is one line naming the closest option."""
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     for key in values:
         if key not in names:
             raise RecurformerError(f"unknown option '{key}'{suggest(key, names)}")
-    obj = cls(**values)
-    check_fields(obj)
-    return obj
+    return cls(**values)
 
 
 # An option named in a message: its name (and value) between markers, spelled when the message

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .capture import Backend, DecodeGraphs
-from .config import RecurformerError, check_fields, make_options, opt, option, say
+from .config import Checked, RecurformerError, check_fields, make_options, opt, option, say
 from .data.tokenizer import Tokenizer
 from .device import cpu_threads, device_option, out_of_memory, peak_memory_mb, reset_peak_memory, synchronize
 from .files import atomic_write
@@ -209,7 +209,7 @@ def ratio_interval(sums: np.ndarray, counts: np.ndarray, weights: np.ndarray) ->
 
 
 @dataclass
-class LengthOptions:
+class LengthOptions(Checked):
     """How ``evaluate_lengths`` reads: the lengths, the scored tokens, the windows and the calls
     (``recurformer.evaluate`` and ``recurformer eval``)."""
 

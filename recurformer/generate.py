@@ -20,14 +20,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from .config import RecurformerError, check_values, make_options, opt, option
+from .config import Checked, RecurformerError, check_values, make_options, opt, option
 from .device import cpu_threads, device_option
 from .files import atomic_write
 from .state import State, StreamingModel
 
 
 @dataclass
-class GenerateOptions:
+class GenerateOptions(Checked):
     """``recurformer generate`` (``generate_text``): what to continue and how to sample."""
 
     checkpoint: str = option(None, "a run, checkpoint or pretrained directory, or a Hub repo id", required=True)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .config import RecurformerError, make_options, option
+from .config import Checked, RecurformerError, make_options, option
 from .data.tokenizer import Tokenizer
 from .device import cpu_threads, device_option
 from .files import atomic_write
@@ -108,7 +108,7 @@ def logits_fn(model: Any, chunk: int) -> Callable[[torch.Tensor, int], torch.Ten
 
 
 @dataclass
-class NiahOptions:
+class NiahOptions(Checked):
     """``recurformer niah`` (``niah_checkpoint``): the grid of depths x lengths and how it is read."""
 
     checkpoint: str = option(None, "a run, checkpoint or pretrained directory, or a Hub repo id", required=True)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .compat import upgrade_state
-from .config import RecurformerError
+from .config import Checked, RecurformerError, option
 from .device import autocast_context
 from .generate import GenerationMixin
 from .hub import HubMixin
@@ -48,19 +48,21 @@ __all__ = [
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Checked):
     """Fields shared by every model. Subclasses add their own."""
 
-    vocab_size: int = 4096
-    dim: int = 288
-    n_layers: int = 6
-    n_heads: int = 6
+    key_format = "config key '{}'"
+    vocab_size: int = option(4096, range="> 0")
+    dim: int = option(288, range="> 0")
+    n_layers: int = option(6, range="> 0")
+    n_heads: int = option(6, range="> 0")
     ffn_hidden: int | None = None  # None: Llama's rule, 2/3 * 4 * dim rounded up to multiple_of
     multiple_of: int = 32
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
-    window: int | None = None  # attention window W of 'window' layers (a query sees W tokens, itself included)
+    # attention window W of 'window' layers (a query sees W tokens, itself included)
+    window: int | None = option(None, range=">= 1")
     layers: list[str] | None = None  # a kind per layer for hybrid stacks, e.g. [window, window, memory, window]
     # The field that bounds how far back a token attends directly (window, chunk, segment or block
     # length), None if the model has none; the synthetic diagnostics give every model this context.
@@ -70,15 +72,11 @@ class ModelConfig:
     retrain_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
-        for k in ("vocab_size", "dim", "n_layers", "n_heads"):
-            if getattr(self, k) <= 0:
-                raise RecurformerError(f"config key '{k}' must be positive, got {getattr(self, k)}")
+        super().__post_init__()
         if self.dim % self.n_heads:
             raise RecurformerError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if (self.dim // self.n_heads) % 2:
             raise RecurformerError(f"head dim dim/n_heads = {self.dim // self.n_heads} must be even for RoPE")
-        if self.window is not None and self.window < 1:
-            raise RecurformerError(f"config key 'window' must be >= 1, got {self.window}")
         if self.layers is not None and len(self.layers) != self.n_layers:
             raise RecurformerError(f"config key 'layers' names {len(self.layers)} layers, n_layers is {self.n_layers}")
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import metrics, train_json
-from .config import RecurformerError, check_fields, make_options, opt, option
+from .config import Checked, RecurformerError, check_fields, make_options, opt, option
 from .data.prepare import EOT, REPEAT_PROMPT, load_documents
 from .data.tokenizer import Tokenizer
 from .device import device_option
@@ -62,7 +62,7 @@ READING = {
 
 
 @dataclass
-class ProbeOptions:
+class ProbeOptions(Checked):
     """The copy (``repeat``) or ``swap`` probe: which documents, which distances, how they are read
     (``recurformer.probe`` and ``recurformer probe``)."""
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import tap
-from .config import RecurformerError, make_options, opt, option
+from .config import Checked, RecurformerError, make_options, opt, option
 from .device import cpu_threads
 from .nn import IGNORE_INDEX, StreamingLM
 
@@ -152,7 +152,7 @@ __all__ = ["Readout", "default_segment", "memory_share", "readout", "state_gradi
 
 
 @dataclass
-class ReadoutOptions:
+class ReadoutOptions(Checked):
     """``recurformer readout`` (``readout_checkpoint``): which model, which rows, how many segments."""
 
     checkpoint: str = option(

@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from .checkpoint import RNGState, checkpoints, load_checkpoint, load_model_weights, save_checkpoint
-from .config import RecurformerError, from_dict, merge, option, parse_overrides
+from .config import Checked, RecurformerError, from_dict, merge, option, parse_overrides
 from .curriculum import Pace, Schedule, check_state_init_share, schedule_from
 from .data.synthetic import TASKS, Task, TaskData, get_task, make_split, row_tokens
 from .device import autocast_context, device_option, pick_device, slow_bf16_warning
@@ -72,72 +72,59 @@ ONE_LAYER_FIELDS: dict[str, Any] = {"recurrent_layers": (-1,)}  # block_recurren
 
 
 @dataclass
-class SynthConfig:
-    steps: int = 500  # optimizer steps per learning rate
-    batch_size: int = 32
-    n_train: int | None = None  # training examples (None: the task's MAD baseline size)
-    n_val: int = 256  # validation examples (learning-rate selection)
-    n_test: int = 1280  # test examples (MAD: 1,280)
-    lrs: list[float] = field(default_factory=lambda: [5e-4, 1e-3, 3e-3])
+class SynthConfig(Checked):
+    key_format = "synth key '{}'"
+    steps: int = option(500, range=">= 1")  # optimizer steps per learning rate
+    batch_size: int = option(32, range=">= 1")
+    n_train: int | None = option(None, range=">= 1")  # training examples (None: the task's MAD baseline size)
+    n_val: int = option(256, range=">= 1")  # validation examples (learning-rate selection)
+    n_test: int = option(1280, range=">= 1")  # test examples (MAD: 1,280)
+    lrs: list[float] = option([5e-4, 1e-3, 3e-3], range="> 0")
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.98
-    warmup: float = 0.1  # fraction of the steps
+    warmup: float = option(0.1, range="[0, 1)", note="a fraction of the steps")
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # the largest gradient norm (0: no clipping)
     precision: Literal["auto", "fp32", "bf16"] = "fp32"
-    context: int = 32  # window / chunk / segment / block length of every model that has one
-    chunk: int = 256  # tokens per model call at evaluation
-    eval_batch_size: int = 64
-    eval_lengths: list[int] = field(default_factory=list)  # lengths to test (passkey filler, copy string, copy delay)
-    n_length_test: int = 256  # test rows per length of ``eval_lengths``
-    eval_memory_gb: float = 4.0  # the most memory one length's test may hold (rows, predictions, the model's state)
+    context: int = option(32, range=">= 1")  # window / chunk / segment / block length of every model that has one
+    chunk: int = option(256, range=">= 1")  # tokens per model call at evaluation
+    eval_batch_size: int = option(64, range=">= 1")
+    eval_lengths: list[int] = option([], range=">= 0")  # lengths to test (passkey filler, copy string, copy delay)
+    n_length_test: int = option(256, range=">= 1")  # test rows per length of ``eval_lengths``
+    # the most memory one length's test may hold (rows, predictions, the model's state)
+    eval_memory_gb: float = option(4.0, range="> 0")
     seed: int = 0
     # recipes for memory (recurformer.curriculum): with any of the first three, training rows are drawn
     # fresh for every batch (disjoint from every test row) instead of from a fixed set of n_train rows
     train_lengths: list[int] = field(default_factory=list)  # [lo, hi]: each batch's length (mixed_range)
     schedule: dict[str, Any] = field(default_factory=dict)  # the task length / truncation by step
     fresh_data: bool = False  # fresh rows for every batch at the task's own length
-    truncation: int = 0  # segments of ``context`` tokens backpropagated before the state is detached (0: the whole row)
+    # segments of ``context`` tokens backpropagated before the state is detached
+    truncation: int = option(0, range=">= 0", note="0: the whole row")
     state_init: Literal["zero", "noise", "passing"] = "zero"  # each training row's initial state
-    state_noise: float = 1.0  # sigma of state_init=noise
+    state_noise: float = option(1.0, range=">= 0")  # sigma of state_init=noise
     state_init_share: float = 1.0  # the fraction of rows given the noisy / passed state (others: the initial state)
-    eval_every: int = 0  # validation accuracy every N steps, kept per lr in the sweep ("curve"); 0: only at the end
+    # validation accuracy every N steps, kept per lr in the sweep ("curve")
+    eval_every: int = option(0, range=">= 0", note="0: only at the end")
     init_from: str | None = None  # a model saved by synth --save to start from (post-training), same model config
-    save_every: int = 0  # with --save DIR: progress every N steps in DIR/progress (synth --resume DIR); one lr
+    # with --save DIR: progress every N steps in DIR/progress (synth --resume DIR); one lr
+    save_every: int = option(0, range=">= 0", note="0: no progress saved")
 
     def __post_init__(self) -> None:
-        for k in ("steps", "batch_size", "n_val", "n_test", "n_length_test", "context", "chunk", "eval_batch_size"):
-            if getattr(self, k) < 1:
-                raise RecurformerError(f"synth key '{k}' must be >= 1, got {getattr(self, k)}")
-        if self.eval_every < 0:
-            raise RecurformerError(f"synth key 'eval_every' must be >= 0 (0: only at the end), got {self.eval_every}")
-        if self.n_train is not None and self.n_train < 1:
-            raise RecurformerError(f"synth key 'n_train' must be >= 1, got {self.n_train}")
-        if not self.lrs or any(lr <= 0 for lr in self.lrs):
-            raise RecurformerError(f"synth key 'lrs' must be positive learning rates, got {self.lrs}")
-        if self.save_every < 0:
-            raise RecurformerError(f"synth key 'save_every' must be >= 0 (0: no progress saved), got {self.save_every}")
+        super().__post_init__()
+        if not self.lrs:
+            raise RecurformerError("synth key 'lrs' is empty: give one or more learning rates (e.g. [1e-3])")
         if self.save_every and len(self.lrs) != 1:
             raise RecurformerError(
                 f"synth key 'save_every' saves one run's progress; give one learning rate (lrs: {self.lrs})"
             )
-        if not 0 <= self.warmup < 1:
-            raise RecurformerError(f"synth key 'warmup' is a fraction of the steps in [0, 1), got {self.warmup}")
-        if self.eval_memory_gb <= 0:
-            raise RecurformerError(f"synth key 'eval_memory_gb' must be > 0, got {self.eval_memory_gb}")
-        if any(L < 0 for L in self.eval_lengths):
-            raise RecurformerError(f"synth key 'eval_lengths' must be >= 0, got {self.eval_lengths}")
         if self.train_lengths and (
             len(self.train_lengths) != 2 or not 0 <= self.train_lengths[0] <= self.train_lengths[1]
         ):
             raise RecurformerError(
                 f"synth key 'train_lengths' must be [lo, hi] with 0 <= lo <= hi, got {self.train_lengths}"
             )
-        if self.truncation < 0:
-            raise RecurformerError(f"synth key 'truncation' must be >= 0 (0: the whole row), got {self.truncation}")
-        if self.state_noise < 0:
-            raise RecurformerError(f"synth key 'state_noise' must be >= 0, got {self.state_noise}")
         check_state_init_share(self.state_init_share, self.state_init, "synth.state_init")
 
     def curriculum(self) -> Schedule:
@@ -899,7 +886,7 @@ EVALUATE_ROWS = 128  # rows per length of ``synth --evaluate`` without --n-test
 
 
 @dataclass
-class SynthCommandOptions:
+class SynthCommandOptions(Checked):
     """``recurformer synth`` (``synth_command``): a task and a model from the flags or ``config``
     files (``set`` overrides), or ``evaluate``: a saved model scored at ``lengths``."""
 

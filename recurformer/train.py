@@ -38,8 +38,8 @@ from . import checkpoint as ckpt
 from . import loggers
 from .capture import Backend, CaptureFailed, StepGraphs
 from .config import (
+    Checked,
     RecurformerError,
-    check_options,
     from_dict,
     load_yaml,
     merge,
@@ -73,67 +73,45 @@ SCHEDULED = ("seq_len", "truncation")  # the train keys a schedule may change
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Checked):
+    key_format = "config key 'train.{}'"
     out_dir: str = "runs/default"
-    batch_size: int = 8  # streams per rank
-    seq_len: int = 256  # tokens per segment (the TBPTT window)
-    steps: int = 1000  # optimizer steps
-    grad_accum: int = 1  # segments per optimizer step (consecutive segments of the same streams)
-    truncation: int = 1  # segments backpropagated through before the state is detached
+    batch_size: int = option(8, range=">= 1")  # streams per rank
+    seq_len: int = option(256, range=">= 1")  # tokens per segment (the TBPTT window)
+    steps: int = option(1000, range=">= 1")  # optimizer steps
+    grad_accum: int = option(1, range=">= 1")  # segments per optimizer step (consecutive segments of the same streams)
+    truncation: int = option(1, range=">= 1")  # segments backpropagated through before the state is detached
     state: Literal["carry", "reset"] = "carry"
     state_init: Literal["zero", "noise", "passing"] = "zero"  # where a row starts a document (curriculum.initial_state)
-    state_noise: float = 1.0  # sigma of state_init=noise
+    state_noise: float = option(1.0, range=">= 0")  # sigma of state_init=noise
     state_init_share: float = 1.0  # the fraction of starting rows given the noisy / passed state
     schedule: dict[str, Any] = field(default_factory=dict)  # seq_len / truncation by step (curriculum.Schedule)
     data_order: Literal["contiguous", "shuffled"] = "contiguous"
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
+    lr: float = option(1e-3, range="> 0")
+    min_lr: float = option(1e-4, range=">= 0")
+    warmup: int = option(100, range=">= 0")
+    weight_decay: float = option(0.1, range=">= 0")
+    beta1: float = option(0.9, range="[0, 1)")
+    beta2: float = option(0.95, range="[0, 1)")
+    grad_clip: float = option(1.0, range=">= 0")
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     compile: bool = False
     cuda_graphs: bool = False  # the model's training call captured once per shape and replayed (capture.StepGraphs)
-    eval_every: int = 200
-    eval_batches: int = 10
-    log_every: int = 10
-    save_every: int = 500
-    keep_last: int = 3
+    eval_every: int = option(200, range=">= 1")
+    eval_batches: int = option(10, range=">= 1")
+    log_every: int = option(10, range=">= 1")
+    save_every: int = option(500, range=">= 1")
+    keep_last: int = option(3, range=">= 0")
     seed: int = 0
     device: str = "auto"
     loggers: list[str] = field(default_factory=lambda: ["tensorboard"])  # + metrics.jsonl; see loggers.py
 
     def __post_init__(self) -> None:
-        for k in (
-            "batch_size",
-            "seq_len",
-            "steps",
-            "grad_accum",
-            "truncation",
-            "eval_every",
-            "log_every",
-            "save_every",
-        ):
-            if getattr(self, k) < 1:
-                raise RecurformerError(f"config key 'train.{k}' must be >= 1, got {getattr(self, k)}")
+        super().__post_init__()
         if self.grad_accum % self.truncation:
             raise RecurformerError(
                 f"train.grad_accum ({self.grad_accum}) must be a multiple of train.truncation ({self.truncation})"
             )
-        check_options(
-            "train",
-            lr=self.lr,
-            min_lr=self.min_lr,
-            warmup=self.warmup,
-            weight_decay=self.weight_decay,
-            beta1=self.beta1,
-            beta2=self.beta2,
-            grad_clip=self.grad_clip,
-            eval_batches=self.eval_batches,
-            keep_last=self.keep_last,
-        )
         sched = self.curriculum()
         sched.check("train.schedule", SCHEDULED, self.base_values())
         if sched.advance_below:
@@ -147,8 +125,6 @@ class TrainConfig:
                     f"config key 'train.schedule' sets truncation {v}: more segments than the {self.grad_accum} a step reads "
                     f"(train.grad_accum), or not a divisor of it"
                 )
-        if self.state_noise < 0:
-            raise RecurformerError(f"config key 'train.state_noise' must be >= 0, got {self.state_noise}")
         if self.compile:
             check_compile()
         check_state_init_share(self.state_init_share, self.state_init, "train.state_init")

@@ -1,5 +1,6 @@
 """Bad numeric options: one line naming the option and its value, from the command line and from
-Python alike (one shared check, ``config.check_options``), before anything is printed or written."""
+Python alike (one shared check: the range each field declares, ``config.option(range=...)``, checked
+as its dataclass is built, ``config.Checked``), before anything is printed or written."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from helpers import ROOT, TEST_CONFIGS
 import recurformer
 from recurformer import RecurformerError, build_model
 from recurformer.cli import main as cli_main
-from recurformer.data import Tokenizer
+from recurformer.config import make_options
+from recurformer.data import DataConfig, Tokenizer
+from recurformer.evaluate import LengthOptions
+from recurformer.generate import GenerateOptions
+from recurformer.registry import make_config
+from recurformer.synth import SynthConfig
+from recurformer.train import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -333,3 +340,81 @@ def test_memory_options_out_of_range_or_foreign_are_one_line(name) -> None:
             RecurformerError, match=rf"^config key 'model.memory_update' is a setting of .*, not of {name}"
         ):
             build_model(name, {**cfg, "memory_update": "write_gate"})
+
+
+def ranged_dataclasses() -> list[type]:
+    """Every dataclass of the package with a field that declares a range (``option(range=...)``)."""
+    import dataclasses
+    import importlib
+    import pkgutil
+
+    found = []
+    for m in pkgutil.walk_packages(recurformer.__path__, "recurformer."):
+        if m.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(m.name)
+        for v in vars(module).values():
+            if isinstance(v, type) and dataclasses.is_dataclass(v) and v.__module__ == module.__name__:
+                if any(f.metadata.get("bounds") for f in dataclasses.fields(v)):
+                    found.append(v)
+    return found
+
+
+def test_every_declared_range_is_checked_as_its_dataclass_is_built() -> None:
+    """Configs and options alike: a value just outside a field's range is refused by the
+    constructor itself, in one line naming the field (a field declared anew in a subclass, as
+    sliding_window's ``window``, must declare its range again)."""
+    import dataclasses
+
+    classes = ranged_dataclasses()
+    names = {c.__name__ for c in classes}
+    assert {
+        "ModelConfig",
+        "SlidingWindowConfig",
+        "TrainConfig",
+        "SynthConfig",
+        "DataConfig",
+        "GenerateOptions",
+    } <= names
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("bounds"):
+                continue
+            low, low_ok, _, _ = f.metadata["bounds"]
+            bad = low - 1 if low_ok else low
+            bad = int(bad) if float(bad).is_integer() else bad
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            value = type(default)([bad] * max(1, len(default))) if isinstance(default, (list, tuple)) else bad
+            with pytest.raises(RecurformerError, match=rf"{f.name}'? must .*, got {bad!r}$"):
+                cls(**{f.name: value})
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: TrainConfig(steps=0), "config key 'train.steps' must be >= 1, got 0"),
+        (lambda: TrainConfig(beta2=1.0), "config key 'train.beta2' must be in [0, 1), got 1.0"),
+        (lambda: SynthConfig(truncation=-1), "synth key 'truncation' must be >= 0 (0: the whole row), got -1"),
+        (lambda: SynthConfig(warmup=1.0), "synth key 'warmup' must be in [0, 1) (a fraction of the steps), got 1.0"),
+        (lambda: SynthConfig(lrs=[1e-3, 0.0]), "synth key 'lrs' must be > 0, got 0.0"),
+        (lambda: SynthConfig(lrs=[]), "synth key 'lrs' is empty: give one or more learning rates (e.g. [1e-3])"),
+        (lambda: SynthConfig(eval_memory_gb=float("nan")), "synth key 'eval_memory_gb' must be > 0, got nan"),
+        (lambda: DataConfig(vocab_size=100), "config key 'data.vocab_size' must be in [258, 1048576], got 100"),
+        (lambda: make_config("sliding_window", {"window": 0}), "config key 'window' must be >= 1, got 0"),
+        (lambda: make_config("transformer_xl", {"mem_len": -1}), "config key 'mem_len' must be >= 0, got -1"),
+        (lambda: make_config("llama", {"n_heads": 0}), "config key 'n_heads' must be > 0, got 0"),
+        (lambda: GenerateOptions(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+        (lambda: LengthOptions(lengths=[256, 0]), "lengths must be >= 1, got 0"),
+    ],
+)
+def test_a_declared_range_names_its_key_as_its_section_does(build, message) -> None:
+    with pytest.raises(RecurformerError, match=f"^{re.escape(message)}$"):
+        build()
+
+
+def test_a_byte_tokenizer_reads_no_vocab_size_and_numpy_numbers_are_numbers() -> None:
+    """``data.vocab_size`` is checked only for a BPE tokenizer; numpy scalars pass a range as the
+    Python numbers they equal."""
+    assert DataConfig(tokenizer="byte", vocab_size=100).vocab_size == 100
+    assert TrainConfig(steps=np.int64(5), lr=np.float32(0.5)).steps == 5
+    assert make_options(GenerateOptions, {"top_k": np.int64(5), "top_p": np.float64(0.9)}).top_k == 5

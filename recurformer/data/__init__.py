@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from recurformer.config import RecurformerError, check_values, option
+from recurformer.config import RecurformerError, check_fields, option
 from recurformer.data.prepare import DATASETS, bundled_corpus, load_prepared, prepare
 from recurformer.data.streams import Batch, ContiguousStreams, ShuffledWindows, eval_windows
 from recurformer.data.tokenizer import Tokenizer
@@ -47,8 +47,8 @@ class DataConfig:
             )
         if not self.dataset and not self.text_files and not self.dir:
             self.dataset = DEFAULT_DATASET
-        if self.tokenizer == "bpe":
-            check_values(DataConfig, "data", vocab_size=self.vocab_size)
+        if self.tokenizer == "bpe":  # (a byte tokenizer's vocabulary is its own: vocab_size is not read)
+            check_fields(self, "config key 'data.{}'")
 
     def source_key(self) -> str | None:
         """A hash of what the prepared data is made of (dataset name or text file contents and

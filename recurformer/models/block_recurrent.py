@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from .. import tap
 from ..cells import QK, StateCell, t5_buckets
-from ..config import RecurformerError, check_options
+from ..config import RecurformerError, option
 from ..modules import (
     ShortConvolution,
     apply_rope,
@@ -79,8 +79,8 @@ from ..state import Call, LayerState, reset_rows
 @dataclass
 class BlockRecurrentConfig(ModelConfig):
     context_field = "block_size"
-    block_size: int = 512  # W: tokens per block = attention window
-    num_states: int | None = None  # S: state vectors per recurrent layer (None: S = W)
+    block_size: int = option(512, range=">= 1")  # W: tokens per block = attention window
+    num_states: int | None = option(None, range=">= 1")  # S: state vectors per recurrent layer (None: S = W)
     kv_heads: int | None = None  # key/value heads of every attention (None: n_heads; 1: multi-query)
     recurrent_layers: tuple[int, ...] = (-3,)  # layer indices, negative from the end (-3: layer 10 of 12)
     gate: Literal["fixed", "lstm"] = "fixed"
@@ -90,18 +90,13 @@ class BlockRecurrentConfig(ModelConfig):
     t5_max_distance: int = 128
     mlp: Literal["swiglu", "relu"] = "swiglu"  # relu: meliad's 2-matrix MLP (used for the paper's param count)
     qk_norm: bool = True  # meliad's normalize_keys: L2-normalised q, k times a learned per-head scale
-    query_tile: int = 128  # queries per attention tile, at most W (speed only: exact at any value)
-    qkv_conv: int = 0  # K: a short causal convolution on each layer's input before q/k/v (0: none)
+    # queries per attention tile, at most W (speed only: exact at any value)
+    query_tile: int = option(128, range=">= 1")
+    # K: a short causal convolution on each layer's input before q/k/v (0: none)
+    qkv_conv: int = option(0, range=">= 0", key="model.qkv_conv")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_options("model", qkv_conv=self.qkv_conv)
-        if self.block_size < 1:
-            raise RecurformerError(f"config key 'block_size' must be >= 1, got {self.block_size}")
-        if self.query_tile < 1:
-            raise RecurformerError(f"config key 'query_tile' must be >= 1, got {self.query_tile}")
-        if self.num_states is not None and self.num_states < 1:
-            raise RecurformerError(f"config key 'num_states' must be >= 1, got {self.num_states}")
         if self.kv_heads is not None and (self.kv_heads < 1 or self.n_heads % self.kv_heads):
             raise RecurformerError(f"config key 'kv_heads' must divide n_heads ({self.n_heads}), got {self.kv_heads}")
         if self.t5_buckets < 2 or self.t5_max_distance < self.t5_buckets // 2 + 1:

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import RecurformerError
+from ..config import RecurformerError, option
 from ..modules import RMSNorm, acc_dtype, init_short_conv, short_conv
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..ops.delta_rule import delta_rule_chunked, delta_rule_naive
@@ -64,24 +64,19 @@ from ..state import Call, LayerState, reset_rows
 class GatedDeltaNetConfig(ModelConfig):
     context_field = "window"  # of the hybrid stacks' window layers (a delta layer reaches back without bound)
     retrain_keys = ("write_floor", "decay_floor", "chunk_size", "impl")
-    chunk_size: int = 64  # tokens per chunk of the chunked (WY) form; compute only, the result is the same
-    conv_size: int = 4  # kernel of the causal depthwise convolution on q, k, v (1: a per-channel scale)
-    decay_init: float = 0.999  # a_t at initialisation, on every input (W_a starts at zero)
-    write_init: float = 0.5  # sigmoid(c_b) at initialisation where W_b x = 0 (bias logit(write_init))
+    # tokens per chunk of the chunked (WY) form; compute only, the result is the same
+    chunk_size: int = option(64, range=">= 1")
+    # kernel of the causal depthwise convolution on q, k, v (1: a per-channel scale)
+    conv_size: int = option(4, range=">= 1")
+    decay_init: float = option(0.999, range="(0, 1)")  # a_t at initialisation, on every input (W_a starts at zero)
+    # sigmoid(c_b) at initialisation where W_b x = 0 (bias logit(write_init))
+    write_init: float = option(0.5, range="(0, 1)")
     write_floor: float = 0.0  # eps: b_t = max(0, sigmoid(.) - eps) / (1 - eps), exactly 0 below eps (0: the paper's)
     decay_floor: float = 0.0  # delta: log a_t = min(0, log a_t + delta), exactly no decay above -delta (0: the paper's)
     impl: Literal["chunked", "naive"] = "chunked"  # the recurrence over a call of several tokens
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("chunk_size", "conv_size"):
-            if getattr(self, key) < 1:
-                raise RecurformerError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
-        for key in ("decay_init", "write_init"):
-            if not 0.0 < getattr(self, key) < 1.0:
-                raise RecurformerError(
-                    f"config key '{key}' must lie strictly between 0 and 1, got {getattr(self, key)}"
-                )
         if not 0.0 <= self.write_floor < self.write_init:
             raise RecurformerError(
                 f"config key 'write_floor' must be >= 0 and below write_init = {self.write_init} "

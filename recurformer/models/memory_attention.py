@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tap
-from ..config import RecurformerError, check_options
+from ..config import RecurformerError, option
 from ..modules import (
     MLP,
     RMSNorm,
@@ -72,7 +72,7 @@ from ..state import Call, LayerState, reset_rows
 @dataclass
 class MemoryAttentionConfig(ModelConfig):
     context_field = "chunk_size"
-    chunk_size: int = 32  # C: tokens per chunk = memory slots per layer
+    chunk_size: int = option(32, range=">= 1")  # C: tokens per chunk = memory slots per layer
     memory_qkv: Literal["shared", "separate"] = "shared"  # memory K/V from W_k,W_v (code) or W_km,W_vm (paper)
     memory_source: Literal["pre_wo", "post_wo"] = "pre_wo"  # memory = attention output before/after Wo
     memory_ffn: bool = True  # the projection FFN (eq. 2)
@@ -80,13 +80,11 @@ class MemoryAttentionConfig(ModelConfig):
     init_memory: Literal["zeros", "learned"] = "zeros"
     memory_update: Literal["replace", "gated", "write_gate"] = "replace"  # M_{t+1} = O_t (the paper) or a gate above
     memory_layers: list[int] | None = None  # memory attention only in these layers (None: all)
-    qkv_conv: int = 0  # K: a short causal convolution on the memory layers' input before q/k/v (0: none)
+    # K: a short causal convolution on the memory layers' input before q/k/v (0: none)
+    qkv_conv: int = option(0, range=">= 0", key="model.qkv_conv")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_options("model", qkv_conv=self.qkv_conv)
-        if self.chunk_size < 1:
-            raise RecurformerError(f"config key 'chunk_size' must be >= 1, got {self.chunk_size}")
         if self.memory_layers is not None:
             if self.layers is not None:
                 raise RecurformerError("give either 'layers' or 'memory_layers', not both")

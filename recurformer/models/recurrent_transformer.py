@@ -44,7 +44,7 @@ from typing import Any, ClassVar, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from ..config import RecurformerError
+from ..config import option
 from ..modules import MLP, RMSNorm, acc_dtype, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
 from ..nn import Layer, ModelConfig, StreamingLM
 from ..ops.recurrent_attention import (
@@ -63,18 +63,12 @@ from ..state import Call, LayerState
 @dataclass
 class RecurrentTransformerConfig(ModelConfig):
     position: Literal["alibi", "rope"] = "alibi"
-    alibi_max_bias: float = 8.0
-    block_size: int = 1  # b: persistent pairs revealed b positions at a time (1 = the paper's layer)
+    alibi_max_bias: float = option(8.0, range="> 0")
+    # b: persistent pairs revealed b positions at a time (1 = the paper's layer)
+    block_size: int = option(1, range=">= 1")
     impl: Literal["tiled", "naive"] = "tiled"
     residual_scale: bool = False  # multiply the attention and MLP branches by 1/sqrt(n_layers)
     qk_norm: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.block_size < 1:
-            raise RecurformerError(f"config key 'block_size' must be >= 1, got {self.block_size}")
-        if self.alibi_max_bias <= 0:
-            raise RecurformerError(f"config key 'alibi_max_bias' must be positive, got {self.alibi_max_bias}")
 
 
 @dataclass

@@ -69,7 +69,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import tap
-from ..config import RecurformerError, check_options
+from ..config import RecurformerError, option
 from ..modules import (
     RMSNorm,
     ShortConvolution,
@@ -90,13 +90,14 @@ from ..state import Call, LayerState, reset_rows
 @dataclass
 class RMTConfig(ModelConfig):
     context_field = "segment_len"
-    segment_len: int = 128  # S: tokens per segment
-    memory_size: int = 16  # M: memory slots (read and write)
+    segment_len: int = option(128, range=">= 1")  # S: tokens per segment
+    memory_size: int = option(16, range=">= 1")  # M: memory slots (read and write)
     associative: bool = False  # ARMT: a fast-weight matrix per layer, written by the write slots
-    assoc_dim: int = 32  # d_mem: ARMT's key/query width before the DPFP feature map (K = 6 d_mem)
+    assoc_dim: int = option(32, range=">= 1")  # d_mem: ARMT's key/query width before the DPFP feature map (K = 6 d_mem)
     memory_update: Literal["replace", "write_gate"] = "replace"  # the new memory as written, or held by a gate
     read_slots: bool = True  # M read slots before the tokens (false: write slots only, as ARMT's code)
-    qkv_conv: int = 0  # K: a short causal convolution on each layer's input before q/k/v, within a segment (0: none)
+    # K: a short causal convolution on each layer's input before q/k/v, within a segment (0: none)
+    qkv_conv: int = option(0, range=">= 0", key="model.qkv_conv")
 
     @property
     def n_read(self) -> int:
@@ -105,13 +106,6 @@ class RMTConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_options("model", qkv_conv=self.qkv_conv)
-        if self.assoc_dim < 1:
-            raise RecurformerError(f"config key 'assoc_dim' must be >= 1, got {self.assoc_dim}")
-        if self.segment_len < 1:
-            raise RecurformerError(f"config key 'segment_len' must be >= 1, got {self.segment_len}")
-        if self.memory_size < 1:
-            raise RecurformerError(f"config key 'memory_size' must be >= 1, got {self.memory_size}")
         if self.associative and self.memory_update != "replace":
             raise RecurformerError(
                 f"config key 'memory_update' is '{self.memory_update}', but an associative RMT carries no memory slots to gate (its slots are the same every segment)"

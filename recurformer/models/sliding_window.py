@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import RecurformerError
+from ..config import RecurformerError, option
 from ..nn import Block, Layer, ModelConfig
 from ..registry import register, register_layer
 from .llama import Attention, Llama, LlamaConfig
@@ -14,7 +14,7 @@ from .llama import Attention, Llama, LlamaConfig
 
 @dataclass
 class SlidingWindowConfig(LlamaConfig):
-    window: int | None = 256
+    window: int | None = option(256, range=">= 1")  # (declared anew, so with its range again)
 
     def __post_init__(self) -> None:
         super().__post_init__()

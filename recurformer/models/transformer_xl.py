@@ -50,7 +50,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import Tensor, nn
 
-from ..config import RecurformerError, check_options
+from ..config import RecurformerError, option
 from ..modules import ShortConvolution, pieces, split_heads
 from ..nn import Block, Layer, ModelConfig, StreamingLM
 from ..ops.relative import relative_scores, sinusoid_table
@@ -61,21 +61,15 @@ from ..state import Call, LayerState, reset_rows, writable
 @dataclass
 class TransformerXLConfig(ModelConfig):
     context_field = "segment_len"
-    segment_len: int = 64  # L: tokens per segment
-    mem_len: int | None = None  # M: cached positions per layer (None: M = L; 0: no recurrence)
-    clamp_len: int | None = None  # distances beyond clamp_len use R_clamp_len (None: no cap)
+    segment_len: int = option(64, range=">= 1")  # L: tokens per segment
+    mem_len: int | None = option(None, range=">= 0")  # M: cached positions per layer (None: M = L; 0: no recurrence)
+    clamp_len: int | None = option(None, range=">= 0")  # distances beyond clamp_len use R_clamp_len (None: no cap)
     same_length: bool = False  # every query sees exactly the last M keys
-    qkv_conv: int = 0  # K: a short causal convolution on each layer's input before q/k/v (0: none)
+    # K: a short causal convolution on each layer's input before q/k/v (0: none)
+    qkv_conv: int = option(0, range=">= 0", key="model.qkv_conv")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_options("model", qkv_conv=self.qkv_conv)
-        if self.segment_len < 1:
-            raise RecurformerError(f"config key 'segment_len' must be >= 1, got {self.segment_len}")
-        if self.mem_len is not None and self.mem_len < 0:
-            raise RecurformerError(f"config key 'mem_len' must be >= 0, got {self.mem_len}")
-        if self.clamp_len is not None and self.clamp_len < 0:
-            raise RecurformerError(f"config key 'clamp_len' must be >= 0, got {self.clamp_len}")
         if self.same_length and self.memory_len == 0:
             raise RecurformerError("same_length needs mem_len >= 1 (a query would see no key)")
 
