@@ -669,7 +669,7 @@ def test_out_of_memory_in_eval_and_generate_is_one_line(trained, tmp_path, capsy
     )
     model, tok = recurformer.load(trained)
     with pytest.raises(RecurformerError, match=r"failed\); lower batch_size or chunk \(a state .*: lengths\)$"):
-        recurformer.evaluate(model, tok, dataset="tinystories-sample", lengths=[32])
+        recurformer.evaluate(model, tok, dataset="tinystories-sample", lengths=[32], last=16)
     monkeypatch.setattr(gen, "stream", oom)
     assert cli(["generate", "--checkpoint", str(trained), "--prompt", "the cat", "--max-new-tokens", "5"]) == 2
     assert last_error(capsys).startswith("recurformer: error: out of memory generating with memory_attention (")
