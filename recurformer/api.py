@@ -7,6 +7,7 @@
     results = recurformer.evaluate(model, tok, dataset="tinystories-sample", lengths=[256, 1024])
     probed = recurformer.probe(model, tok, task="repeat", docs=50)
     recurformer.export(run.dir, "my-model")                            # Hub layout + model card
+    generate_text(run.dir, "Once upon a time")                         # recurformer generate
 
 Every function raises ``RecurformerError`` (a one-line message) on bad input, as the CLI does,
 naming the options as Python keywords (``config.opt``; the command line names its flags);
