@@ -7,6 +7,7 @@
     results = recurformer.evaluate(model, tok, dataset="tinystories-sample", lengths=[256, 1024])
     probed = recurformer.probe(model, tok, task="repeat", docs=50)
     recurformer.export(run.dir, "my-model")                            # Hub layout + model card
+    generate_text(run.dir, "Once upon a time")                         # recurformer generate
 
 Every function raises ``RecurformerError`` (a one-line message) on bad input, as the CLI does,
 naming the options as Python keywords (``config.opt``; the command line names its flags);
@@ -16,16 +17,17 @@ sizes that failed and what to lower."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from .config import RecurformerError, make_options, merge, opt, suggest
+from .config import RecurformerError, make_options, merge, opt, option, suggest
 from .data import Tokenizer
-from .device import cpu_threads
+from .device import cpu_threads, graphs_or_eager
 from .evaluate import LengthOptions, LengthResult, evaluate_options
 from .nn import StreamingLM
 from .probe import ProbeResult
@@ -163,12 +165,10 @@ def evaluate(
     The windows are deterministic: ``windows`` evenly spaced ones (default ``DEFAULT_WINDOWS``),
     or all of them with ``windows=None`` (the scored blocks tile the text);
     ``evaluate.paired_differences`` compares two models' results on the same tokens."""
-    o = make_options(LengthOptions, options)  # evaluate_lengths checks how they fit together
-    device = model.tok_emb.weight.device
-    if o.cuda_graphs and device.type != "cuda":
-        raise RecurformerError(f"{opt('cuda_graphs')} needs a CUDA GPU; this model is on {device}")
+    o = make_options(LengthOptions, options)  # checked where built (LengthOptions.__post_init__)
+    graphs = graphs_or_eager(o.cuda_graphs, model.tok_emb.weight.device, opt("cuda_graphs"), "this model is")
     data = np.asarray(tokens, dtype=np.int64) if tokens is not None else _tokens(tokenizer, dataset, text)
-    return evaluate_options("the model", model, data, o, tokenizer.bos_id if tokenizer is not None else None)
+    return evaluate_options("the model", model, data, o, tokenizer.bos_id if tokenizer is not None else None, graphs)
 
 
 @cpu_threads()
@@ -177,10 +177,9 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, label: str = "model", **o
     ``probe.ProbeOptions``): per-distance-bin means with bootstrap intervals. ``dataset`` defaults
     to ``tinystories-repeat`` for ``repeat``."""
     from .models import model_name
-    from .probe import METRICS, ProbeOptions, check_probe, probe_model, receptive_field, samples_for
+    from .probe import METRICS, ProbeOptions, probe_model, receptive_field, samples_for
 
-    o = make_options(ProbeOptions, options)
-    check_probe(o)
+    o = make_options(ProbeOptions, options)  # checked where built (ProbeOptions.__post_init__)
     dataset = o.dataset
     if dataset is None and not o.text:
         if o.task != "repeat":
@@ -193,16 +192,35 @@ def probe(model: StreamingLM, tokenizer: Tokenizer, *, label: str = "model", **o
     return ProbeResult(label, "", model_name(model.config), receptive_field(model), metrics=metrics, **facts)
 
 
+@dataclass
+class ExportOptions:
+    """``recurformer export`` (``recurformer.export``): which run, where, in which layout."""
+
+    checkpoint: str = option(None, "a run or checkpoint directory", required=True)
+    out: str = option(
+        None, "the directory to write (model.safetensors, config.json, tokenizer.json, README.md)", required=True
+    )
+    push_to_hub: str | None = option(
+        None, "also upload it to this Hub repo (needs a network and a token)", metavar="REPO_ID"
+    )
+    format: Literal["recurformer", "transformers"] = option(
+        "recurformer", "transformers: also readable by AutoModelForCausalLM / AutoTokenizer (needs recurformer[hf])"
+    )
+    overwrite: bool = option(
+        False, "write into --out although it holds other files or another run's export (never a run: refused)"
+    )
+
+
 def export(checkpoint: str | Path, out: str | Path, push_to_hub: str | None = None, **options: Any) -> Path:
     """A run or checkpoint -> a pretrained directory (weights, config, tokenizer, model card),
     uploaded to the Hub repo ``push_to_hub`` when given; ``options``: the fields of
-    ``hub.ExportOptions`` (``format="transformers"``: also readable by ``AutoModelForCausalLM``,
+    ``ExportOptions`` (``format="transformers"``: also readable by ``AutoModelForCausalLM``,
     ``overwrite``). ``out`` never holds a run; anything there but an earlier export of the same run
     is replaced only with ``overwrite`` (``hub.claim_export_dir``)."""
     from . import hub
 
     given = {"checkpoint": str(checkpoint), "out": str(out), "push_to_hub": push_to_hub}
-    o = make_options(hub.ExportOptions, given | options)
+    o = make_options(ExportOptions, given | options)
     if o.format == "transformers":
         if o.push_to_hub:
             raise RecurformerError(
@@ -212,7 +230,125 @@ def export(checkpoint: str | Path, out: str | Path, push_to_hub: str | None = No
         from .hf import export as export_transformers
 
         return export_transformers(o.checkpoint, o.out, o.overwrite)
-    path = hub.export(o.checkpoint, o.out, o.overwrite)
+    path = export_pretrained(o.checkpoint, o.out, o.overwrite)
     if o.push_to_hub:
         hub.upload(path, o.push_to_hub)
     return path
+
+
+def export_pretrained(checkpoint: str | Path, out: str | Path, overwrite: bool) -> Path:
+    """A run or checkpoint directory -> a pretrained directory with its model card (the results
+    row is the run's last logged metrics up to the checkpoint's step). ``out`` must not hold a run,
+    nor, unless ``overwrite``, anything but an earlier export of the same run (``hub.claim_export_dir``)."""
+    from .checkpoint import train_json
+    from .hub import claim_export_dir, load, results_row, run_config_of, save_pretrained, shareable
+
+    loaded = load(checkpoint)
+    claim_export_dir(Path(out), shareable(run_config_of(loaded.model, loaded.config)), overwrite)
+    state = train_json(loaded.path)
+    if state is None:  # not a training checkpoint: no run to take results from
+        return save_pretrained(loaded.model, out, loaded.tokenizer, loaded.config)
+    results = results_row(loaded.path.parent, state.get("step"))
+    return save_pretrained(loaded.model, out, loaded.tokenizer, loaded.config, results)
+
+
+@dataclass
+class Generated:
+    """What ``generate_text`` produced, with its speed and peak memory."""
+
+    text: str  # the continuation (without the prompt)
+    tokens: int
+    seconds: float
+    peak_memory_mb: float
+    memory_kind: str  # what the peak counts ('GPU memory', 'RSS', ...)
+
+
+@cpu_threads()
+def generate_text(
+    checkpoint: str | Path,
+    prompt: str = "",
+    *,
+    on_text: Callable[[str], object] | None = None,
+    note: Callable[[str], object] = print,
+    **options: Any,
+) -> Generated:
+    """``recurformer generate``: continue ``prompt`` with a checkpoint's model (``options``: the
+    fields of ``generate.GenerateOptions``), streaming the text (the prompt first) to ``on_text`` as whole
+    characters arrive; ``load_state`` continues a saved generation (the prompt is appended),
+    ``save_state`` saves it to continue later; ``cuda_graphs``: each new token through a captured
+    decoding step (``capture.DecodeGraphs``). Running out of memory is one line naming the model,
+    the prompt's length and what to lower."""
+    from .capture import DecodeGraphs
+    from .device import (
+        graphs_or_eager,
+        memory_kind,
+        out_of_memory,
+        peak_memory_mb,
+        pick_device,
+        reset_peak_memory,
+        synchronize,
+    )
+    from .files import check_writable
+    from .generate import GenerateOptions, load_session, new_session, save_session, stream
+    from .hub import load
+
+    o = make_options(GenerateOptions, {"checkpoint": str(checkpoint), "prompt": prompt, **options})
+    if o.save_state:
+        check_writable(Path(o.save_state), f"{opt('save_state')} file")  # before generating, not after
+    dev = pick_device(o.device)
+    graphs = graphs_or_eager(o.cuda_graphs, dev, opt("cuda_graphs"), "this generation runs")
+    where = opt("device", "cpu")
+    with out_of_memory(
+        f"loading {o.checkpoint} onto {dev}", f"the model does not fit there: use another device ({where})"
+    ):
+        loaded = load(o.checkpoint, dev)
+    model, name, tok = loaded.model, loaded.name, loaded.tokenizer
+    decode = DecodeGraphs(model, graphs).or_eager(note) if graphs else None
+    if tok is None:
+        raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
+    prompt = o.prompt
+    if tok.lowercase and prompt != prompt.lower():
+        note("[this model's tokenizer was learned from lower-case text: the prompt is lower-cased]")
+        prompt = prompt.lower()
+    ids = ([] if o.load_state else [tok.bos_id]) + tok.encode(prompt)
+    doing = (
+        f"generating with {name} ({model.num_params():,} parameters) on {dev} from a prompt of {len(ids)} "
+        f"tokens, at most {o.max_new_tokens} new ones"
+    )
+    emit = on_text or (lambda t: None)
+    with out_of_memory(doing, f"lower the prompt's length or {opt('max_new_tokens')}"):
+        session = load_session(o.load_state, model, name) if o.load_state else new_session(model, 1, o.seed)
+        tokens = torch.tensor([ids], dtype=torch.long) if ids else None
+        stops = [tok.eos_id, tok.bos_id] if o.stop_at_eos else []
+        emit(prompt)
+        out: list[int] = []
+        shown = ""
+        reset_peak_memory(dev)
+        t0 = time.perf_counter()
+        for step in stream(
+            model,
+            tokens,
+            o.max_new_tokens,
+            o.temperature,
+            o.top_k,
+            o.top_p,
+            session=session,
+            stop_tokens=stops,
+            step=decode,
+        ):
+            t = int(step[0])
+            if t < 0:
+                break
+            out.append(t)
+            text = tok.decode(out)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                emit(text[len(shown) :])
+                shown = text
+        synchronize(dev)
+        dt = time.perf_counter() - t0
+        text = tok.decode(out)
+        emit(text[len(shown) :])
+        if o.save_state:
+            save_session(session, o.save_state, name)
+            note(f"[saved the generation state to {o.save_state}]")
+    return Generated(text, len(out), dt, peak_memory_mb(dev), memory_kind(dev))

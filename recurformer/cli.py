@@ -182,7 +182,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from .generate import GenerateOptions, generate_text
+    from .api import generate_text
+    from .generate import GenerateOptions
 
     options = options_of(GenerateOptions, args)
     g = generate_text(
@@ -215,8 +216,7 @@ def cmd_niah(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from .api import export
-    from .hub import ExportOptions
+    from .api import ExportOptions, export
 
     options = options_of(ExportOptions, args)
     out = export(options.pop("checkpoint"), options.pop("out"), **options)
@@ -256,10 +256,10 @@ def cmd_readout(args: argparse.Namespace) -> None:
 
 def _options_classes() -> dict[str, type[Any]]:
     """Each command's options dataclass (where it has one): its fields name its flags in errors."""
+    from .api import ExportOptions
     from .data import DataConfig
     from .evaluate import EvalOptions
     from .generate import GenerateOptions
-    from .hub import ExportOptions
     from .niah import NiahOptions
     from .probe import ProbeCommandOptions
     from .readout import ReadoutOptions
@@ -301,10 +301,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .api import ExportOptions
     from .data import DataConfig
     from .evaluate import EvalOptions
     from .generate import GenerateOptions
-    from .hub import ExportOptions
     from .niah import NiahOptions
     from .probe import ProbeCommandOptions
     from .readout import ReadoutOptions

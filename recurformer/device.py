@@ -18,7 +18,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -244,3 +244,24 @@ def cpu_threads() -> Iterator[int]:
 def device_option() -> Any:
     """A command's ``device`` option (``config.option``)."""
     return option("auto", "auto (CUDA when present), cpu, cuda or cuda:N")
+
+
+def graphs_or_eager(
+    asked: bool,
+    device: torch.device,
+    option: str,
+    running: str,
+    processes: int | None = None,
+    fix: str = "",
+) -> Literal["cuda"] | None:
+    """How a command runs its model's calls: through captured CUDA graphs ("cuda", the capture
+    backend) where ``option`` asks for them, else eagerly (None). Graphs need a CUDA GPU (one
+    process on one, where ``processes`` is given); off it, one line naming ``option``, where the
+    work runs (``running`` + " on <device>": "this evaluation runs", "this model is") and ``fix``."""
+    if not asked:
+        return None
+    if device.type != "cuda" or (processes or 1) > 1:
+        need = "a CUDA GPU" if processes is None else "one process on a CUDA GPU"
+        where = f"on {processes} processes" if device.type == "cuda" else f"on {device}"
+        raise RecurformerError(f"{option} needs {need}; {running} {where}{fix}")
+    return "cuda"

@@ -16,10 +16,10 @@ units; a paired difference resamples the same units for both models."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,9 +31,9 @@ from .capture import Backend, DecodeGraphs
 from .config import Checked, RecurformerError, check_fields, make_options, opt, option, say
 from .data.tokenizer import Tokenizer
 from .device import cpu_threads, device_option, out_of_memory, peak_memory_mb, reset_peak_memory, synchronize
-from .files import atomic_write
 from .generate import Step
 from .nn import NonFiniteLogits, StreamingLM
+from .report import claim_outputs, pyplot, save_figure, write_json, write_report
 
 BOOTSTRAP_SAMPLES = 2000
 BOOTSTRAP_SEED = 0
@@ -234,6 +234,31 @@ class LengthOptions(Checked):
         False, "read each aligned chunk through a captured CUDA graph (a CUDA GPU; other calls run eagerly)"
     )
 
+    def __post_init__(self) -> None:
+        """The options checked where they are built, for every caller (one-line errors naming them,
+        ``config.opt``): each range, and how the lengths, ``last`` and ``context`` fit together."""
+        check_fields(self)
+        if not self.lengths:
+            raise RecurformerError(f"{opt('lengths')} is empty")
+        for L in self.lengths:
+            if L < self.last:
+                raise RecurformerError(f"{opt('lengths')}: {L} is shorter than {opt('last')} {self.last}")
+        span = self.warm_state + max(self.lengths)
+        if self.context is not None and self.context < span:
+            raise RecurformerError(
+                f"{opt('context')} {self.context} is shorter than warm-up + the longest length ({span})"
+            )
+
+    def context_for(self, n_tokens: int) -> int:
+        """The context the windows end after (``context``, or warm-up + the longest length), checked
+        to leave a window in ``n_tokens`` evaluation tokens (one line naming what fits)."""
+        context = self.warm_state + max(self.lengths) if self.context is None else self.context
+        if n_tokens < context + 1:
+            raise RecurformerError(
+                f"{n_tokens} evaluation tokens are too few for windows of {context} tokens (+1): {_fit(self, n_tokens)}"
+            )
+        return context
+
 
 @dataclass
 class EvalOptions(LengthOptions):
@@ -259,27 +284,6 @@ class EvalOptions(LengthOptions):
         flag="--json",
         metavar="FILE",
     )
-
-
-def check_lengths(o: LengthOptions, n_tokens: int | None = None) -> int:
-    """The options of ``evaluate_lengths`` checked (one-line errors naming them, ``config.opt``),
-    and that ``n_tokens`` evaluation tokens hold a window when given; returns the context the
-    windows end after."""
-    check_fields(o)
-    if not o.lengths:
-        raise RecurformerError(f"{opt('lengths')} is empty")
-    for L in o.lengths:
-        if L < o.last:
-            raise RecurformerError(f"{opt('lengths')}: {L} is shorter than {opt('last')} {o.last}")
-    span = o.warm_state + max(o.lengths)
-    context = span if o.context is None else o.context
-    if context < span:
-        raise RecurformerError(f"{opt('context')} {context} is shorter than warm-up + the longest length ({span})")
-    if n_tokens is not None and n_tokens < context + 1:
-        raise RecurformerError(
-            f"{n_tokens} evaluation tokens are too few for windows of {context} tokens (+1): {_fit(o, n_tokens)}"
-        )
-    return context
 
 
 def _fit(o: LengthOptions, n_tokens: int) -> str:
@@ -316,14 +320,31 @@ def evaluate_lengths(
     the windows end (``window_ends``); ``bos`` marks the documents the bootstrap resamples (None:
     each window is a unit); ``progress(n)`` is called after each batch of n windows read, ``done(result)`` after each length.
     ``graphs``: every aligned call read through captured forward steps of that backend
-    (``capture.DecodeGraphs``; "cuda": CUDA graphs), the others eagerly, said in one line to ``note``."""
+    (``capture.DecodeGraphs``; "cuda": CUDA graphs), the others eagerly, said in one line to ``note``.
+    ``read_lengths`` with these options as one ``LengthOptions``."""
+    o = LengthOptions(lengths, last, windows, chunk, batch_size, warm, context)
+    return read_lengths(model, tokens, o, bos, progress, done, graphs, note)
+
+
+def read_lengths(
+    model: StreamingLM,
+    tokens: np.ndarray,
+    o: LengthOptions,
+    bos: int | None = None,
+    progress: Callable[[int], object] | None = None,
+    done: Callable[[LengthResult], object] | None = None,
+    graphs: Backend | None = None,
+    note: Callable[[str], object] = say,
+) -> list[LengthResult]:
+    """``evaluate_lengths`` with its options ``o`` (checked where they were built), read as they come."""
     if int(tokens.max()) >= model.config.vocab_size:
         raise RecurformerError(
             f"evaluation data has token id {int(tokens.max())} >= the model's vocabulary {model.config.vocab_size}"
         )
-    context = check_lengths(LengthOptions(lengths, last, windows, chunk, batch_size, warm, context), len(tokens))
+    context = o.context_for(len(tokens))
+    last, warm = o.last, o.warm_state
     step = DecodeGraphs(model, graphs).or_eager(note, True, "reading") if graphs else None
-    ends = window_ends(len(tokens), context, last, windows)
+    ends = window_ends(len(tokens), context, last, o.windows)
     targets = ends[:, None] - last + np.arange(last)  # stream positions of the scored tokens
     by_window = np.repeat(np.arange(len(ends)), last)
     kind, unit = "windows", by_window
@@ -337,13 +358,13 @@ def evaluate_lengths(
     device = model.tok_emb.weight.device
     model.eval()
     out = []
-    for L in lengths:
+    for L in o.lengths:
         n = warm + L + 1
         w = torch.from_numpy(np.stack([np.asarray(tokens[e - n : e], dtype=np.int64) for e in ends]))
         reset_peak_memory(device)
         t0 = time.perf_counter()
         try:
-            loss, hits = score_rows(model, w, last, chunk, batch_size, progress, step)
+            loss, hits = score_rows(model, w, last, o.chunk, o.batch_size, progress, step)
         except NonFiniteLogits as e:
             raise NonFiniteLogits(f"non-finite logits (NaN/inf) at length {L}") from e
         synchronize(device)
@@ -372,14 +393,14 @@ def evaluate_lengths(
     return out
 
 
-def eval_sizes(label: str, model: StreamingLM, batch_size: int, chunk: int, lengths: Sequence[int]) -> tuple[str, str]:
+def eval_sizes(label: str, model: StreamingLM, o: LengthOptions) -> tuple[str, str]:
     """What an evaluation holds in memory (the model, windows side by side, tokens per call, the
     longest window) and what to lower, for ``device.out_of_memory``."""
     from .registry import model_name
 
     doing = (
         f"evaluating {label} ({model_name(model.config)}, {model.num_params():,} parameters): batch_size "
-        f"{batch_size} windows side by side, chunk {chunk} tokens per call, lengths up to {max(lengths)}"
+        f"{o.batch_size} windows side by side, chunk {o.chunk} tokens per call, lengths up to {max(o.lengths)}"
     )
     return doing, f"lower {opt('batch_size')} or {opt('chunk')} (a state that grows with the text: {opt('lengths')})"
 
@@ -390,30 +411,16 @@ def evaluate_options(
     tokens: np.ndarray,
     o: LengthOptions,
     bos: int | None,
+    graphs: Backend | None,
     progress: Callable[[int], object] | None = None,
     done: Callable[[LengthResult], object] | None = None,
     note: Callable[[str], object] = say,
 ) -> list[LengthResult]:
-    """``evaluate_lengths`` with every field of the options ``o`` (``recurformer eval`` and
-    ``recurformer.evaluate`` alike, so a new field reaches both), an out-of-memory error naming
-    ``label`` and what to lower (``eval_sizes``)."""
-    with out_of_memory(*eval_sizes(label, model, o.batch_size, o.chunk, o.lengths)):
-        return evaluate_lengths(
-            model,
-            tokens,
-            o.lengths,
-            o.last,
-            o.windows,
-            o.chunk,
-            o.warm_state,
-            o.batch_size,
-            o.context,
-            bos,
-            progress=progress,
-            done=done,
-            graphs="cuda" if o.cuda_graphs else None,
-            note=note,
-        )
+    """``read_lengths`` with the options ``o`` (``recurformer eval`` and ``recurformer.evaluate``
+    alike, so a new field reaches both) and the capture decided for them (``device.graphs_or_eager``),
+    an out-of-memory error naming ``label`` and what to lower (``eval_sizes``)."""
+    with out_of_memory(*eval_sizes(label, model, o)):
+        return read_lengths(model, tokens, o, bos, progress, done, graphs, note)
 
 
 @cpu_threads()
@@ -436,24 +443,20 @@ def evaluate_checkpoints(
     graph (``evaluate_lengths``'s ``graphs``), so an interrupted eval keeps what it finished; progress
     shows on stderr (``progress.Progress``): a bar on a terminal, lines with the time left elsewhere.
     Every option is checked before any work."""
-    from .device import memory_kind, pick_device
-    from .files import check_writable
+    from .device import graphs_or_eager, memory_kind, pick_device
     from .hub import default_output, eval_labels, load, locate
     from .progress import Progress
 
     given = {"checkpoint": list(checkpoints), "out": out} | ({"lengths": list(lengths)} if lengths is not None else {})
-    o = make_options(EvalOptions, given | options)
-    check_lengths(o)
+    o = make_options(EvalOptions, given | options)  # checked where built (LengthOptions.__post_init__)
     lengths, last, windows, warm_state = o.lengths, o.last, o.windows, o.warm_state  # the log's
     window, data, dataset, text = o.window, o.data, o.dataset, o.text
     dev = pick_device(o.device)
-    if o.cuda_graphs and dev.type != "cuda":
-        raise RecurformerError(f"{opt('cuda_graphs')} needs a CUDA GPU; this evaluation runs on {dev}")
+    graphs = graphs_or_eager(o.cuda_graphs, dev, opt("cuda_graphs"), "this evaluation runs")
     dirs = [locate(p) for p in checkpoints]  # a Hub id fetched once, before any work
     labels = eval_labels(checkpoints, dirs)
     path_out = default_output(out, checkpoints[0], "eval.json")
-    check_writable(path_out, f"{opt('out')} file")  # before the work, not after it
-    check_writable(path_out.with_suffix(".png"), "plot")
+    claim_outputs(path_out, f"{opt('out')} file")  # before the work, not after it
     results: dict[str, list[LengthResult]] = {}
     cache: dict[Any, Any] = {}
     trained: dict[str, Any] = {}
@@ -466,7 +469,7 @@ def evaluate_checkpoints(
             model.set_window(window)
             label += f" (window {window})"
         tokens = eval_tokens(tok, config, data=data, dataset=dataset, text=text, cache=cache)
-        span = check_lengths(o, len(tokens))
+        span = o.context_for(len(tokens))
         every = len(window_ends(len(tokens), span, last))
         n = min(every, windows or every)
         every_one = opt("windows", "None", True)
@@ -490,7 +493,7 @@ def evaluate_checkpoints(
         progress = Progress(n * len(lengths), label, "window")
         try:
             bos = tok.bos_id if tok is not None else None
-            evaluate_options(label, model, tokens, o, bos, progress=progress.update, done=keep, note=log)
+            evaluate_options(label, model, tokens, o, bos, graphs, progress=progress.update, done=keep, note=log)
         except NonFiniteLogits as e:
             kept = f"{path_out} keeps the results before it" if results else "nothing written"
             raise RecurformerError(f"{path} gives {e} although its weights load; {kept}") from None
@@ -501,12 +504,9 @@ def evaluate_checkpoints(
         finally:
             progress.close()
         trained[label] = config.get("train", {}).get("seq_len")
-    log("")
-    log(markdown_table(results))
-    save_json(results, path_out, meta or {})
-    png = path_out.with_suffix(".png")
-    plot(results, png, f"loss on the last {last} tokens (nats/token, lower is better)", last, trained, warm_state)
-    log(f"wrote {path_out} and {png}")
+    title = f"loss on the last {last} tokens (nats/token, lower is better)"
+    drawn = partial(figure, results, title, last, trained, warm_state)
+    write_report(path_out, ["", markdown_table(results)], json_doc(results, meta or {}), drawn, log, end="")
     return results
 
 
@@ -597,11 +597,7 @@ def figure(
     the lengths measured are drawn); a point with no history before its scored tokens (L = last,
     no warm-up) is drawn hollow and labelled cold start. ``warm``: the warm-up tokens of every
     model, or per model label (missing: 0). The y axis spans at least MIN_Y_SPAN."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     warms = warm if isinstance(warm, dict) else dict.fromkeys(results, warm)
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     n = len(results)
@@ -650,27 +646,24 @@ def plot(
     warm: int | dict[str, int] = 0,
 ) -> None:
     """``figure`` saved as a PNG at ``path``."""
-    import matplotlib.pyplot as plt
-
-    fig = figure(results, title, last, trained, warm)
-    try:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))
-    finally:
-        plt.close(fig)
+    save_figure(figure(results, title, last, trained, warm), path)
 
 
 def save_json(results: dict[str, list[LengthResult]], path: Path, meta: dict, complete: bool = True) -> None:
+    """``json_doc`` written to ``path`` (atomically)."""
+    write_json(path, json_doc(results, meta, complete), end="")
+
+
+def json_doc(results: dict[str, list[LengthResult]], meta: dict, complete: bool = True) -> dict[str, Any]:
     """Results, and paired differences from the first model when every model scored the same tokens;
     ``complete`` false marks the lengths finished so far of an evaluation still running (or stopped)."""
     labels = list(results)
     paired = {}
     if len(labels) > 1 and comparable(results):
         paired = {lab: [vars(d) for d in paired_differences(results[lab], results[labels[0]])] for lab in labels[1:]}
-    doc = {
+    return {
         "meta": meta,
         "complete": complete,
         "results": {k: [r.to_dict() for r in v] for k, v in results.items()},
         "paired_differences": {"reference": labels[0], "models": paired} if paired else None,
     }
-    text = json.dumps(doc, indent=2)
-    atomic_write(path, lambda tmp: tmp.write_text(text))

@@ -10,7 +10,6 @@ and continued later with exactly the result of one uninterrupted run."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -20,15 +19,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from .config import Checked, RecurformerError, check_values, make_options, opt, option
-from .device import cpu_threads, device_option
+from .config import Checked, RecurformerError, check_values, option
+from .device import device_option
 from .files import atomic_write
 from .state import State, StreamingModel
 
 
 @dataclass
 class GenerateOptions(Checked):
-    """``recurformer generate`` (``generate_text``): what to continue and how to sample."""
+    """``recurformer generate`` (``api.generate_text``): what to continue and how to sample."""
 
     checkpoint: str = option(None, "a run, checkpoint or pretrained directory, or a Hub repo id", required=True)
     prompt: str = option("", "text to continue (lower-cased for a lower-case tokenizer)")
@@ -216,100 +215,6 @@ def load_session(path: str | Path, model: StreamingModel, model_name: str) -> Se
     g.set_state(tensors["generator"])
     logits = tensors.get("logits")
     return Session(state=state, logits=None if logits is None else logits.to(device), generator=g)
-
-
-@dataclass
-class Generated:
-    """What ``generate_text`` produced, with its speed and peak memory."""
-
-    text: str  # the continuation (without the prompt)
-    tokens: int
-    seconds: float
-    peak_memory_mb: float
-    memory_kind: str  # what the peak counts ('GPU memory', 'RSS', ...)
-
-
-@cpu_threads()
-def generate_text(
-    checkpoint: str | Path,
-    prompt: str = "",
-    *,
-    on_text: Callable[[str], object] | None = None,
-    note: Callable[[str], object] = print,
-    **options: Any,
-) -> Generated:
-    """``recurformer generate``: continue ``prompt`` with a checkpoint's model (``options``: the
-    fields of ``GenerateOptions``), streaming the text (the prompt first) to ``on_text`` as whole
-    characters arrive; ``load_state`` continues a saved generation (the prompt is appended),
-    ``save_state`` saves it to continue later; ``cuda_graphs``: each new token through a captured
-    decoding step (``capture.DecodeGraphs``). Running out of memory is one line naming the model,
-    the prompt's length and what to lower."""
-    from .capture import DecodeGraphs
-    from .device import memory_kind, out_of_memory, peak_memory_mb, pick_device, reset_peak_memory, synchronize
-    from .files import check_writable
-    from .hub import load
-
-    o = make_options(GenerateOptions, {"checkpoint": str(checkpoint), "prompt": prompt, **options})
-    if o.save_state:
-        check_writable(Path(o.save_state), f"{opt('save_state')} file")  # before generating, not after
-    dev = pick_device(o.device)
-    if o.cuda_graphs and dev.type != "cuda":
-        raise RecurformerError(f"{opt('cuda_graphs')} needs a CUDA GPU; this generation runs on {dev}")
-    where = opt("device", "cpu")
-    with out_of_memory(
-        f"loading {o.checkpoint} onto {dev}", f"the model does not fit there: use another device ({where})"
-    ):
-        loaded = load(o.checkpoint, dev)
-    model, name, tok = loaded.model, loaded.name, loaded.tokenizer
-    decode = DecodeGraphs(model, "cuda").or_eager(note) if o.cuda_graphs else None
-    if tok is None:
-        raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
-    prompt = o.prompt
-    if tok.lowercase and prompt != prompt.lower():
-        note("[this model's tokenizer was learned from lower-case text: the prompt is lower-cased]")
-        prompt = prompt.lower()
-    ids = ([] if o.load_state else [tok.bos_id]) + tok.encode(prompt)
-    doing = (
-        f"generating with {name} ({model.num_params():,} parameters) on {dev} from a prompt of {len(ids)} "
-        f"tokens, at most {o.max_new_tokens} new ones"
-    )
-    emit = on_text or (lambda t: None)
-    with out_of_memory(doing, f"lower the prompt's length or {opt('max_new_tokens')}"):
-        session = load_session(o.load_state, model, name) if o.load_state else new_session(model, 1, o.seed)
-        tokens = torch.tensor([ids], dtype=torch.long) if ids else None
-        stops = [tok.eos_id, tok.bos_id] if o.stop_at_eos else []
-        emit(prompt)
-        out: list[int] = []
-        shown = ""
-        reset_peak_memory(dev)
-        t0 = time.perf_counter()
-        for step in stream(
-            model,
-            tokens,
-            o.max_new_tokens,
-            o.temperature,
-            o.top_k,
-            o.top_p,
-            session=session,
-            stop_tokens=stops,
-            step=decode,
-        ):
-            t = int(step[0])
-            if t < 0:
-                break
-            out.append(t)
-            text = tok.decode(out)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                emit(text[len(shown) :])
-                shown = text
-        synchronize(dev)
-        dt = time.perf_counter() - t0
-        text = tok.decode(out)
-        emit(text[len(shown) :])
-        if o.save_state:
-            save_session(session, o.save_state, name)
-            note(f"[saved the generation state to {o.save_state}]")
-    return Generated(text, len(out), dt, peak_memory_mb(dev), memory_kind(dev))
 
 
 class GenerationMixin:

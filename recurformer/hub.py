@@ -17,7 +17,7 @@ import json
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import torch
 import yaml
@@ -25,9 +25,9 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 from safetensors.torch import save_file
 
-from .checkpoint import load_checkpoint, load_model_weights, metrics, resolve, run_contents, train_json
+from .checkpoint import load_checkpoint, load_model_weights, metrics, resolve, run_contents
 from .compat import FORMAT
-from .config import RecurformerError, closest, opt, option
+from .config import RecurformerError, closest, opt
 from .data import Tokenizer
 from .files import move_files
 from .registry import build_model, description, model_name
@@ -335,38 +335,6 @@ def upload(
         repo_id=repo_id, folder_path=str(directory), commit_message=commit_message, allow_patterns=FILES
     )
     return str(info.commit_url)
-
-
-@dataclass
-class ExportOptions:
-    """``recurformer export`` (``recurformer.export``): which run, where, in which layout."""
-
-    checkpoint: str = option(None, "a run or checkpoint directory", required=True)
-    out: str = option(
-        None, "the directory to write (model.safetensors, config.json, tokenizer.json, README.md)", required=True
-    )
-    push_to_hub: str | None = option(
-        None, "also upload it to this Hub repo (needs a network and a token)", metavar="REPO_ID"
-    )
-    format: Literal["recurformer", "transformers"] = option(
-        "recurformer", "transformers: also readable by AutoModelForCausalLM / AutoTokenizer (needs recurformer[hf])"
-    )
-    overwrite: bool = option(
-        False, "write into --out although it holds other files or another run's export (never a run: refused)"
-    )
-
-
-def export(checkpoint: str | Path, out: str | Path, overwrite: bool) -> Path:
-    """A run or checkpoint directory -> a pretrained directory with its model card (the results
-    row is the run's last logged metrics up to the checkpoint's step). ``out`` must not hold a run,
-    nor, unless ``overwrite``, anything but an earlier export of the same run (``claim_export_dir``)."""
-    loaded = load(checkpoint)
-    claim_export_dir(Path(out), shareable(run_config_of(loaded.model, loaded.config)), overwrite)
-    state = train_json(loaded.path)
-    if state is None:  # not a training checkpoint: no run to take results from
-        return save_pretrained(loaded.model, out, loaded.tokenizer, loaded.config)
-    results = results_row(loaded.path.parent, state.get("step"))
-    return save_pretrained(loaded.model, out, loaded.tokenizer, loaded.config, results)
 
 
 class HubMixin:

@@ -22,9 +22,9 @@ is read through its state cache; any other is given the whole sequence at once).
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -33,8 +33,8 @@ import torch
 from .config import Checked, RecurformerError, make_options, option
 from .data.tokenizer import Tokenizer
 from .device import cpu_threads, device_option
-from .files import atomic_write
 from .nn import StreamingLM
+from .report import claim_outputs, pyplot, save_figure, write_json, write_report
 
 NEEDLE = " The secret passkey is {key}. Remember it. {key} is the passkey. "
 QUESTION = " What is the secret passkey? The secret passkey is"
@@ -198,11 +198,7 @@ def table(cells: Sequence[Cell]) -> str:
 def figure(cells: Sequence[Cell], title: str) -> Any:
     """The depth x length heatmap of exact match (the standard NIAH figure), each cell labelled
     with its exact-match rate and mean answer log-probability, a line below saying how to read it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     lengths = sorted({c.length for c in cells})
     depths = sorted({c.depth for c in cells})
     at = {(c.depth, c.length): c for c in cells}
@@ -225,19 +221,16 @@ def figure(cells: Sequence[Cell], title: str) -> Any:
 
 def plot(cells: Sequence[Cell], path: Path, title: str) -> None:
     """``figure`` saved as a PNG at ``path``."""
-    import matplotlib.pyplot as plt
+    save_figure(figure(cells, title), path)
 
-    fig = figure(cells, title)
-    try:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    finally:
-        plt.close(fig)
+
+def to_json(cells: Sequence[Cell], meta: dict[str, Any]) -> dict[str, Any]:
+    return {"meta": meta, "cells": [asdict(c) for c in cells]}
 
 
 def save(cells: Sequence[Cell], path: Path, meta: dict[str, Any]) -> None:
     """JSON of every cell, and the heatmap PNG beside it."""
-    text = json.dumps({"meta": meta, "cells": [asdict(c) for c in cells]}, indent=2) + "\n"
-    atomic_write(path, lambda tmp: tmp.write_text(text))
+    write_json(path, to_json(cells, meta))
     plot(cells, path.with_suffix(".png"), meta.get("label", "model"))
 
 
@@ -259,9 +252,9 @@ def niah_checkpoint(
     (``via="transformers"``) through ``AutoModelForCausalLM``; logs the table and writes ``out``
     (JSON; default ``niah.json`` in the checkpoint's run directory) and its heatmap PNG; progress on
     stderr (``progress.Progress``): a bar on a terminal, lines with the time left in a log."""
+    from .data.tokenizer import Tokenizer
     from .device import pick_device
-    from .files import check_writable
-    from .hub import default_output, load
+    from .hub import default_output, load, locate
     from .progress import Progress
 
     given: dict[str, Any] = {"checkpoint": str(checkpoint), "out": out}
@@ -269,14 +262,14 @@ def niah_checkpoint(
     o = make_options(NiahOptions, given | options)
     lengths, depths, trials, chunk, text, via, seed = o.lengths, o.depths, o.trials, o.chunk, o.text, o.via, o.seed
     path_out = default_output(out, checkpoint, "niah.json")
-    check_writable(path_out, "output JSON")
-    check_writable(path_out.with_suffix(".png"), "heatmap")
+    claim_outputs(path_out, "output JSON", "heatmap")
     dev = pick_device(o.device)
     model: Any
     if via == "transformers":
         from .hf import RecurformerForCausalLM
 
-        tok = load(checkpoint).tokenizer
+        d = locate(checkpoint)  # the tokenizer only: transformers loads the model
+        tok = Tokenizer.load(d) if (d / "tokenizer.json").is_file() else None
         model = RecurformerForCausalLM.from_pretrained(checkpoint).to(dev)
     else:
         loaded = load(checkpoint, dev)
@@ -288,7 +281,7 @@ def niah_checkpoint(
         cells = niah(model, tok, lengths, depths, trials, chunk, text, seed, progress.update)
     finally:
         progress.close()
-    log(table(cells))
+    label = Path(checkpoint).name
     meta = {
         "checkpoint": str(checkpoint),
         "via": via,
@@ -296,8 +289,8 @@ def niah_checkpoint(
         "chunk": chunk,
         "seed": seed,
         "haystack": text or "bundled books (val)",
-        "label": Path(checkpoint).name,
+        "label": label,
     }
-    save(cells, path_out, meta)
-    log(f"wrote {path_out} and {path_out.with_suffix('.png')}")
+    drawn = partial(figure, cells, label)
+    write_report(path_out, [table(cells)], to_json(cells, meta), drawn, log)
     return cells

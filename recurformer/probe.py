@@ -31,6 +31,7 @@ import hashlib
 import json
 import sys
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -44,6 +45,7 @@ from .data.prepare import EOT, REPEAT_PROMPT, load_documents
 from .data.tokenizer import Tokenizer
 from .device import device_option
 from .nn import StreamingLM
+from .report import claim_outputs, pyplot, save_figure, write_report
 
 TASKS = ("repeat", "swap")
 MARKER_TEXT = f"\n{REPEAT_PROMPT}\n"
@@ -70,7 +72,7 @@ class ProbeOptions(Checked):
         "repeat",
         "repeat (copy: s1, marker, s2 = s1) or swap (replace the history older than d)",
         metavar="{" + ",".join(TASKS) + "}",
-    )  # checked in check_probe: one line
+    )  # checked in __post_init__: one line
     dataset: str | None = option(
         None,
         "a bundled dataset's val split (default: tinystories-repeat for repeat, the checkpoint's own for swap)",
@@ -95,6 +97,15 @@ class ProbeOptions(Checked):
     precision: str = option("fp32", "bf16: CPU/CUDA autocast", choices=["fp32", "bf16"])
     seed: int = option(0, "which documents and warm-up prefixes, and the bootstrap")
 
+    def __post_init__(self) -> None:
+        """The options checked where they are built, for ``recurformer.probe`` and
+        ``probe_checkpoints`` alike (one-line errors naming them, ``config.opt``)."""
+        if self.task not in TASKS:
+            raise RecurformerError(f"unknown probe task '{self.task}'; valid tasks: {', '.join(TASKS)}")
+        check_fields(self)
+        if self.warm[0] > self.warm[1]:
+            raise RecurformerError(f"{opt('warm')} must be (min, max) with min <= max, got {tuple(self.warm)}")
+
 
 @dataclass
 class ProbeCommandOptions(ProbeOptions):
@@ -112,16 +123,6 @@ class ProbeCommandOptions(ProbeOptions):
         flag="--json",
         metavar="FILE",
     )
-
-
-def check_probe(o: ProbeOptions) -> None:
-    """The probe's options checked, for ``recurformer.probe`` and ``probe_checkpoints`` alike
-    (one-line errors naming them, ``config.opt``)."""
-    if o.task not in TASKS:
-        raise RecurformerError(f"unknown probe task '{o.task}'; valid tasks: {', '.join(TASKS)}")
-    check_fields(o)
-    if o.warm[0] > o.warm[1]:
-        raise RecurformerError(f"{opt('warm')} must be (min, max) with min <= max, got {tuple(o.warm)}")
 
 
 def receptive_field(model: StreamingLM) -> int | None:
@@ -587,12 +588,10 @@ def probe_checkpoints(
     checkpoint's run directory) and its PNG plot; progress on stderr (``progress.Progress``): a bar on a
     terminal, lines with the time left in a log."""
     from .device import pick_device, slow_bf16_warning
-    from .files import atomic_write, check_writable
     from .hub import default_output, eval_labels, load, locate
     from .progress import Progress
 
     o = make_options(ProbeCommandOptions, {"checkpoint": list(checkpoints), "out": out, **options})
-    check_probe(o)
     task, dataset, text, precision, chunk, batch_size, seed = (
         o.task,
         o.dataset,
@@ -603,8 +602,7 @@ def probe_checkpoints(
         o.seed,
     )
     path_out = default_output(out, checkpoints[0], "probe.json")
-    check_writable(path_out, f"{opt('out')} file")  # before the work, not after it
-    check_writable(path_out.with_suffix(".png"), "plot")
+    claim_outputs(path_out, f"{opt('out')} file")  # before the work, not after it
     dev = pick_device(o.device)
     if warning := slow_bf16_warning(precision, dev):
         print(warning, file=sys.stderr)
@@ -637,13 +635,9 @@ def probe_checkpoints(
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    log("")
-    log(markdown_tables(results))
     meta = (meta or {}) | {"dataset_used": dataset, "text_sha256": text_sha256(text)}
-    atomic_write(path_out, lambda p: p.write_text(json.dumps(to_json(results, meta), indent=2) + "\n"))
-    png = path_out.with_suffix(".png")
-    atomic_write(png, lambda p: plot(results, p, f"{task} probe"))
-    log(f"wrote {path_out} and {png}")
+    drawn = partial(figure, results, f"{task} probe")
+    write_report(path_out, ["", markdown_tables(results)], to_json(results, meta), drawn, log)
     return results
 
 
@@ -653,16 +647,11 @@ def merge_probes(
     """``recurformer probe --merge``: one table, JSON and plot (``out``, default
     ``probe-merged.json`` beside the first file) from earlier probe results run with the same
     documents and settings."""
-    from .files import atomic_write, check_writable
-
     path_out = Path(out) if out else Path(files[0]).with_name("probe-merged.json")
-    check_writable(path_out, "output file")
-    check_writable(path_out.with_suffix(".png"), "plot")
+    claim_outputs(path_out, "output file")
     results, meta = merge([Path(f) for f in files])
-    log(markdown_tables(results))
-    atomic_write(path_out, lambda p: p.write_text(json.dumps(to_json(results, meta), indent=2) + "\n"))
-    atomic_write(path_out.with_suffix(".png"), lambda p: plot(results, p, f"{meta['task']} probe"))
-    log(f"wrote {path_out} and {path_out.with_suffix('.png')}")
+    drawn = partial(figure, results, f"{meta['task']} probe")
+    write_report(path_out, [markdown_tables(results)], to_json(results, meta), drawn, log)
     return results
 
 
@@ -774,22 +763,14 @@ def text_sha256(files: Sequence[str] | None) -> str | None:
 
 def plot(results: Sequence[ProbeResult], path: Path, title: str) -> None:
     """``figure`` saved as a PNG at ``path``."""
-    import matplotlib.pyplot as plt
-
-    fig = figure(results, title)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(figure(results, title), path)
 
 
 def figure(results: Sequence[ProbeResult], title: str):  # type: ignore[no-untyped-def]
     """One panel per metric: value vs distance (log), one line per checkpoint with its interval
     shaded and each bounded model's receptive field R marked by a dotted line (the legend says R,
     or that it is unbounded); a bin at distance 0 is drawn at 1/2 and its tick labelled 0."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     metrics = list(dict.fromkeys(m for r in results for m in r.metrics))
     fig, axes = plt.subplots(1, len(metrics), figsize=(6.4 * len(metrics), 4.4), squeeze=False)
     for ax, metric in zip(axes[0], metrics):

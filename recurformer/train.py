@@ -55,6 +55,7 @@ from .device import (
     autocast_context,
     cpu_threads,
     fast_matmuls,
+    graphs_or_eager,
     out_of_memory,
     pick_device,
     resolve_precision,
@@ -620,11 +621,14 @@ class Trainer:
     ) -> None:
         self.cfg, t = cfg, cfg.train
         self.device, self.rank, self.world = join_processes(t.device)
-        if t.cuda_graphs and (self.device.type != "cuda" or self.world > 1):
-            where = f"on {self.world} processes" if self.device.type == "cuda" else f"on {self.device}"
-            raise RecurformerError(
-                f"train.cuda_graphs needs one process on a CUDA GPU; this run trains {where} (set train.cuda_graphs=false)"
-            )
+        graphs = graphs_or_eager(
+            t.cuda_graphs,
+            self.device,
+            "train.cuda_graphs",
+            "this run trains",
+            self.world,
+            " (set train.cuda_graphs=false)",
+        )
         self.show_progress = show_progress and self.rank == 0
         self.out_dir = Path(t.out_dir)
         resumed = ckpt.load_checkpoint(resume, with_train_state=True, resuming=True) if resume else None
@@ -668,8 +672,8 @@ class Trainer:
                 f"reaches train.lr = {t.lr:g} (it ends at {self.update.lr_at(t.steps - 1):.3g}); set train.warmup to "
                 f"at most {t.steps}, e.g. {t.steps // 10}"
             )
-        if t.cuda_graphs:
-            self.capture_steps("cuda")
+        if graphs is not None:
+            self.capture_steps(graphs)
 
         self.streams: Any = self._make_streams(t.seq_len, t.seed)
         self.state: State | None = None

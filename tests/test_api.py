@@ -167,4 +167,4 @@ def test_train_errors_name_the_python_keywords(run, tmp_path, capsys) -> None:
     assert "--resume" in capsys.readouterr().err
     (tmp_path / "file").write_text("x")
     with pytest.raises(RecurformerError, match=r"^cannot write save_state file "):
-        recurformer.generate.generate_text(run.dir, "the", max_new_tokens=2, save_state=tmp_path / "file" / "s")
+        recurformer.api.generate_text(run.dir, "the", max_new_tokens=2, save_state=tmp_path / "file" / "s")

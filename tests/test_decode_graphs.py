@@ -12,9 +12,10 @@ from helpers import TEST_CONFIGS, cuda
 
 import recurformer.capture as capture
 from recurformer import RecurformerError
+from recurformer.api import generate_text
 from recurformer.capture import DecodeGraphs
 from recurformer.cli import main as cli_main
-from recurformer.generate import generate_text, new_session, stream
+from recurformer.generate import new_session, stream
 from recurformer.models import build_model, model_names
 from recurformer.nn import StreamingLM
 

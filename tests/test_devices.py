@@ -156,3 +156,21 @@ def test_the_optimizer_step_equals_the_reference_adamw(device) -> None:
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=n)
     assert memory_kind(dev) == ("CUDA allocated" if dev.type == "cuda" else "RSS") and peak_memory_mb(dev) > 0
+
+
+def test_graphs_or_eager_decides_and_names_the_device_problem() -> None:
+    """One helper for every ``cuda_graphs`` option: eager (None) unless asked, captured ("cuda") on
+    one CUDA GPU, else one line naming the option and where the work runs."""
+    from recurformer.device import graphs_or_eager
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+    assert graphs_or_eager(False, cpu, "cuda_graphs", "this evaluation runs") is None
+    assert graphs_or_eager(True, gpu, "cuda_graphs", "this evaluation runs") == "cuda"
+    with pytest.raises(RecurformerError, match=r"^cuda_graphs needs a CUDA GPU; this model is on cpu$"):
+        graphs_or_eager(True, cpu, "cuda_graphs", "this model is")
+    fix = " (set train.cuda_graphs=false)"
+    assert graphs_or_eager(True, gpu, "train.cuda_graphs", "this run trains", 1, fix) == "cuda"
+    with pytest.raises(
+        RecurformerError, match=r"^train.cuda_graphs needs one process on a CUDA GPU; this run trains on 2 processes \("
+    ):
+        graphs_or_eager(True, gpu, "train.cuda_graphs", "this run trains", 2, fix)

@@ -184,3 +184,24 @@ def test_recurrent_memory_is_bounded_at_long_lengths() -> None:
     assert grow["llama"] > cache / 2, peaks
     assert grow["memory_attention"] < cache / 10, peaks
     assert grow["rmt"] < cache / 10, peaks
+
+
+def test_length_options_are_checked_where_they_are_built(tmp_path) -> None:
+    """``LengthOptions`` checks itself when built, so ``recurformer.evaluate`` refuses options that
+    do not fit together before it reads any text (here: a dataset that does not exist)."""
+    import recurformer
+    from recurformer.evaluate import LengthOptions
+
+    with pytest.raises(RecurformerError, match=r"^lengths: 8 is shorter than last 16$"):
+        LengthOptions(lengths=[8], last=16)
+    with pytest.raises(RecurformerError, match=r"^context 10 is shorter than warm-up \+ the longest length \(24\)$"):
+        LengthOptions(lengths=[16], last=16, warm_state=8, context=10)
+    with pytest.raises(RecurformerError, match=r"^chunk must be >= 1, got 0$"):
+        LengthOptions(chunk=0)
+    o = LengthOptions(lengths=[16, 32], last=16, warm_state=8)
+    assert o.context_for(41) == 40
+    with pytest.raises(RecurformerError, match=r"^40 evaluation tokens are too few for windows of 40 tokens \(\+1\)"):
+        o.context_for(40)
+    model = build_model("memory_attention", TEST_CONFIGS["memory_attention"][0])
+    with pytest.raises(RecurformerError, match=r"^lengths: 8 is shorter than last 16$"):
+        recurformer.evaluate(model, dataset="no-such-dataset", lengths=[8], last=16)

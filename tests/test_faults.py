@@ -656,8 +656,8 @@ def test_out_of_memory_in_eval_and_generate_is_one_line(trained, tmp_path, capsy
     def oom(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise CUDA_OOM
 
-    # recurformer eval and recurformer.evaluate both read through evaluate.evaluate_options
-    monkeypatch.setattr(importlib.import_module("recurformer.evaluate"), "evaluate_lengths", oom)
+    # recurformer eval and recurformer.evaluate both read through evaluate.evaluate_options (read_lengths)
+    monkeypatch.setattr(importlib.import_module("recurformer.evaluate"), "read_lengths", oom)
     ev = ["eval", "--checkpoint", str(trained), "--lengths", "32,64", "--last", "16", "--windows", "1"]
     assert cli([*ev, "--chunk", "16", "--json", str(tmp_path / "e.json")]) == 2
     err = capsys.readouterr().err
@@ -669,15 +669,15 @@ def test_out_of_memory_in_eval_and_generate_is_one_line(trained, tmp_path, capsy
     )
     model, tok = recurformer.load(trained)
     with pytest.raises(RecurformerError, match=r"failed\); lower batch_size or chunk \(a state .*: lengths\)$"):
-        recurformer.evaluate(model, tok, dataset="tinystories-sample", lengths=[32])
+        recurformer.evaluate(model, tok, dataset="tinystories-sample", lengths=[32], last=16)
     monkeypatch.setattr(gen, "stream", oom)
     assert cli(["generate", "--checkpoint", str(trained), "--prompt", "the cat", "--max-new-tokens", "5"]) == 2
     assert last_error(capsys).startswith("recurformer: error: out of memory generating with memory_attention (")
     with pytest.raises(RecurformerError, match=r"from a prompt of 8 tokens, at most 5 new ones .*max_new_tokens$"):
-        recurformer.generate.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
+        recurformer.api.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
     monkeypatch.setattr(gen, "stream", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="^shape mismatch$"):  # not every RuntimeError is out of memory
-        recurformer.generate.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
+        recurformer.api.generate_text(trained, "the cat", max_new_tokens=5, device="cpu")
 
 
 def test_a_default_eval_reads_a_sample_says_how_far_it_got_in_a_log_and_keeps_what_it_finished(

@@ -29,9 +29,11 @@ FLOORS: list[list[str]] = [
         "data.streams",
         "data.sources",
     ],
-    # 2: file formats and helpers on the state types; the captured step (a model's calls replayed)
+    # 2: file formats and helpers on the state types; the captured step (a model's calls replayed); the
+    # report writer of the commands that measure a model (table, JSON, figure)
     [
         "checkpoint",
+        "report",
         "flops",
         "data.prepare",
         "data.synthetic",
@@ -43,7 +45,7 @@ FLOORS: list[list[str]] = [
     ["data", "loggers", "ops.recurrent_attention.tiled"],
     # 4: loading models from disk or the Hub (the Hub methods of a model, as a mixin)
     ["hub", "ops.recurrent_attention"],
-    # 5: generation, and ``recurformer generate`` (which loads through ``hub``; a mixin of the model)
+    # 5: generation (a mixin of the model; ``recurformer generate`` is ``api.generate_text``)
     ["generate"],
     # 6: the model around a stack of layers
     ["nn"],

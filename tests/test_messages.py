@@ -81,8 +81,8 @@ def command(module: str, name: str):  # type: ignore[no-untyped-def]
 
 
 PYTHON = [
-    ("generate", "generate_text", (MISSING,), {"top_p": 2}, "top_p must be in (0, 1], got 2"),
-    ("generate", "generate_text", (MISSING,), {"top_q": 0.5}, "unknown option 'top_q' (did you mean 'top_p'?)"),
+    ("api", "generate_text", (MISSING,), {"top_p": 2}, "top_p must be in (0, 1], got 2"),
+    ("api", "generate_text", (MISSING,), {"top_q": 0.5}, "unknown option 'top_q' (did you mean 'top_p'?)"),
     ("evaluate", "evaluate_checkpoints", ([MISSING],), {"windows": 0}, "windows must be >= 1, got 0"),
     ("evaluate", "evaluate_checkpoints", ([MISSING],), {"lengths": [0]}, "lengths must be >= 1, got 0"),
     (
@@ -141,7 +141,7 @@ def test_an_option_in_the_middle_of_a_message_is_spelled_for_its_reader(pretrain
     assert cli_main(["readout", "--checkpoint", str(pretrained), "--json", str(blocker / "r.json")]) == 2
     assert capsys.readouterr().err.startswith("recurformer: error: cannot write --json file ")
     with pytest.raises(RecurformerError, match=r"^cannot write save_state file "):
-        command("generate", "generate_text")(pretrained, "a", save_state=blocker / "s")
+        command("api", "generate_text")(pretrained, "a", save_state=blocker / "s")
     assert cli_main(["generate", "--checkpoint", str(pretrained), "--save-state", str(blocker / "s")]) == 2
     assert capsys.readouterr().err.startswith("recurformer: error: cannot write --save-state file ")
 

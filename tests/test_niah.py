@@ -189,3 +189,33 @@ def test_cli_writes_under_the_run_not_the_working_directory_and_says_how_to_read
     fig.canvas.draw()
     title = fig.axes[0].title.get_window_extent()
     assert 0 <= title.x0 and title.x1 <= fig.bbox.x1 and title.y1 <= fig.bbox.y1
+
+
+@pytest.mark.parametrize("via", ["recurformer", "transformers"])
+def test_the_command_loads_its_model_once(via, hay_file, offline, monkeypatch) -> None:
+    """``niah_checkpoint`` reads the weights once: through recurformer's loader, or (``via``
+    transformers) through ``from_pretrained`` alone, the tokenizer read beside them."""
+    import recurformer
+    import recurformer.hub as hub
+    from recurformer.niah import niah_checkpoint
+
+    model_of("memory_attention").save_pretrained(offline / "m", tokenizer=TOK)
+    path = offline / "m"
+    if via == "transformers":
+        pytest.importorskip("transformers")
+        path = recurformer.export(offline / "m", offline / "hf", format="transformers")
+    loads: list[str] = []
+    real = hub.load
+    monkeypatch.setattr(hub, "load", lambda *a, **k: loads.append("recurformer") or real(*a, **k))
+    if via == "transformers":
+        from recurformer.hf import RecurformerForCausalLM
+
+        real_hf = RecurformerForCausalLM.from_pretrained.__func__  # type: ignore[attr-defined]
+
+        def from_pretrained(cls, *a, **k):  # type: ignore[no-untyped-def]
+            loads.append("transformers")
+            return real_hf(cls, *a, **k)
+
+        monkeypatch.setattr(RecurformerForCausalLM, "from_pretrained", classmethod(from_pretrained))
+    cells = niah_checkpoint(path, [160], [50], offline / "n.json", via=via, trials=1, text=[str(hay_file)], log=str)
+    assert len(cells) == 1 and loads == [via]

@@ -110,10 +110,8 @@ def test_python_commands_check_their_options_first(call, kwargs, message, pretra
     import sys
 
     import recurformer.api
-    import recurformer.generate
 
     home = {
-        "generate_text": recurformer.generate,
         "evaluate_checkpoints": sys.modules["recurformer.evaluate"],
         "probe_checkpoints": sys.modules["recurformer.probe"],
         "readout_checkpoint": sys.modules["recurformer.readout"],

@@ -503,3 +503,13 @@ def test_a_probe_result_prints_as_tables_that_say_how_to_read_them() -> None:
     assert text == markdown_tables([result]) == result._repr_markdown_()
     assert "BinStat" not in text and "| ma | ∞ | – | – | +0.300 [+0.200, +0.400] | +0.100 [+0.000, +0.200] |" in text
     assert f"({READING['copy_gain']})" in text and f"({READING['swap_delta']})" in text
+
+
+def test_probe_options_are_checked_where_they_are_built() -> None:
+    from recurformer.config import RecurformerError
+    from recurformer.probe import ProbeCommandOptions, ProbeOptions
+
+    with pytest.raises(RecurformerError, match=r"^unknown probe task 'nope'; valid tasks: repeat, swap$"):
+        ProbeOptions(task="nope")
+    with pytest.raises(RecurformerError, match=r"^warm must be \(min, max\) with min <= max, got \(5, 2\)$"):
+        ProbeCommandOptions(warm=(5, 2))
