@@ -351,7 +351,7 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool) -> Path:
     (BOS/EOS; a byte tokenizer has no ``transformers`` form and gets no ``tokenizer_config.json``;
     a tokenizer learned from lower-case text lower-cases its input, as ``recurformer generate``
     does) and the model card. Every file is written whole or not at all; ``out`` is claimed as
-    ``hub.export`` claims it (no run; else an earlier export of the same run, or ``overwrite``)."""
+    ``api.export_pretrained`` claims it (no run; else an earlier export of the same run, or ``overwrite``)."""
     from .hub import claim_export_dir, load, model_card, run_config_of, shareable
 
     loaded = load(checkpoint)
