@@ -627,7 +627,7 @@ class Trainer:
             "train.cuda_graphs",
             "this run trains",
             self.world,
-            " (set train.cuda_graphs=false)",
+            f" (train without captured steps: {opt('train.cuda_graphs', False)})",
         )
         self.show_progress = show_progress and self.rank == 0
         self.out_dir = Path(t.out_dir)

@@ -170,7 +170,8 @@ def test_train_cuda_graphs_flag_is_the_config_key(tmp_path, capsys) -> None:
         assert cli_main(["train", "--config", str(config), "--device", "cpu", *switch]) == 2
         lines.append(capsys.readouterr().err)
     assert lines[0] == lines[1] and lines[0].count("\n") == 1, lines
-    assert lines[0].startswith(
-        "recurformer: error: train.cuda_graphs needs one process on a CUDA GPU; this run trains on cpu"
+    assert lines[0] == (
+        "recurformer: error: train.cuda_graphs needs one process on a CUDA GPU; this run trains on cpu "
+        "(train without captured steps: --set train.cuda_graphs=False)\n"
     )
     assert not (tmp_path / "run").exists() and not (tmp_path / "prepared").exists()
