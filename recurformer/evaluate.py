@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .capture import Backend, DecodeGraphs
-from .config import Checked, RecurformerError, check_fields, make_options, opt, option, say
+from .config import Checked, RecurformerError, make_options, opt, option, say
 from .data.tokenizer import Tokenizer
 from .device import cpu_threads, device_option, out_of_memory, peak_memory_mb, reset_peak_memory, synchronize
 from .generate import Step
@@ -237,7 +237,7 @@ class LengthOptions(Checked):
     def __post_init__(self) -> None:
         """The options checked where they are built, for every caller (one-line errors naming them,
         ``config.opt``): each range, and how the lengths, ``last`` and ``context`` fit together."""
-        check_fields(self)
+        super().__post_init__()  # each range (Checked)
         if not self.lengths:
             raise RecurformerError(f"{opt('lengths')} is empty")
         for L in self.lengths:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import metrics, train_json
-from .config import Checked, RecurformerError, check_fields, make_options, opt, option
+from .config import Checked, RecurformerError, make_options, opt, option
 from .data.prepare import EOT, REPEAT_PROMPT, load_documents
 from .data.tokenizer import Tokenizer
 from .device import device_option
@@ -102,7 +102,7 @@ class ProbeOptions(Checked):
         ``probe_checkpoints`` alike (one-line errors naming them, ``config.opt``)."""
         if self.task not in TASKS:
             raise RecurformerError(f"unknown probe task '{self.task}'; valid tasks: {', '.join(TASKS)}")
-        check_fields(self)
+        super().__post_init__()  # each range (Checked)
         if self.warm[0] > self.warm[1]:
             raise RecurformerError(f"{opt('warm')} must be (min, max) with min <= max, got {tuple(self.warm)}")
 
