@@ -88,7 +88,7 @@ def runs(out: Path) -> None:
     synth = ["synth", "--model", "llama", "--set", "model.dim=32", "--set", "synth.batch_size=4"]
     run([*synth, "--task", "passkey", "--steps", "12", "--lrs", "1e-3,3e-3", "--n-test", "16",
          "--set", "synth.n_val=8", "--set", "synth.eval_every=4", "--json", str(out / "s1.json")], out)
-    paced = "synth.schedule={advance_below: 100.0, advance_window: 2, stages: [{step: 7, distance: 8}]}"
+    paced = "synth.schedule={advance_below: 100.0, advance_window: 2, stages: [{step: 7, length: 8}]}"
     mqar = [*synth, "--task", "mqar", "--set", "task.num_pairs=2", "--set", "task.num_queries=2",
             "--set", "task.distance=4", "--set", "synth.context=4", "--set", "synth.chunk=8",
             "--steps", "10", "--lrs", "3e-3", "--n-test", "8", "--set", "synth.n_val=8", "--set", "synth.eval_every=2"]
