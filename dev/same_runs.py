@@ -2,12 +2,13 @@
 fingerprinted, so that a refactor of the training loop can be checked to leave them bitwise the
 same: run it on the old tree and on the new one, then compare the two fingerprint files.
 
-    python dev/same_runs.py OUT_DIR                 # writes OUT_DIR/fingerprints.json
+    python dev/same_runs.py OUT_DIR                 # writes OUT_DIR/fingerprints.json (runs once)
     python dev/same_runs.py --compare A.json B.json # lists every file that differs
 
 Fingerprints: a safetensors file by its tensors (name, dtype, shape, bytes); a JSON or JSONL file
-by its values with the wall-clock ones left out (tokens/s, mfu, seconds, dates, the peak's source);
-a text log is not fingerprinted (it holds times).
+by its values with the wall-clock ones left out (tokens/s, mfu, seconds, dates, the peak's source),
+the states of the unseeded Python and NumPy generators left out and the run's directory written as
+OUT; a text log is not fingerprinted (it holds times).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-CLOCK = ("tok_per_s", "mfu", "seconds", "time", "date", "peak", "elapsed", "wall", "started", "host", "cpu", "python")
+CLOCK = ("tok_per_s", "mfu", "seconds", "time", "date", "peak", "elapsed", "wall", "started", "host", "cpu")
+UNSEEDED = ("python", "numpy")  # the global Python and NumPy generators: never seeded, never used by a run
 
 TINY = [
     "model.dim=32",
@@ -86,15 +88,59 @@ def runs(out: Path) -> None:
     run([*train, "--set", "model.name=rmt", "--set", "train.steps=3", "--set", f"train.out_dir={out}/t3"], out)
     run(["train", "--resume", str(out / "t3"), "--set", "train.steps=6"], out)
     synth = ["synth", "--model", "llama", "--set", "model.dim=32", "--set", "synth.batch_size=4"]
-    run([*synth, "--task", "passkey", "--steps", "12", "--lrs", "1e-3,3e-3", "--n-test", "16",
-         "--set", "synth.n_val=8", "--set", "synth.eval_every=4", "--json", str(out / "s1.json")], out)
+    run(
+        [
+            *synth,
+            "--task",
+            "passkey",
+            "--steps",
+            "12",
+            "--lrs",
+            "1e-3,3e-3",
+            "--n-test",
+            "16",
+            "--set",
+            "synth.n_val=8",
+            "--set",
+            "synth.eval_every=4",
+            "--json",
+            str(out / "s1.json"),
+        ],
+        out,
+    )
     paced = "synth.schedule={advance_below: 100.0, advance_window: 2, stages: [{step: 7, length: 8}]}"
-    mqar = [*synth, "--task", "mqar", "--set", "task.num_pairs=2", "--set", "task.num_queries=2",
-            "--set", "task.distance=4", "--set", "synth.context=4", "--set", "synth.chunk=8",
-            "--steps", "10", "--lrs", "3e-3", "--n-test", "8", "--set", "synth.n_val=8", "--set", "synth.eval_every=2"]
+    mqar = [
+        *synth,
+        "--task",
+        "mqar",
+        "--set",
+        "task.num_pairs=2",
+        "--set",
+        "task.num_queries=2",
+        "--set",
+        "task.distance=4",
+        "--set",
+        "synth.context=4",
+        "--set",
+        "synth.chunk=8",
+        "--steps",
+        "10",
+        "--lrs",
+        "3e-3",
+        "--n-test",
+        "8",
+        "--set",
+        "synth.n_val=8",
+        "--set",
+        "synth.eval_every=2",
+    ]
     run([*mqar, "--set", paced, "--json", str(out / "s2.json"), "--save", str(out / "s2")], out)
-    run([*mqar, "--set", "synth.save_every=3", "--set", "synth.truncation=2", "--save", str(out / "s3")], out,
-        KILL_AT_6, expect=9)
+    run(
+        [*mqar, "--set", "synth.save_every=3", "--set", "synth.truncation=2", "--save", str(out / "s3")],
+        out,
+        KILL_AT_6,
+        expect=9,
+    )
     (out / "s3-progress").mkdir()
     for f in (out / "s3" / "progress").rglob("*"):
         if f.is_file():
@@ -106,13 +152,13 @@ def runs(out: Path) -> None:
 
 def clean(v: Any) -> Any:
     if isinstance(v, dict):
-        return {k: clean(x) for k, x in v.items() if not any(c in k.lower() for c in CLOCK)}
+        return {k: clean(x) for k, x in v.items() if not any(c in k.lower() for c in CLOCK) and k not in UNSEEDED}
     if isinstance(v, list):
         return [clean(x) for x in v]
     return v
 
 
-def fingerprint(f: Path) -> str | None:
+def fingerprint(f: Path, out: Path) -> str | None:
     if f.suffix == ".safetensors":
         from safetensors import safe_open
 
@@ -124,9 +170,10 @@ def fingerprint(f: Path) -> str | None:
                 h.update(t.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
         return h.hexdigest()
     if f.suffix == ".json":
-        return hashlib.sha256(json.dumps(clean(json.loads(f.read_text())), sort_keys=True).encode()).hexdigest()
+        value = clean(json.loads(f.read_text().replace(str(out), "OUT")))
+        return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
     if f.suffix == ".jsonl":
-        rows = [clean(json.loads(line)) for line in f.read_text().splitlines() if line.strip()]
+        rows = [clean(json.loads(line)) for line in f.read_text().replace(str(out), "OUT").splitlines() if line.strip()]
         return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
     return None
 
@@ -138,12 +185,18 @@ def main() -> None:
         print(f"{len(a)} and {len(b)} files; {len(bad)} differ" + "".join(f"\n  {k}" for k in bad))
         sys.exit(1 if bad else 0)
     out = Path(sys.argv[1]).resolve()
-    out.mkdir(parents=True, exist_ok=False)
-    runs(out)
+    if not (out / "fingerprints.json").exists() and not out.exists():
+        out.mkdir(parents=True)
+        runs(out)
     prints = {}
     for f in sorted(out.rglob("*")):
         rel = str(f.relative_to(out))
-        if f.is_file() and not rel.startswith("prepared/") and (fp := fingerprint(f)) is not None:
+        if (
+            f.is_file()
+            and not rel.startswith("prepared/")
+            and rel != "fingerprints.json"
+            and (fp := fingerprint(f, out)) is not None
+        ):
             prints[rel] = fp
     (out / "fingerprints.json").write_text(json.dumps(prints, indent=1))
     print(f"{len(prints)} files fingerprinted in {out / 'fingerprints.json'}")
