@@ -234,7 +234,7 @@ def test_a_self_paced_stage_starts_once_the_stage_before_is_learned() -> None:
         assert sched.observe(slow, step, 1.0) is None
     assert slow.starts == [0, 10, 20] and sched.at(10, base, slow) == sched.at(10, base)
     assert sched.at(10, base) == {"length": 8, "truncation": 0}
-    from recurformer.train import TrainConfig
+    from recurformer.training.config import TrainConfig
 
     with pytest.raises(RecurformerError, match="'train.schedule.advance_below': a self-paced schedule is for synth"):
         TrainConfig(schedule={"advance_below": 0.1, "stages": [{"step": 5, "truncation": 2}]})

@@ -20,7 +20,7 @@ from recurformer.evaluate import LengthOptions
 from recurformer.generate import GenerateOptions
 from recurformer.registry import make_config
 from recurformer.synth import SynthConfig
-from recurformer.train import TrainConfig
+from recurformer.training.config import TrainConfig
 
 
 @pytest.fixture(scope="module")

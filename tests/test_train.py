@@ -14,7 +14,8 @@ from helpers import DEVICES, WORDS, run_config
 import recurformer.checkpoint as ckpt
 from recurformer import RecurformerError
 from recurformer.cli import main as cli_main
-from recurformer.train import Trainer, load_run_config
+from recurformer.training.config import load_run_config
+from recurformer.training.trainer import Trainer
 
 RESUME_CASES = {  # data order, precision and truncation: a resume continues each exactly
     "default": {},
@@ -268,7 +269,7 @@ def test_mfu_above_one_measures_the_stale_peak_again(tmp_path, monkeypatch) -> N
     the peak is measured again, once, the higher one cached, the fraction taken of it, and a note
     says so; a re-measurement never lowers a cached peak."""
     from recurformer import build_model, flops
-    from recurformer.train import Throughput
+    from recurformer.training.meter import Throughput
 
     monkeypatch.setenv("RECURFORMER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(flops, "PEAK_SECONDS", 0.05)
