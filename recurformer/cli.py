@@ -203,7 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_synth(args: argparse.Namespace) -> None:
-    from .synth import SynthCommandOptions, synth_command
+    from .synth.command import SynthCommandOptions, synth_command
 
     synth_command(SynthCommandOptions(**options_of(SynthCommandOptions, args)))
 
@@ -247,7 +247,7 @@ def cmd_probe(args: argparse.Namespace) -> None:
 
 def cmd_readout(args: argparse.Namespace) -> None:
     from .readout import ReadoutOptions, readout_checkpoint
-    from .synth import split_overrides
+    from .synth.config import split_overrides
 
     _, task_values, _ = split_overrides(args.set) if args.task else ({}, {}, {})
     options = options_of(ReadoutOptions, args)
@@ -264,7 +264,7 @@ def _options_classes() -> dict[str, type[Any]]:
     from .niah import NiahOptions
     from .probe import ProbeCommandOptions
     from .readout import ReadoutOptions
-    from .synth import SynthCommandOptions
+    from .synth.command import SynthCommandOptions
     from .training.command import TrainOptions
 
     return {
@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .niah import NiahOptions
     from .probe import ProbeCommandOptions
     from .readout import ReadoutOptions
-    from .synth import SynthCommandOptions
+    from .synth.command import SynthCommandOptions
     from .training.command import TrainOptions
 
     summary = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")  # the docstring's first paragraph

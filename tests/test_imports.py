@@ -66,7 +66,12 @@ FLOORS: list[list[str]] = [
     # 13: one optimizer step of stateful segment training, and a run of it
     ["training.steps"],
     ["training.trainer"],
-    ["synth", "training.command"],
+    # 15: synth: its settings and its learner, one learning rate's training as a job of the loop, the run,
+    # the command
+    ["synth", "synth.config", "synth.learner"],
+    ["synth.job"],
+    ["synth.run"],
+    ["synth.command", "training.command"],
     ["api"],
     ["__init__"],  # the package's public names
     ["cli"],  # reads ``__version__``

@@ -19,7 +19,10 @@ from recurformer.data.synthetic import TASKS, make_split
 from recurformer.models import build_model, model_names
 from recurformer.nn import IGNORE_INDEX
 from recurformer.readout import memory_share, readout, state_gradient
-from recurformer.synth import FreshRows, Learner, SynthConfig, model_values, run_synth, synth_config
+from recurformer.synth.config import SynthConfig, model_values, synth_config
+from recurformer.synth.job import FreshRows
+from recurformer.synth.learner import Learner
+from recurformer.synth.run import run_synth
 
 TINY = {"dim": 16, "n_heads": 2, "ffn_hidden": 32}
 
@@ -86,7 +89,7 @@ def test_a_row_shorter_than_a_chunk_passes_on_the_state_it_was_read_from() -> No
 def test_the_truncation_check_reads_the_shortest_row_mixed_lengths_draw() -> None:
     """Without a length schedule mixed lengths never train at the task's own length, so a task
     length below lo does not make the shortest row; with one, every stage's range counts."""
-    from recurformer.synth import check_recipe
+    from recurformer.synth.config import check_recipe
 
     t = TASKS["mqar"]
     p = t.params(dict(num_pairs=2, num_queries=2, distance=3))  # rows of 10 tokens; 15 at distance 8
@@ -513,7 +516,7 @@ def test_synth_config_files(tmp_path, capsys) -> None:
         task = name.split("/")[1].split("-")[0]
         assert raw["task"].pop("name", task) == task and raw["model"].pop("name", None) in (None, *model_names())
         cfg = synth_config(raw["synth"])
-        from recurformer.synth import check_recipe
+        from recurformer.synth.config import check_recipe
 
         check_recipe(TASKS[task], TASKS[task].params(raw["task"]), cfg)
 

@@ -19,7 +19,7 @@ from recurformer.data import DataConfig, Tokenizer
 from recurformer.evaluate import LengthOptions
 from recurformer.generate import GenerateOptions
 from recurformer.registry import make_config
-from recurformer.synth import SynthConfig
+from recurformer.synth.config import SynthConfig
 from recurformer.training.config import TrainConfig
 
 

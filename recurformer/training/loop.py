@@ -42,7 +42,7 @@ class Cadence:
 class Job(Protocol):
     """What the loop runs: ``step`` (the optimizer steps taken), ``take_step()`` (one more; returns
     its loss, read or not), ``log``/``validate``/``checkpoint`` (the loss of the step just taken
-    given), and ``interrupted(signum)`` (the exception that says a signal stopped the run)."""
+    given)."""
 
     step: int
 
@@ -54,19 +54,17 @@ class Job(Protocol):
 
     def checkpoint(self, loss: Any) -> None: ...
 
-    def interrupted(self, signum: int) -> Exception: ...
-
 
 def run_loop(
     job: Job,
     cadence: Cadence,
     bar: Progress,
-    stop: Callable[[], int | None] = lambda: None,
+    stop: Callable[[], Exception | None] = lambda: None,
     paused: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ) -> None:
     """Steps of ``job`` to ``cadence.steps``, each counted on ``bar``; after each, what ``cadence``
-    says is due. ``stop``: the signal that asked to stop (asked after every step but the last;
-    then a checkpoint is written and ``job.interrupted`` raised); ``paused``: a block whose time
+    says is due. ``stop``: asked after every step but the last whether a signal asked to stop, and if so
+    for the exception that says so, raised once a checkpoint is written; ``paused``: a block whose time
     is not training time (evaluation, checkpoints, for the throughput meter)."""
     while job.step < cadence.steps:
         loss = job.take_step()
@@ -77,8 +75,8 @@ def run_loop(
         with paused():
             if cadence.evaluate(step):
                 job.validate()
-            signum = stop() if step < cadence.steps else None  # a finished run just finishes
-            if cadence.save(step) or signum:
+            stopped = stop() if step < cadence.steps else None  # a finished run just finishes
+            if cadence.save(step) or stopped:
                 job.checkpoint(loss)
-            if signum:
-                raise job.interrupted(signum)
+            if stopped:
+                raise stopped

@@ -190,7 +190,7 @@ class Trainer(SegmentSteps):
             cadence = Cadence(t.steps, t.log_every, t.eval_every, t.save_every)
             self.bar = Progress(t.steps, "train", "step", initial=self.step, show=self.show_progress)
             try:
-                run_loop(self, cadence, self.bar, self._stop_requested, self.meter.paused)
+                run_loop(self, cadence, self.bar, self.stopped, self.meter.paused)
             finally:
                 self.bar.close()
             return self.last
@@ -230,5 +230,11 @@ class Trainer(SegmentSteps):
         if path is not None:
             self._say(f"saved {path}")
 
-    def interrupted(self, signum: int) -> Exception:
-        return TrainingInterrupted(signum, self.step, self.out_dir / f"step_{self.step:06d}", self.out_dir)
+    def stopped(self) -> TrainingInterrupted | None:
+        """What to raise, once the step is saved, when a signal asked to stop (None: train on)."""
+        signum = self._stop_requested()
+        return (
+            TrainingInterrupted(signum, self.step, self.out_dir / f"step_{self.step:06d}", self.out_dir)
+            if signum
+            else None
+        )
