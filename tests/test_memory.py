@@ -218,7 +218,7 @@ def test_a_self_paced_stage_starts_once_the_stage_before_is_learned() -> None:
     """schedule.advance_below: a stage starts at the step after the mean training loss of the
     stage before, over that stage's last advance_window steps, first falls below the threshold;
     no earlier than a whole window into the stage, no later than its own step; a run that never
-    learns keeps the steps as written."""
+    learns keeps the steps as written. The same for synth's schedule and train's."""
     sched = schedule_from(
         {"advance_below": 0.5, "advance_window": 3, "stages": [{"step": 10, "length": 8}, {"step": 20, "length": 16}]},
         "synth.schedule",
@@ -238,9 +238,17 @@ def test_a_self_paced_stage_starts_once_the_stage_before_is_learned() -> None:
     assert slow.starts == [0, 10, 20] and sched.at(10, base, slow) == sched.at(10, base)
     assert sched.at(10, base) == {"length": 8, "truncation": 0}
     from recurformer.training.config import TrainConfig
+    from recurformer.training.steps import Pacing
 
-    with pytest.raises(RecurformerError, match="'train.schedule.advance_below': a self-paced schedule is for synth"):
-        TrainConfig(schedule={"advance_below": 0.1, "stages": [{"step": 5, "truncation": 2}]})
+    # train's schedule paces itself the same way (its stages set seq_len and truncation)
+    paced = {"advance_below": 0.5, "advance_window": 2, "stages": [{"step": 10, "truncation": 2}]}
+    pacing = Pacing(TrainConfig(grad_accum=2, schedule=paced))
+    assert pacing.observe(0, 0.4) is None and pacing.at(1)["truncation"] == 1  # the window is not full yet
+    assert pacing.observe(1, 0.4) == (
+        "step 2: stage 1 (seq_len 256, truncation 2) starts, the training loss of the last 2 steps below 0.5"
+    )
+    assert pacing.at(2) == {"seq_len": 256, "truncation": 2} and pacing.state_dict()["pace"]["starts"] == [0, 2]
+    assert Pacing(TrainConfig(schedule={"stages": [{"step": 5, "seq_len": 128}]})).state_dict() == {}
 
 
 def test_a_self_paced_synth_run_records_where_its_stages_started(capsys) -> None:

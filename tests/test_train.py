@@ -22,6 +22,9 @@ RESUME_CASES = {  # data order, precision and truncation: a resume continues eac
     "shuffled": {"data_order": "shuffled"},
     "bf16": {"precision": "bf16"},
     "truncation2": {"truncation": 2},
+    # a self-paced stage starts at step 1 (the loss of one step below 100): the resumed run must read
+    # where it started from the checkpoint, not from the schedule's step 50
+    "self_paced": {"schedule": "{advance_below: 100.0, advance_window: 1, stages: [{step: 50, truncation: 2}]}"},
 }
 
 

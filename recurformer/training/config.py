@@ -63,11 +63,6 @@ class TrainConfig(Checked):
             )
         sched = self.curriculum()
         sched.check("train.schedule", SCHEDULED, self.base_values())
-        if sched.advance_below:
-            raise RecurformerError(
-                "config key 'train.schedule.advance_below': a self-paced schedule is for synth runs; "
-                "train's stages start at their steps"
-            )
         for v in sched.values("truncation", self.base_values()):
             if v > self.grad_accum or self.grad_accum % v:
                 raise RecurformerError(
@@ -87,10 +82,6 @@ class TrainConfig(Checked):
 
     def curriculum(self) -> Schedule:
         return schedule_from(self.schedule, "train.schedule")
-
-    def at(self, step: int) -> dict[str, int]:
-        """seq_len and truncation in force at ``step`` (the schedule's stage, or the base values)."""
-        return self.curriculum().at(step, self.base_values())
 
 
 @dataclass

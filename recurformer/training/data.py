@@ -1,5 +1,6 @@
-"""The parts a trainer is built from before its first step: its prepared data (``run_data``) and
-the checks of its model against the run (``check_model``)."""
+"""The parts a trainer is built from before its first step: its prepared data (``run_data``), the
+streams over it (``train_streams``, ``val_streams``) and the checks of its model against the run
+(``check_model``)."""
 
 from __future__ import annotations
 
@@ -106,3 +107,40 @@ def check_model(model: StreamingLM, cfg: RunConfig, vocab_size: int) -> None:
         raise RecurformerError(
             f"{cfg.model['name']} carries a KV cache that grows without bound; train it with train.state=reset"
         )
+
+
+def train_streams(
+    data: RunData, order: str, batch_size: int, seq_len: int, seed: int, rank: int, world: int, boundary: int
+) -> Any:
+    """B streams of ``seq_len``-token segments over the training split: ``contiguous`` (row b of a
+    segment continues row b of the one before; a stream that wraps starts at a document) or
+    ``shuffled`` windows (``seed``); segments a multiple of the model's ``boundary``."""
+    from ..data import ContiguousStreams, ShuffledWindows
+
+    if order == "contiguous":
+        return ContiguousStreams(
+            data.train_tokens,
+            batch_size,
+            seq_len,
+            rank=rank,
+            world_size=world,
+            bos_id=data.meta["bos_id"],
+            seq_multiple=boundary,
+            split="training",
+        )
+    return ShuffledWindows(data.train_tokens, batch_size, seq_len, rank=rank, world_size=world, seed=seed)
+
+
+def val_streams(data: RunData, batch_size: int, seq_len: int, rank: int, world: int, boundary: int) -> Any:
+    """B fresh streams over the validation split."""
+    from ..data import ContiguousStreams
+
+    return ContiguousStreams(
+        data.val_tokens,
+        batch_size,
+        seq_len,
+        rank=rank,
+        world_size=world,
+        seq_multiple=boundary,
+        split="validation",
+    )

@@ -1,14 +1,19 @@
 """What a run measures and writes as it trains: tokens/s and the model FLOPs utilisation
-(``Throughput``), and the metric sinks (``RunLog``)."""
+(``Throughput``), the losses not yet read from the device (``UnreadLosses``), and the metric
+sinks (``RunLog``)."""
 
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
 from ..config import RecurformerError, say
 from ..device import resolve_precision
@@ -73,6 +78,51 @@ class Throughput:
         paused = time.perf_counter()
         yield
         self.t0 += time.perf_counter() - paused
+
+
+class Notes:
+    """Lines on stderr, each once per run, from one process (``show``: rank 0)."""
+
+    def __init__(self, show: bool) -> None:
+        self.show, self.said = show, set[str]()
+
+    def __call__(self, msg: str) -> None:
+        if self.show and msg not in self.said:
+            self.said.add(msg)
+            tqdm.write(msg, file=sys.stderr)
+
+
+class UnreadLosses:
+    """The training losses not yet read from the device, summed on it (a nan or inf in any of them
+    shows in the sum): the loop reads once per log interval and before a checkpoint (``read``), so
+    the steps between queue their work without waiting for the device."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.first = 0  # the step of the first loss in ``total``
+
+    def add(self, loss: torch.Tensor, step: int) -> None:
+        if self.total is None:
+            self.total, self.first = loss, step
+        else:
+            self.total = self.total + loss
+
+    def read(self, loss: torch.Tensor, step: int, world: int, out_dir: Path) -> float:
+        """``loss`` as a float: the one host read (a wait for the device) per log interval. Raises if
+        any step since the last read had a loss that is not finite; with several ranks, the mean over
+        ranks, so every rank logs (and stops on) the same number."""
+        v = torch.stack([loss, self.total if self.total is not None else loss])
+        if world > 1:
+            dist.all_reduce(v)
+            v = v / world
+        mean, seen = v.tolist()
+        first, self.total = self.first, None
+        if not math.isfinite(seen):
+            where = f"at step {step}" if first == step else f"at one of steps {first}..{step}"
+            raise RecurformerError(
+                f"loss became {seen} {where}; stopped (the last good checkpoint in {out_dir} is kept)"
+            )
+        return mean
 
 
 class RunLog:

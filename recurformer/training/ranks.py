@@ -1,5 +1,5 @@
 """The processes of a run under ``torchrun``: each rank's device and process group
-(``join_processes``), and the collective that gathers every rank's part of a checkpoint (``gather``)."""
+(``join_processes``), and the collectives of a run (``gather``: every rank's part of a checkpoint; ``mean_over_ranks``)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,12 @@ def gather(obj: Any, world: int) -> list[Any]:
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, obj)
     return everyone
+
+
+def mean_over_ranks(x: float, world: int, device: torch.device) -> float:
+    """The mean of ``x`` over the ranks, so that every rank logs (and stops on) the same number."""
+    if world == 1:
+        return x
+    v = torch.tensor([x], device=device)
+    dist.all_reduce(v)
+    return float(v) / world

@@ -9,6 +9,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 
 class TrainingInterrupted(Exception):
     """SIGINT or SIGTERM stopped training (after writing a checkpoint, when there was a step to save);
@@ -48,6 +51,14 @@ class StopSignals:
         if self.signum is not None:
             raise StopNow(signum)
         self.signum = signum
+
+    def agreed(self, world: int, device: torch.device) -> int | None:
+        """The signal that asked to stop, agreed by every rank (any rank's signal stops all)."""
+        if world > 1:
+            v = torch.tensor([self.signum or 0], device=device)
+            dist.all_reduce(v, op=dist.ReduceOp.MAX)
+            return int(v) or None
+        return self.signum
 
     @contextlib.contextmanager
     def installed(self) -> Any:

@@ -7,7 +7,7 @@ returned by segment k is the initial state of segment k+1 (*state persistence*);
 every ``truncation`` segments, where the summed loss of those segments is backpropagated. A row
 whose stream wraps to its start has its state reset. The four ablation modes of its Table 2 are
 ``state: carry|reset`` x ``data_order: contiguous|shuffled``. ``schedule`` changes ``seq_len``
-and ``truncation`` by step (a curriculum; ``SegmentSteps._apply_schedule``), and ``state_init`` says
+and ``truncation`` by step (a curriculum, self-paced or not: ``Pacing``), and ``state_init`` says
 what a row that starts a document reads first: the initial state, a noisy one, or another
 stream's (``curriculum.initial_state``).
 
@@ -18,25 +18,22 @@ gradients are all-reduced once per optimizer step.
 from __future__ import annotations
 
 import contextlib
-import math
-import sys
+import dataclasses
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from tqdm import tqdm
 
 from ..capture import Backend, CaptureFailed, StepGraphs
-from ..config import RecurformerError
+from ..curriculum import Pace
 from ..device import autocast_context, to_device
 from ..nn import State
 from ..optim import make_optimizer
 from ..tbptt import Update, backprop, start_state
-from .config import RunConfig, build_from_run_config
-from .data import RunData, check_model
-from .meter import Throughput
-from .ranks import gather
+from .config import RunConfig, TrainConfig, build_from_run_config
+from .data import RunData, check_model, train_streams, val_streams
+from .meter import Notes, Throughput, UnreadLosses
+from .ranks import gather, mean_over_ranks
 
 
 class SegmentSteps:
@@ -50,7 +47,7 @@ class SegmentSteps:
     ) -> None:
         t = cfg.train
         self.cfg, self.data, self.device, self.rank, self.world, self.out_dir = cfg, data, device, rank, world, out_dir
-        self._said: set[str] = set()  # the one-time notes already given (_note)
+        self._note = Notes(rank == 0)  # a line on stderr, once per run
         torch.manual_seed(t.seed)
         self.model = build_from_run_config(cfg, data.meta["vocab_size"]).to(device)
         check_model(self.model, cfg, data.meta["vocab_size"])
@@ -70,8 +67,8 @@ class SegmentSteps:
         self.graphs: StepGraphs | None = None  # the training calls as captured steps (capture_steps)
         self.streams: Any = self._make_streams(t.seq_len, t.seed)
         self.state: State | None = None
-        self._unread: torch.Tensor | None = None  # train_step's losses not yet read (read_loss)
-        self._unread_from = 0
+        self.unread = UnreadLosses()  # train_step's losses not yet read (read_loss)
+        self.pacing = Pacing(t)
         self.step = 0
         self.tokens_seen = 0
 
@@ -90,37 +87,20 @@ class SegmentSteps:
         self.graphs = graphs
 
     def _make_streams(self, seq_len: int, seed: int) -> Any:
-        from ..data import ContiguousStreams, ShuffledWindows
-
-        t = self.cfg.train
-        if t.data_order == "contiguous":
-            return ContiguousStreams(
-                self.data.train_tokens,
-                t.batch_size,
-                seq_len,
-                rank=self.rank,
-                world_size=self.world,
-                bos_id=self.data.meta["bos_id"],
-                seq_multiple=self.model.reset_boundary,
-                split="training",
-            )
-        return ShuffledWindows(
-            self.data.train_tokens, t.batch_size, seq_len, rank=self.rank, world_size=self.world, seed=seed
-        )
+        t, boundary = self.cfg.train, self.model.reset_boundary
+        return train_streams(self.data, t.data_order, t.batch_size, seq_len, seed, self.rank, self.world, boundary)
 
     def _apply_schedule(self) -> int:
         """Enter the schedule's stage for the step about to be taken; returns its truncation.
         A new segment length gets new streams that go on about where the old ones were (the
         same token offset before any wrap; shuffled windows get a new seed) and a fresh state."""
-        stage = self.cfg.train.at(self.step)
+        stage = self.pacing.at(self.step)
         old = self.streams
         if stage["seq_len"] != old.seq_len:
             self.streams = self._make_streams(stage["seq_len"], self.cfg.train.seed + self.step)
             self.streams.step = old.step * old.seq_len // stage["seq_len"]
             self.state = None
         return stage["truncation"]
-
-    # -- state of the run ------------------------------------------------------------------------
 
     def _segment(
         self, batch: Any, state: State | None, index: int = 0, evaluating: bool = False
@@ -192,20 +172,6 @@ class SegmentSteps:
         losses, self.state = backprop(forward, [1], state, t.grad_accum)
         return losses[0]
 
-    def _note(self, msg: str) -> None:
-        """``msg`` on stderr (rank 0), once per run."""
-        if self.rank == 0 and msg not in self._said:
-            self._said.add(msg)
-            tqdm.write(msg, file=sys.stderr)
-
-    def _mean_over_ranks(self, x: float) -> float:
-        """The mean of ``x`` over the ranks, so that every rank logs (and stops on) the same number."""
-        if self.world == 1:
-            return x
-        v = torch.tensor([x], device=self.device)
-        dist.all_reduce(v)
-        return float(v) / self.world
-
     def train_step(self, read: bool = True) -> Any:
         """One optimizer step over ``grad_accum`` consecutive segments; returns the mean loss: as a
         float, read and checked to be finite (``read``), or as the 0-dim tensor on the device,
@@ -239,43 +205,21 @@ class SegmentSteps:
         self.step += 1
         self.tokens_seen += t.grad_accum * t.batch_size * seq_len * self.world
         mean = (total / t.grad_accum).float()
-        if self._unread is None:  # the sum of the unread steps' losses: a nan or inf in any of them shows in it
-            self._unread, self._unread_from = mean, self.step
-        else:
-            self._unread = self._unread + mean
+        self.unread.add(mean, self.step)
+        if self.pacing.self_paced and (line := self.pacing.observe(self.step - 1, self._mean(mean))):
+            self._note(line)
         return self.read_loss(mean) if read else mean
 
+    def _mean(self, x: Any) -> float:
+        return mean_over_ranks(float(x), self.world, self.device)
+
     def read_loss(self, loss: torch.Tensor) -> float:
-        """The step's loss as a float: the one host read (a wait for the device) per log interval.
-        Raises if any step since the last read had a loss that is not finite; with several ranks,
-        the mean over ranks, so every rank logs (and stops on) the same number."""
-        v = torch.stack([loss, self._unread if self._unread is not None else loss])
-        if self.world > 1:
-            dist.all_reduce(v)
-            v = v / self.world
-        mean, seen = v.tolist()
-        first, self._unread = self._unread_from, None
-        if not math.isfinite(seen):
-            where = f"at step {self.step}" if first == self.step else f"at one of steps {first}..{self.step}"
-            raise RecurformerError(
-                f"loss became {seen} {where}; stopped (the last good checkpoint in {self.out_dir} is kept)"
-            )
-        return mean
+        """The step's loss as a float (``UnreadLosses.read``)."""
+        return self.unread.read(loss, self.step, self.world, self.out_dir)
 
     def _val_streams(self) -> Any:
-        """B fresh streams over the validation split."""
-        from ..data import ContiguousStreams
-
         t = self.cfg.train
-        return ContiguousStreams(
-            self.data.val_tokens,
-            t.batch_size,
-            t.seq_len,
-            rank=self.rank,
-            world_size=self.world,
-            seq_multiple=self.model.reset_boundary,
-            split="validation",
-        )
+        return val_streams(self.data, t.batch_size, t.seq_len, self.rank, self.world, self.model.reset_boundary)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -289,7 +233,40 @@ class SegmentSteps:
             loss, state = self._segment(streams.next_batch(), state, evaluating=True)
             losses.append(float(loss))
         self.model.train()
-        return self._mean_over_ranks(float(np.mean(losses)))
+        return self._mean(float(np.mean(losses)))
+
+
+class Pacing:
+    """Where the stages of ``train.schedule`` start: at their steps, or for a self-paced schedule
+    (``advance_below``) as soon as the training loss of the stage before falls below it
+    (``curriculum.Schedule.observe``; the loss then read every step, a wait for the device). A part
+    of the checkpoint (``pace``) when self-paced."""
+
+    def __init__(self, t: TrainConfig) -> None:
+        self.schedule, self.base = t.curriculum(), t.base_values()
+        self.pace = self.schedule.pace(self.base)
+        self.self_paced = bool(self.schedule.advance_below)
+
+    def at(self, step: int) -> dict[str, int]:
+        """seq_len and truncation in force at ``step`` (0-based: the step about to be taken)."""
+        return self.schedule.at(step, self.base, self.pace)
+
+    def observe(self, step: int, loss: float) -> str | None:
+        """Step ``step``'s loss (0-based) recorded; the line that says a stage starts early, if one does."""
+        if (stage := self.schedule.observe(self.pace, step, loss)) is None:
+            return None
+        values = ", ".join(f"{k} {v}" for k, v in self.at(step + 1).items())
+        return (
+            f"step {step + 1}: stage {stage} ({values}) starts, the training loss of the last "
+            f"{self.schedule.advance_window} steps below {self.schedule.advance_below:g}"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pace": dataclasses.asdict(self.pace)} if self.self_paced else {}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if "pace" in sd:
+            self.pace = Pace(**sd["pace"])
 
 
 class StreamCursors:

@@ -100,7 +100,6 @@ class Trainer(SegmentSteps):
     def peak_source(self) -> str:
         return self.meter.peak_source
 
-    # -- state of the run ------------------------------------------------------------------------
     def _config_dict(self) -> dict[str, Any]:
         d = asdict(self.cfg)
         d["model"] = {"name": self.cfg.model["name"], **asdict(self.model.config)}
@@ -116,6 +115,7 @@ class Trainer(SegmentSteps):
             "rng": ckpt.RNGState(),
             "streams": StreamCursors(self),
             "state": CarriedState(self),
+            "pace": self.pacing,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -142,21 +142,12 @@ class Trainer(SegmentSteps):
             dist.barrier()
         return path
 
-    # -- the run: the one loop and what it asks of this job ---------------------------------------------
     def close_loggers(self) -> None:
         self.logs.close()
 
     def _say(self, msg: str) -> None:
         if self.show_progress:
             tqdm.write(msg)
-
-    def _stop_requested(self) -> int | None:
-        """The signal that asked to stop, agreed by every rank (any rank's signal stops all)."""
-        if self.world > 1:
-            v = torch.tensor([self.stop.signum or 0], device=self.device)
-            dist.all_reduce(v, op=dist.ReduceOp.MAX)
-            return int(v) or None
-        return self.stop.signum
 
     def run(self) -> dict[str, Any]:
         """Train to ``train.steps``; returns the last metrics logged. On SIGINT/SIGTERM: finish the
@@ -170,7 +161,7 @@ class Trainer(SegmentSteps):
                 )
                 return {}
             self._val_streams()  # a validation split too short for the streams fails now, not at the first evaluation
-            stop = self._stop_requested()
+            stop = self.stop.agreed(self.world, self.device)
             if stop:  # a signal while the run was being set up
                 raise TrainingInterrupted(stop, self.step, None, self.out_dir)
             if self.show_progress:
@@ -224,7 +215,7 @@ class Trainer(SegmentSteps):
         self._say(f"step {self.step}: val loss {val:.4f}")
 
     def checkpoint(self, loss: torch.Tensor) -> None:
-        if self._unread is not None:  # never save a model whose loss went non-finite
+        if self.unread.total is not None:  # never save a model whose loss went non-finite
             self.read_loss(loss)
         path = self.save()
         if path is not None:
@@ -232,7 +223,7 @@ class Trainer(SegmentSteps):
 
     def stopped(self) -> TrainingInterrupted | None:
         """What to raise, once the step is saved, when a signal asked to stop (None: train on)."""
-        signum = self._stop_requested()
+        signum = self.stop.agreed(self.world, self.device)
         return (
             TrainingInterrupted(signum, self.step, self.out_dir / f"step_{self.step:06d}", self.out_dir)
             if signum
