@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from recurformer.config import RecurformerError  # noqa: E402
 from recurformer.device import resolve_precision  # noqa: E402
 from recurformer.flops import machine_name  # noqa: E402
-from recurformer.train import Trainer, load_run_config  # noqa: E402
+from recurformer.training.config import load_run_config
+from recurformer.training.trainer import Trainer  # noqa: E402
 
 
 def tokens_per_step(tr: Trainer) -> int:

@@ -42,7 +42,7 @@ from recurformer.models import build_model
 from recurformer.nn import State, StreamingLM
 from recurformer.optim import make_optimizer
 from recurformer.tbptt import Update, backprop
-from recurformer.train import Throughput
+from recurformer.training.meter import Throughput
 
 Step = Callable[[torch.Tensor, torch.Tensor, State], State]
 

@@ -1,6 +1,6 @@
 """The synthetic diagnostics of *The Recurrent Transformer: Greater Effective Depth and Efficient
 Decoding* (appendix "Synthetic diagnostics": MAD and the copy task) as a grid: every task x every registered model, trained with
-``recurformer.synth.run_synth`` (lr sweep selected on validation), one cell after the other.
+``recurformer.synth.run.run_synth`` (lr sweep selected on validation), one cell after the other.
 Writes ``<out>.json`` (every result, rewritten after each cell so a stopped run keeps what it
 finished), ``<out>.md`` (the tables) and ``<out>.png`` (bars per task; accuracy vs length).
 
@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 from recurformer.config import RecurformerError, merge  # noqa: E402
 from recurformer.data.synthetic import TASKS  # noqa: E402
 from recurformer.models import model_names  # noqa: E402
-from recurformer.synth import result_dict, run_synth, split_overrides, summary, synth_config  # noqa: E402
+from recurformer.synth.config import split_overrides, synth_config  # noqa: E402
+from recurformer.synth.run import result_dict, run_synth, summary  # noqa: E402
 
 Result = dict[str, Any]  # ``result_dict`` of a SynthResult
 

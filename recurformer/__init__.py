@@ -9,11 +9,10 @@ from . import openmp as _openmp  # noqa: F401
 
 # isort: split
 # the modules named like API functions are imported first, so that the functions, bound after them,
-# keep the names: ``recurformer.train(...)`` is ``api.train``, ``from recurformer.train import Trainer``
-# still reads the module
+# keep the names: ``recurformer.evaluate(...)`` is ``api.evaluate``, ``from recurformer.evaluate import
+# evaluate_lengths`` still reads the module
 from . import evaluate as _evaluate  # noqa: E402, F401
 from . import probe as _probe  # noqa: E402, F401
-from . import train as _train  # noqa: E402, F401
 from .api import Run, evaluate, export, load, probe, train  # noqa: E402
 from .config import RecurformerError
 from .data import Tokenizer

@@ -51,7 +51,7 @@ def _sections() -> dict[str, set[str] | None]:
     from .data import DataConfig
     from .models import model_names
     from .registry import config_keys
-    from .train import TrainConfig
+    from .training.config import TrainConfig
 
     models = {k for name in model_names() for k in config_keys(name)} | {"name"}
     train, data = ({f.name for f in dataclasses.fields(c) if f.init} for c in (TrainConfig, DataConfig))
@@ -112,7 +112,7 @@ def train(
     a run or checkpoint directory to continue exactly (written into that run's directory unless
     ``train.out_dir`` is given); ``overwrite``: replace a run already in ``train.out_dir``."""
     from . import checkpoint as ckpt
-    from .train import train_main
+    from .training.command import train_main
 
     resumed = str(resume) if resume is not None else None
     over = merge(_overrides({} if overrides is None else overrides), _overrides(sections))

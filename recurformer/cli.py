@@ -125,7 +125,7 @@ def _add_set(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    from .train import InfoOptions, model_info
+    from .info import InfoOptions, model_info
 
     for line in model_info(InfoOptions(**options_of(InfoOptions, args)), parse_overrides(args.set)):
         print(line)
@@ -154,7 +154,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from .train import TrainOptions, train_command
+    from .training.command import TrainOptions, train_command
 
     last = train_command(TrainOptions(**options_of(TrainOptions, args)), args.set)
     if last:  # the run's mean speed first; the last log interval's rate named as such
@@ -203,7 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_synth(args: argparse.Namespace) -> None:
-    from .synth import SynthCommandOptions, synth_command
+    from .synth.command import SynthCommandOptions, synth_command
 
     synth_command(SynthCommandOptions(**options_of(SynthCommandOptions, args)))
 
@@ -247,7 +247,7 @@ def cmd_probe(args: argparse.Namespace) -> None:
 
 def cmd_readout(args: argparse.Namespace) -> None:
     from .readout import ReadoutOptions, readout_checkpoint
-    from .synth import split_overrides
+    from .synth.config import split_overrides
 
     _, task_values, _ = split_overrides(args.set) if args.task else ({}, {}, {})
     options = options_of(ReadoutOptions, args)
@@ -260,11 +260,12 @@ def _options_classes() -> dict[str, type[Any]]:
     from .data import DataConfig
     from .evaluate import EvalOptions
     from .generate import GenerateOptions
+    from .info import InfoOptions
     from .niah import NiahOptions
     from .probe import ProbeCommandOptions
     from .readout import ReadoutOptions
-    from .synth import SynthCommandOptions
-    from .train import InfoOptions, TrainOptions
+    from .synth.command import SynthCommandOptions
+    from .training.command import TrainOptions
 
     return {
         "info": InfoOptions,
@@ -305,11 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .data import DataConfig
     from .evaluate import EvalOptions
     from .generate import GenerateOptions
+    from .info import InfoOptions
     from .niah import NiahOptions
     from .probe import ProbeCommandOptions
     from .readout import ReadoutOptions
-    from .synth import SynthCommandOptions
-    from .train import InfoOptions, TrainOptions
+    from .synth.command import SynthCommandOptions
+    from .training.command import TrainOptions
 
     summary = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")  # the docstring's first paragraph
     ap = argparse.ArgumentParser(prog="recurformer", description=summary)
@@ -439,7 +441,7 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .train import TrainingInterrupted
+    from .training.signals import TrainingInterrupted
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # every argument is lm-eval's own: no parsing here

@@ -46,7 +46,7 @@ def child(argv: list[str]) -> int:
     """``recurformer train ARGV`` with slow checkpoint writes and a marker file once training starts."""
     import recurformer.checkpoint as ckpt
     from recurformer.cli import main
-    from recurformer.train import Trainer
+    from recurformer.training.trainer import Trainer
 
     real_save, real_run = ckpt.save_file, Trainer.run
     rng = random.Random()

@@ -5,7 +5,8 @@ import sys
 
 import torch
 
-from recurformer.train import Trainer, load_run_config
+from recurformer.training.config import load_run_config
+from recurformer.training.trainer import Trainer
 
 out, steps, resume = sys.argv[1], int(sys.argv[2]), (sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "-" else None)
 overrides = sys.argv[4:]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 if TYPE_CHECKING:
-    from recurformer.train import RunConfig
+    from recurformer.training.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: build its paths (README.md, configs/) from here
 
@@ -317,7 +317,7 @@ def ckpt_steps(run: Path) -> list[int]:
 def run_config(corpus: Path, tmp: Path, model: dict | None = None, **train) -> RunConfig:
     """The trainer tests' run: a 2-layer Memory Attention model (``MODEL``; ``model``: another
     one, its name among its keys), 6 steps on ``corpus``; ``train``: overrides."""
-    from recurformer.train import load_run_config
+    from recurformer.training.config import load_run_config
 
     over = [f"model.{k}={v}" for k, v in (model or MODEL).items()] + [
         "data.dataset=null",

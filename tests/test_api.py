@@ -45,7 +45,7 @@ def overrides_given(monkeypatch) -> list[dict]:
         given.append(over)
         raise RecurformerError("stopped before training")
 
-    monkeypatch.setattr(importlib.import_module("recurformer.train"), "train_main", train_main)
+    monkeypatch.setattr(importlib.import_module("recurformer.training.command"), "train_main", train_main)
     return given
 
 

@@ -15,7 +15,8 @@ import torch
 
 from recurformer import RecurformerError
 from recurformer.data import prepare
-from recurformer.train import Trainer, load_run_config
+from recurformer.training.config import load_run_config
+from recurformer.training.trainer import Trainer
 
 HERE = Path(__file__).parent
 

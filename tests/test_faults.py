@@ -24,7 +24,9 @@ import recurformer
 import recurformer.checkpoint as ckpt
 from recurformer import RecurformerError
 from recurformer.cli import main as cli
-from recurformer.train import DataConfig, Trainer, load_run_config
+from recurformer.data import DataConfig
+from recurformer.training.config import load_run_config
+from recurformer.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 prep = importlib.import_module("recurformer.data.prepare")  # the module, not the function recurformer.data exports

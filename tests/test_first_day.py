@@ -19,9 +19,11 @@ from recurformer import RecurformerError
 from recurformer.cli import COMMANDS
 from recurformer.cli import main as cli_main
 from recurformer.config import load_yaml
-from recurformer.data import prepare
+from recurformer.data import DataConfig, prepare
 from recurformer.models import model_names
-from recurformer.train import DataConfig, Trainer, build_from_run_config, check_model, load_run_config
+from recurformer.training.config import build_from_run_config, load_run_config
+from recurformer.training.data import check_model
+from recurformer.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -28,9 +28,11 @@ from torch.utils._pytree import tree_leaves
 
 from recurformer import build_model
 from recurformer.models import REGISTRY
-from recurformer.train import RunConfig, Trainer
+from recurformer.training.config import RunConfig
 
 # every registered model as the trainer's fixture runs it: its chunk, segment, block or window 8,
+from recurformer.training.trainer import Trainer
+
 # so the fixture's train.seq_len (32) is a whole number of them
 MODELS: dict[str, dict[str, Any]] = {
     "memory_attention": {"chunk_size": 8},

@@ -58,8 +58,20 @@ FLOORS: list[list[str]] = [
     # 9
     ["models", "reference"],
     # 10: measure a built model's state; one step of truncated BPTT; whether a model reads its memory
-    ["statesize", "tbptt", "readout", "niah"],
-    ["synth", "train"],
+    ["statesize", "tbptt", "readout", "niah", "training", "training.ranks", "training.signals", "training.parts"],
+    # 11: the one training loop; the run config of ``recurformer train``
+    ["training.loop", "training.config"],
+    # 12: what a run is built from: its data, its meter and logs; ``recurformer info``
+    ["training.data", "training.meter", "info"],
+    # 13: one optimizer step of stateful segment training, and a run of it
+    ["training.steps"],
+    ["training.trainer"],
+    # 15: synth: its settings and its learner, one learning rate's training as a job of the loop, the run,
+    # the command
+    ["synth", "synth.config", "synth.learner"],
+    ["synth.job"],
+    ["synth.run"],
+    ["synth.command", "training.command"],
     ["api"],
     ["__init__"],  # the package's public names
     ["cli"],  # reads ``__version__``
@@ -151,7 +163,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 def test_import_graph_is_read():
     g = graph()
     assert {"config", "nn"} <= g["models.llama"]  # relative imports are resolved
-    assert "train" in g["cli"]  # so are imports inside functions
+    assert "training.command" in g["cli"]  # so are imports inside functions
     assert "config" in g["data.tokenizer"]  # and absolute ones
 
 
@@ -178,13 +190,13 @@ def test_ground_floor_imports_nothing_of_the_package():
     assert {m: g[m] for m in FLOORS[0] if m in g and g[m]} == {}
 
 
-SHADOWED = {"train", "evaluate", "probe"}  # package names that are the API functions, not the modules
+SHADOWED = {"evaluate", "probe"}  # package names that are the API functions, not the modules
 
 
 def test_no_module_imports_a_module_shadowed_by_an_api_function():
-    """``recurformer.train`` (``evaluate``, ``probe``) is the API function, so ``from . import train``
-    or ``import recurformer.train as t`` would get the function; a package module names what it
-    needs from the module instead (``from .train import Trainer``). Only ``__init__`` imports the
+    """``recurformer.evaluate`` (``probe``) is the API function, so ``from . import evaluate``
+    or ``import recurformer.evaluate as e`` would get the function; a package module names what it
+    needs from the module instead (``from .evaluate import evaluate_lengths``). Only ``__init__`` imports the
     modules themselves, before binding the functions."""
     found = []
     for name, path in sorted(module_names().items()):

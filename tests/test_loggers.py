@@ -137,7 +137,8 @@ def test_wandb_offline(corpus, tmp_path, monkeypatch) -> None:
 
 
 def test_synth_shows_progress(capsys) -> None:
-    from recurformer.synth import SynthConfig, run_synth
+    from recurformer.synth.config import SynthConfig
+    from recurformer.synth.run import run_synth
 
     cfg = SynthConfig(steps=3, batch_size=8, n_train=16, n_val=8, n_test=8, lrs=[1e-3])
     run_synth("in_context_recall", "llama", {"dim": 16, "n_heads": 2}, {"seq_len": 16}, cfg, progress=True)

@@ -19,7 +19,10 @@ from recurformer.data.synthetic import TASKS, make_split
 from recurformer.models import build_model, model_names
 from recurformer.nn import IGNORE_INDEX
 from recurformer.readout import memory_share, readout, state_gradient
-from recurformer.synth import FreshRows, Learner, SynthConfig, model_values, run_synth, synth_config
+from recurformer.synth.config import SynthConfig, model_values, synth_config
+from recurformer.synth.job import FreshRows
+from recurformer.synth.learner import Learner
+from recurformer.synth.run import run_synth
 
 TINY = {"dim": 16, "n_heads": 2, "ffn_hidden": 32}
 
@@ -86,7 +89,7 @@ def test_a_row_shorter_than_a_chunk_passes_on_the_state_it_was_read_from() -> No
 def test_the_truncation_check_reads_the_shortest_row_mixed_lengths_draw() -> None:
     """Without a length schedule mixed lengths never train at the task's own length, so a task
     length below lo does not make the shortest row; with one, every stage's range counts."""
-    from recurformer.synth import check_recipe
+    from recurformer.synth.config import check_recipe
 
     t = TASKS["mqar"]
     p = t.params(dict(num_pairs=2, num_queries=2, distance=3))  # rows of 10 tokens; 15 at distance 8
@@ -215,7 +218,7 @@ def test_a_self_paced_stage_starts_once_the_stage_before_is_learned() -> None:
     """schedule.advance_below: a stage starts at the step after the mean training loss of the
     stage before, over that stage's last advance_window steps, first falls below the threshold;
     no earlier than a whole window into the stage, no later than its own step; a run that never
-    learns keeps the steps as written."""
+    learns keeps the steps as written. The same for synth's schedule and train's."""
     sched = schedule_from(
         {"advance_below": 0.5, "advance_window": 3, "stages": [{"step": 10, "length": 8}, {"step": 20, "length": 16}]},
         "synth.schedule",
@@ -234,10 +237,18 @@ def test_a_self_paced_stage_starts_once_the_stage_before_is_learned() -> None:
         assert sched.observe(slow, step, 1.0) is None
     assert slow.starts == [0, 10, 20] and sched.at(10, base, slow) == sched.at(10, base)
     assert sched.at(10, base) == {"length": 8, "truncation": 0}
-    from recurformer.train import TrainConfig
+    from recurformer.training.config import TrainConfig
+    from recurformer.training.steps import Pacing
 
-    with pytest.raises(RecurformerError, match="'train.schedule.advance_below': a self-paced schedule is for synth"):
-        TrainConfig(schedule={"advance_below": 0.1, "stages": [{"step": 5, "truncation": 2}]})
+    # train's schedule paces itself the same way (its stages set seq_len and truncation)
+    paced = {"advance_below": 0.5, "advance_window": 2, "stages": [{"step": 10, "truncation": 2}]}
+    pacing = Pacing(TrainConfig(grad_accum=2, schedule=paced))
+    assert pacing.observe(0, 0.4) is None and pacing.at(1)["truncation"] == 1  # the window is not full yet
+    assert pacing.observe(1, 0.4) == (
+        "step 2: stage 1 (seq_len 256, truncation 2) starts, the training loss of the last 2 steps below 0.5"
+    )
+    assert pacing.at(2) == {"seq_len": 256, "truncation": 2} and pacing.state_dict()["pace"]["starts"] == [0, 2]
+    assert Pacing(TrainConfig(schedule={"stages": [{"step": 5, "seq_len": 128}]})).state_dict() == {}
 
 
 def test_a_self_paced_synth_run_records_where_its_stages_started(capsys) -> None:
@@ -513,7 +524,7 @@ def test_synth_config_files(tmp_path, capsys) -> None:
         task = name.split("/")[1].split("-")[0]
         assert raw["task"].pop("name", task) == task and raw["model"].pop("name", None) in (None, *model_names())
         cfg = synth_config(raw["synth"])
-        from recurformer.synth import check_recipe
+        from recurformer.synth.config import check_recipe
 
         check_recipe(TASKS[task], TASKS[task].params(raw["task"]), cfg)
 

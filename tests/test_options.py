@@ -19,8 +19,8 @@ from recurformer.data import DataConfig, Tokenizer
 from recurformer.evaluate import LengthOptions
 from recurformer.generate import GenerateOptions
 from recurformer.registry import make_config
-from recurformer.synth import SynthConfig
-from recurformer.train import TrainConfig
+from recurformer.synth.config import SynthConfig
+from recurformer.training.config import TrainConfig
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import recurformer
 from recurformer import RecurformerError
 from recurformer.cli import main as cli_main
 from recurformer.config import bundled_configs, load_yaml, study_configs
-from recurformer.train import load_run_config
+from recurformer.training.config import load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,15 +33,16 @@ def test_version(capsys) -> None:
 
 
 def test_api_functions_keep_the_names_of_their_modules() -> None:
-    """``recurformer.train``/``evaluate``/``probe`` are the API functions, also after their modules
-    are imported, and ``from recurformer.train import Trainer`` still reads the module (in a fresh
-    interpreter, so that no earlier import hides an order problem)."""
+    """``recurformer.train``/``evaluate``/``probe`` are the API functions, also after the modules
+    are imported (``recurformer.training``, ``recurformer.evaluate``), and ``from
+    recurformer.evaluate import evaluate_lengths`` still reads the module (in a fresh interpreter,
+    so that no earlier import hides an order problem)."""
     code = (
         "import recurformer, recurformer.api as api\n"
-        "from recurformer.train import Trainer\nfrom recurformer.evaluate import evaluate_lengths\n"
+        "from recurformer.training.trainer import Trainer\nfrom recurformer.evaluate import evaluate_lengths\n"
         "from recurformer.probe import probe_model\nimport recurformer.cli\n"
         "assert (recurformer.train, recurformer.evaluate, recurformer.probe) == (api.train, api.evaluate, api.probe)\n"
-        "assert Trainer.__module__ == 'recurformer.train'\nprint('ok')\n"
+        "assert Trainer.__module__ == 'recurformer.training.trainer'\nprint('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
@@ -111,7 +112,7 @@ def test_configs_load_by_name_from_a_built_wheel(tmp_path) -> None:
     general = ["memory-attention-paper", "repro/base", "tinystories-cpu", "tinystories-rmt"]
     assert sorted(shipped) == [f"recurformer/configs/{n}.yaml" for n in general]  # no study's configs
     code = (
-        "import recurformer; from recurformer.config import load_yaml; from recurformer.train import load_run_config; "
+        "import recurformer; from recurformer.config import load_yaml; from recurformer.training.config import load_run_config; "
         "print(recurformer.__file__); print(load_run_config('tinystories-cpu').model['name'], load_yaml('memory-attention-paper')['model']['name'])\n"
         "from recurformer.config import study_configs; print(study_configs())"
     )

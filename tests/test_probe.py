@@ -185,7 +185,8 @@ WORDS = "the a cat dog ran sat on mat big small red blue happy sad tree house we
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path]:
-    from recurformer.train import Trainer, load_run_config
+    from recurformer.training.config import load_run_config
+    from recurformer.training.trainer import Trainer
 
     d = tmp_path_factory.mktemp("probe")
     rng = random.Random(0)

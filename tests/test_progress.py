@@ -14,13 +14,14 @@ from helpers import TEST_CONFIGS, randomize_params, tiny_config, write_corpus
 
 import recurformer.data.synthetic as synthetic
 import recurformer.progress
-import recurformer.synth as synth
+import recurformer.synth.run as synth
 from recurformer import build_model
 from recurformer.cli import main as cli
 from recurformer.data import Tokenizer
 from recurformer.data.synthetic import ROW_TOKENS, TASKS, make_split, row_tokens
 from recurformer.progress import Progress
-from recurformer.synth import SynthConfig, run_synth
+from recurformer.synth.config import SynthConfig
+from recurformer.synth.run import run_synth
 
 TINY = {"dim": 16, "n_heads": 2, "ffn_hidden": 32}
 

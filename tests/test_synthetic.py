@@ -15,15 +15,9 @@ from recurformer.config import RecurformerError
 from recurformer.data.synthetic import TASKS, make_split, vocab_size
 from recurformer.models import build_model, model_names
 from recurformer.nn import IGNORE_INDEX
-from recurformer.synth import (
-    Learner,
-    SynthConfig,
-    check_eval_budget,
-    model_values,
-    run_synth,
-    score_lengths,
-    synth_config,
-)
+from recurformer.synth.config import SynthConfig, model_values, synth_config
+from recurformer.synth.learner import Learner
+from recurformer.synth.run import check_eval_budget, run_synth, score_lengths
 
 SMALL = {  # small settings so the tests stay fast; defaults are the MAD baselines
     "in_context_recall": dict(seq_len=32),
@@ -481,7 +475,7 @@ def test_scores_by_order_on_a_predictor_whose_answer_is_known() -> None:
     1 / num_queries."""
     from types import SimpleNamespace
 
-    from recurformer.synth import evaluate
+    from recurformer.synth.learner import evaluate
 
     d = make_split("mqar", 16, 0, dict(num_pairs=4, num_queries=4, distance=3))
     last = torch.zeros_like(d.targets, dtype=torch.bool)

@@ -14,13 +14,17 @@ from helpers import DEVICES, WORDS, run_config
 import recurformer.checkpoint as ckpt
 from recurformer import RecurformerError
 from recurformer.cli import main as cli_main
-from recurformer.train import Trainer, load_run_config
+from recurformer.training.config import load_run_config
+from recurformer.training.trainer import Trainer
 
 RESUME_CASES = {  # data order, precision and truncation: a resume continues each exactly
     "default": {},
     "shuffled": {"data_order": "shuffled"},
     "bf16": {"precision": "bf16"},
     "truncation2": {"truncation": 2},
+    # a self-paced stage starts at step 1 (the loss of one step below 100): the resumed run must read
+    # where it started from the checkpoint, not from the schedule's step 50
+    "self_paced": {"schedule": "{advance_below: 100.0, advance_window: 1, stages: [{step: 50, truncation: 2}]}"},
 }
 
 
@@ -268,7 +272,7 @@ def test_mfu_above_one_measures_the_stale_peak_again(tmp_path, monkeypatch) -> N
     the peak is measured again, once, the higher one cached, the fraction taken of it, and a note
     says so; a re-measurement never lowers a cached peak."""
     from recurformer import build_model, flops
-    from recurformer.train import Throughput
+    from recurformer.training.meter import Throughput
 
     monkeypatch.setenv("RECURFORMER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(flops, "PEAK_SECONDS", 0.05)

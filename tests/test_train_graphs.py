@@ -17,7 +17,8 @@ from helpers import tiny_config, write_corpus
 
 from recurformer import RecurformerError
 from recurformer.cli import main as cli_main
-from recurformer.train import Trainer, load_run_config
+from recurformer.training.config import load_run_config
+from recurformer.training.trainer import Trainer
 
 WORDS = "the a cat dog ran sat on mat big small red blue".split()
 STEPS = 6

@@ -15,7 +15,7 @@ Deviations from MAD (athms/mad-lab), on purpose:
 - fuzzy recall uses random motif sizes in training and test alike (MAD: test keys are max size);
 - compression is scored through MAD's AutoEncoder head (``Task.head == "autoencoder"``): the
   model reads the row and a separate decoder reconstructs every token from the model's features
-  at the *last* position only (``recurformer.synth.CompressionDecoder``); the LM head is unused.
+  at the *last* position only (``recurformer.synth.learner.CompressionDecoder``); the LM head is unused.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from recurformer import RecurformerError, build_model
 from recurformer.generate import new_session, read
 from recurformer.models.armt import Associative
 from recurformer.reference import armt_segments, read_literal, rmt_segments, write_literal
-from recurformer.train import Trainer
+from recurformer.training.trainer import Trainer
 
 BASE = dict(vocab_size=61, dim=32, n_heads=4)
 ARMT = dict(BASE, associative=True, assoc_dim=4)
