@@ -30,6 +30,8 @@ __all__ = [
     "IGNORE_INDEX",
     "Block",
     "Call",
+    "ConvConfig",
+    "ConvLayer",
     "Layer",
     "LayerState",
     "ModelConfig",
@@ -94,6 +96,26 @@ class ModelConfig(Checked):
     def layer_kinds(self, default: str) -> list[str]:
         """The kind of every layer: ``layers`` if given, else the model's own kind everywhere."""
         return list(self.layers) if self.layers is not None else [default] * self.n_layers
+
+
+@dataclass
+class ConvConfig(ModelConfig):
+    """The config of a model whose attention layers may take a short convolution of their input
+    (``ConvLayer``, run by ``Block``). ``qkv_conv: K`` (K >= 1; 0, the default, is none) passes
+    each such layer's (normed) input through a short causal depthwise convolution with SiLU before
+    q/k/v (``modules.short_conv``, the one Gated DeltaNet uses: Yang, Kautz & Hatamizadeh, "Gated
+    Delta Networks", §3, after H3 and Mamba), so a key can carry the token before it, the cheapest
+    published lever for learning recall (Zoology; Based). Its last K-1 inputs are kept in the
+    layer's state (``conv``, zeros at a document start), so any split into calls gives the same
+    result."""
+
+    # K: a short causal convolution on each attention layer's input before q/k/v (0: none)
+    qkv_conv: int = option(0, range=">= 0", key="model.qkv_conv")
+
+    @property
+    def conv_floats(self) -> int:
+        """What the convolution adds to a row's state: the last K-1 inputs of every layer."""
+        return max(self.qkv_conv - 1, 0) * self.dim * self.n_layers
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,6 +214,16 @@ class Layer(nn.Module):
         return self.__dict__["_state_shapes"]
 
 
+class ConvLayer(Layer):
+    """A mixer that may own a short convolution of its input (``conv``, a ``ShortConvolution``:
+    the option ``ConvConfig.qkv_conv``; None without it), which ``Block`` runs. It is made before
+    the mixer's other modules (see ``ShortConvolution``: the order of the random draws)."""
+
+    def __init__(self, cfg: ConvConfig) -> None:
+        super().__init__()
+        self.conv = ShortConvolution(cfg.dim, cfg.qkv_conv) if cfg.qkv_conv else None
+
+
 class Block(Layer):
     """The pre-norm block around a mixer (the layer's sequence-mixing part), n = RMSNorm:
 
@@ -201,8 +233,8 @@ class Block(Layer):
     block is then those rows' (h = x[:, -m:] + mixer(...), m its output's length). The block is
     the layer: its state, reset, period and reach are the mixer's.
 
-    A mixer may own a short convolution of its input (its ``conv``, a ``ShortConvolution``: the
-    option ``qkv_conv``), which the block runs between the norm and the mixer,
+    A mixer may own a short convolution of its input (a ``ConvLayer``'s ``conv``), which the block
+    runs between the norm and the mixer,
     h = x + mixer(SiLU(conv(n(x))), state); the block keeps the convolution's piece of the state
     (the state's ``conv``): makes it, resets it, checks it and carries it across calls."""
 
@@ -240,7 +272,7 @@ class Block(Layer):
     @property
     def conv(self) -> ShortConvolution | None:
         """The mixer's short convolution of its input, if it has one."""
-        return getattr(self.attn, "conv", None)
+        return self.attn.conv if isinstance(self.attn, ConvLayer) else None
 
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> LayerState:
         state = self.attn.init_state(batch_size, device, dtype)
