@@ -100,14 +100,7 @@ class RMTConfig(ConvConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.associative and self.memory_update != "replace":
-            raise RecurformerError(
-                f"config key 'memory_update' is '{self.memory_update}', but an associative RMT carries no memory slots to gate (its slots are the same every segment)"
-            )
-        if not self.read_slots and not self.associative:
-            raise RecurformerError(
-                "config key 'read_slots' is false, but a plain RMT reads its memory only through its read slots (set associative: true, which reads A from every row)"
-            )
+        memory_class(self).check(self)
         other = [k for k in self.layers or [] if k != "rmt"]
         if other:
             raise RecurformerError(
@@ -229,6 +222,10 @@ class SegmentMemory:
     def __init__(self, cfg: RMTConfig) -> None:
         self.cfg = cfg
 
+    @classmethod
+    def check(cls, cfg: RMTConfig) -> None:
+        """One line if ``cfg`` asks of this memory what it cannot do (``RMTConfig`` asks, as it is built)."""
+
     def layer_state(self, state: RMTState, index: int, batch_size: int, device: Any, dtype: torch.dtype) -> RMTState:
         """Layer ``index``'s state at a document start, from ``state`` (its empty caches)."""
         raise NotImplementedError
@@ -279,6 +276,13 @@ class Slots(SegmentMemory):
     """The RMT's memory slots: layer 0's state holds the memory of the current segment (reset to
     ``init_memory``), and the write slots' final outputs become the next one (``RMT.next_memory``)."""
 
+    @classmethod
+    def check(cls, cfg: RMTConfig) -> None:
+        if not cfg.read_slots:
+            raise RecurformerError(
+                "config key 'read_slots' is false, but a plain RMT reads its memory only through its read slots (set associative: true, which reads A from every row)"
+            )
+
     def layer_state(self, state: RMTState, index: int, batch_size: int, device: Any, dtype: torch.dtype) -> RMTState:
         c = self.cfg
         memory = torch.zeros(batch_size, c.memory_size, c.dim, device=device, dtype=dtype) if index == 0 else None
@@ -305,9 +309,14 @@ class Slots(SegmentMemory):
 SEGMENT_MEMORIES: dict[str, type[SegmentMemory]] = {"slots": Slots}  # armt.py adds "associative"
 
 
+def memory_class(cfg: RMTConfig) -> type[SegmentMemory]:
+    """The kind of part that ``cfg`` carries across segments."""
+    return SEGMENT_MEMORIES["associative" if cfg.associative else "slots"]
+
+
 def memory_of(cfg: RMTConfig) -> SegmentMemory:
     """The part of an RMT that ``cfg`` carries across segments."""
-    return SEGMENT_MEMORIES["associative" if cfg.associative else "slots"](cfg)
+    return memory_class(cfg)(cfg)
 
 
 @register_layer("rmt", RMTConfig)
