@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import RecurformerError
-from ..nn import Block, Layer
+from ..nn import Block
+from ..stack import Layer
 from ..state import Call, LayerState, reset_rows
 from .rmt import RMT, SEGMENT_MEMORIES, RMTAttention, RMTConfig, RMTState, SegmentMemory
 

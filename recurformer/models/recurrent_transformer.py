@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from ..config import option
 from ..modules import MLP, RMSNorm, acc_dtype, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
-from ..nn import Layer, ModelConfig, StreamingLM
+from ..nn import ModelConfig, StreamingLM
 from ..ops.recurrent_attention import (
     BiasFn,
     TileUpdate,
@@ -57,6 +57,7 @@ from ..ops.recurrent_attention import (
     tile_update,
 )
 from ..registry import register, register_layer
+from ..stack import Layer
 from ..state import Call, LayerState
 
 

@@ -78,8 +78,9 @@ from ..modules import (
     rope_cos_sin,
     split_heads,
 )
-from ..nn import Block, ConvConfig, ConvLayer, Layer, StreamingLM
+from ..nn import Block, ConvConfig, ConvLayer, StreamingLM
 from ..registry import register, register_layer
+from ..stack import Layer
 from ..state import Call, LayerState, reset_rows
 
 

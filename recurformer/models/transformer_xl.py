@@ -48,9 +48,10 @@ from torch import Tensor, nn
 
 from ..config import RecurformerError, option
 from ..modules import pieces, split_heads
-from ..nn import Block, ConvConfig, ConvLayer, Layer, StreamingLM
+from ..nn import Block, ConvConfig, ConvLayer, StreamingLM
 from ..ops.relative import relative_scores, sinusoid_table
 from ..registry import register, register_layer
+from ..stack import Layer
 from ..state import Call, LayerState, reset_rows, writable
 
 
