@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import RecurformerError, option
-from ..modules import RMSNorm, ShortConvolution, acc_dtype
+from ..modules import RMSNorm, acc_dtype, init_short_conv, short_conv
 from ..nn import Block, ModelConfig, StreamingLM
 from ..ops.delta_rule import delta_rule_chunked, delta_rule_naive
 from ..registry import register, register_layer
@@ -109,10 +109,10 @@ class GatedDeltaNetLayer(Layer):
         super().__init__()
         self.cfg = cfg
         D, H = cfg.dim, cfg.n_heads
-        self.conv = ShortConvolution(3 * D, cfg.conv_size)  # depthwise, over [q; k; v] (first: see ShortConvolution)
         self.wq = nn.Linear(D, D, bias=False)
         self.wk = nn.Linear(D, D, bias=False)
         self.wv = nn.Linear(D, D, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(3 * D, cfg.conv_size))  # depthwise, over [q; k; v]
         self.wa = nn.Linear(D, H, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(H))
         self.A_log = nn.Parameter(torch.empty(H))
@@ -121,32 +121,32 @@ class GatedDeltaNetLayer(Layer):
         self.out_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.wo = nn.Linear(D, D, bias=False)
         self.init_extra(cfg.init_std)
-        self.conv.init_extra(cfg.init_std)
 
     def init_extra(self, std: float) -> None:
-        """a_t = decay_init and b_t ~ write_init on every input (the convolution initialises
-        itself, ``ShortConvolution.init_extra``)."""
+        """a_t = decay_init and b_t ~ write_init on every input; the convolution as PyTorch's
+        Conv1d default (uniform, bound 1/sqrt(K))."""
         with torch.no_grad():
             nn.init.zeros_(self.wa.weight)
             nn.init.zeros_(self.A_log)
             rate = -math.log(self.cfg.decay_init)  # softplus(dt_bias) * exp(0)
             self.dt_bias.fill_(rate + math.log(-math.expm1(-rate)))  # softplus^{-1}(rate)
             self.wb.bias.fill_(math.log(self.cfg.write_init / (1 - self.cfg.write_init)))
+            init_short_conv(self.conv_weight)
 
     def describe(self) -> str:
         return f"delta(K={self.cfg.conv_size})"
 
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> DeltaState:
-        H, d = self.cfg.n_heads, self.cfg.head_dim
+        H, d, D = self.cfg.n_heads, self.cfg.head_dim, self.cfg.dim
         return DeltaState(
             S=torch.zeros(batch_size, H, d, d, device=device, dtype=dtype),
-            conv=self.conv.init_state(batch_size, device, dtype),
+            conv=torch.zeros(batch_size, self.cfg.conv_size - 1, 3 * D, device=device, dtype=dtype),
         )
 
     def reset(self, state: DeltaState, fresh: Tensor) -> DeltaState:
         return DeltaState(
             S=reset_rows(fresh, state.S, state.S.new_zeros(())),
-            conv=self.conv.reset(state.conv, fresh),
+            conv=reset_rows(fresh, state.conv, state.conv.new_zeros(())),
         )
 
     def gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -171,7 +171,7 @@ class GatedDeltaNetLayer(Layer):
         qkv, gate = F.linear(x, torch.cat((self.wq.weight, self.wk.weight, self.wv.weight, self.wg.weight))).split(
             (3 * D, D), dim=-1
         )
-        c, conv = self.conv(qkv, state.conv)
+        c, conv = short_conv(qkv, state.conv, self.conv_weight)
         q, k, v = (t.unflatten(-1, (H, d)).transpose(1, 2) for t in c.split(D, dim=-1))  # [B, H, T, d]
         b, g = self.gates(x)
         f = acc_dtype(q.dtype)  # the recurrence in float32 at least, autocast off

@@ -1,7 +1,7 @@
 """The short causal convolution as one module (``modules.ShortConvolution``), run by ``nn.Block`` for
-every attention memory with ``qkv_conv`` (one field, ``nn.ConvConfig``) and by Gated DeltaNet
-itself; and the checkpoints written before it was one module (``tests/fixtures/conv_v2``, see its
-README), which load and compute the logits of the old code bit for bit."""
+every attention memory with ``qkv_conv`` (one field, ``nn.ConvConfig``); and the checkpoints
+written before it was one module (``tests/fixtures/conv_v2``, see its README), which load and
+compute the logits of the old code bit for bit."""
 
 from __future__ import annotations
 
@@ -98,13 +98,3 @@ def test_qkv_conv_is_one_field_of_conv_config() -> None:
     for name in CONV_MODELS:
         cfg = next(c for c in TEST_CONFIGS[name] if c.get("qkv_conv"))
         assert all(isinstance(layer.attn, ConvLayer) for layer in build_model(name, cfg).layers)
-
-
-def test_gated_deltanet_convolves_q_k_v_with_the_module_the_block_does_not_run() -> None:
-    """Gated DeltaNet's convolution (over its projected [q; k; v], kernel ``conv_size``) is a
-    ``ShortConvolution`` of its own, which it runs itself: the block runs none before the mixer."""
-    model = build_model("gated_deltanet", TEST_CONFIGS["gated_deltanet"][0])
-    for layer in model.layers:
-        assert isinstance(layer, Block) and isinstance(layer.attn.conv, ShortConvolution) and layer.conv is None
-        assert layer.attn.conv.weight.shape == (3 * model.config.dim, model.config.conv_size)
-    assert not [n for n, _ in model.named_parameters() if "conv" in n and not n.endswith(".attn.conv.weight")]
