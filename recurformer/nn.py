@@ -1,9 +1,11 @@
-"""The streaming contract, written once for every model: the model config (``ModelConfig``), the
-layer protocol (``Layer``), the pre-norm ``Block`` around a mixer, and the model around a stack of
-layers (``StreamingLM``: embedding, input and state checks, the lazy per-row reset, the layer loop,
-the final norm and the tied LM head). The state types live in ``state.py`` (re-exported here), the
-building blocks in ``modules.py``, the architectures in ``models/``; generation and the Hub methods
-come from the mixins of ``generate.py`` and ``hub.py``."""
+"""The streaming contract, written once for every model: the model config (``ModelConfig``; with
+the short convolution of attention inputs, ``ConvConfig``), the pre-norm ``Block`` around a mixer
+(``ConvLayer``: a mixer whose input it convolves), and the model around a stack of layers
+(``StreamingLM``: embedding, input checks, the lazy per-row reset, the layer loop, the final norm
+and the tied LM head). The layer protocol (``Layer``) and what the model reads of its stack alone
+(state checks, reset boundary, receptive field: ``Stack``) live in ``stack.py``, the state types in
+``state.py`` (re-exported here), the building blocks in ``modules.py``, the architectures in
+``models/``; generation and the Hub methods come from the mixins of ``generate.py`` and ``hub.py``."""
 
 from __future__ import annotations
 
@@ -17,20 +19,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .compat import upgrade_state
 from .config import Checked, RecurformerError, option
 from .device import autocast_context
 from .generate import GenerationMixin
 from .hub import HubMixin
 from .modules import MLP, RMSNorm, ShortConvolution, cross_entropy
 from .registry import build_layer
+from .stack import Layer, Stack
 from .state import IGNORE_INDEX, Call, LayerState, Output, Room, State, reset_rows, writable
 
 __all__ = [
     "IGNORE_INDEX",
     "Block",
     "Call",
-    "Layer",
+    "ConvConfig",
+    "ConvLayer",
     "LayerState",
     "ModelConfig",
     "NonFiniteLogits",
@@ -96,100 +99,38 @@ class ModelConfig(Checked):
         return list(self.layers) if self.layers is not None else [default] * self.n_layers
 
 
+@dataclass
+class ConvConfig(ModelConfig):
+    """The config of a model whose attention layers may take a short convolution of their input
+    (``ConvLayer``, run by ``Block``). ``qkv_conv: K`` (K >= 1; 0, the default, is none) passes
+    each such layer's (normed) input through a short causal depthwise convolution with SiLU before
+    q/k/v (``modules.short_conv``, the one Gated DeltaNet uses: Yang, Kautz & Hatamizadeh, "Gated
+    Delta Networks", §3, after H3 and Mamba), so a key can carry the token before it, the cheapest
+    published lever for learning recall (Zoology; Based). Its last K-1 inputs are kept in the
+    layer's state (``conv``, zeros at a document start), so any split into calls gives the same
+    result."""
+
+    # K: a short causal convolution on each attention layer's input before q/k/v (0: none)
+    qkv_conv: int = option(0, range=">= 0", key="model.qkv_conv")
+
+    @property
+    def conv_floats(self) -> int:
+        """What the convolution adds to a row's state: the last K-1 inputs of every layer."""
+        return max(self.qkv_conv - 1, 0) * self.dim * self.n_layers
+
+
 # ----------------------------------------------------------------------------------------------
-# the layer protocol
+# the block around a mixer
 
 
-class Layer(nn.Module):
-    """One layer of a stack. ``forward(h, state, call) -> (h, state)`` reads and returns its own
-    ``LayerState``; ``init_state`` makes a fresh one (zeros; a learned initial state is put in by
-    ``reset``); ``reset(state, fresh)`` restores the initial state in the rows marked fresh; a row
-    can be reset only when the position is a multiple of ``period`` (the chunk, segment or block
-    length, called ``unit``); ``reach(q)`` is the earliest position the output at position q reads
-    directly (None: the whole document, through a cache or a recurrent state).
+class ConvLayer(Layer):
+    """A mixer that may own a short convolution of its input (``conv``, a ``ShortConvolution``:
+    the option ``ConvConfig.qkv_conv``; None without it), which ``Block`` runs. It is made before
+    the mixer's other modules (see ``ShortConvolution``: the order of the random draws)."""
 
-    A layer class overrides the read-only properties below with class attributes or properties."""
-
-    @property
-    def kind(self) -> str:
-        """The registered kind ('memory', 'xl', ...; see ``registry.register_layer``)."""
-        return "layer"
-
-    @property
-    def period(self) -> int:
-        """Rows reset only at multiples of this many tokens (the chunk, segment or block length)."""
-        return 1
-
-    @property
-    def unit(self) -> str:
-        """What ``period`` tokens are called ('chunk', 'segment', 'block')."""
-        return "token"
-
-    @property
-    def bounded(self) -> bool:
-        """The state stays the same size at any length."""
-        return True
-
-    @property
-    def shift_invariant(self) -> bool:
-        """The output and the new state stay the same when the position and every document start
-        move by a multiple of ``period`` (positions are read only relative to a document start or
-        within a chunk; absolute RoPE positions are not): one captured step then serves every
-        aligned position (``capture.py``)."""
-        return False
-
-    @property
-    def state_cls(self) -> type[LayerState]:
-        return LayerState
-
-    def init_extra(self, std: float) -> None:
-        """The layer's own initialisation, after the model's normal(0, std) of every weight."""
-
-    def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> LayerState:
-        raise NotImplementedError
-
-    def forward(self, x: Tensor, state: Any, call: Call) -> tuple[Tensor, Any]:
-        raise NotImplementedError
-
-    def reset(self, state: Any, fresh: Tensor) -> Any:
-        return state  # a KV cache needs nothing: ``call.start`` masks the old document
-
-    def reach(self, q: int) -> int | None:
-        return None
-
-    def describe(self) -> str:
-        return self.kind
-
-    def check_state(self, state: LayerState, pos: int) -> str | None:
-        """None if ``state`` fits this layer after ``pos`` tokens, else what is wrong."""
-        if type(state) is not self.state_cls:
-            return f"holds a {type(state).__name__}, expected a {self.state_cls.__name__}"
-        for name, shape in self.state_shapes().items():
-            if name in state.runtime:
-                continue
-            a = getattr(state, name)
-            if (a is None) != (shape is None):
-                return f"'{name}' is {'missing' if a is None else 'unexpected'}"
-            if a is None or shape is None:
-                continue
-            want = list(shape)
-            want[0] = a.shape[0]
-            if name in state.cache and a.dim() == len(want):
-                want[state.cache[name]] = a.shape[state.cache[name]]
-            if name in state.partial:
-                want[state.partial[name]] += pos % self.period
-            if list(a.shape) != want:
-                return f"'{name}' has shape {tuple(a.shape)}, expected {tuple(want)}"
-        return None
-
-    def state_shapes(self) -> dict[str, tuple[int, ...] | None]:
-        """The shapes of a fresh state of batch 1 (made once, on the meta device)."""
-        if "_state_shapes" not in self.__dict__:
-            ref = self.init_state(1, "meta", torch.float32)
-            self.__dict__["_state_shapes"] = {
-                f.name: None if (v := getattr(ref, f.name)) is None else tuple(v.shape) for f in dataclasses.fields(ref)
-            }
-        return self.__dict__["_state_shapes"]
+    def __init__(self, cfg: ConvConfig) -> None:
+        super().__init__()
+        self.conv = ShortConvolution(cfg.dim, cfg.qkv_conv) if cfg.qkv_conv else None
 
 
 class Block(Layer):
@@ -201,8 +142,8 @@ class Block(Layer):
     block is then those rows' (h = x[:, -m:] + mixer(...), m its output's length). The block is
     the layer: its state, reset, period and reach are the mixer's.
 
-    A mixer may own a short convolution of its input (its ``conv``, a ``ShortConvolution``: the
-    option ``qkv_conv``), which the block runs between the norm and the mixer,
+    A mixer may own a short convolution of its input (a ``ConvLayer``'s ``conv``), which the block
+    runs between the norm and the mixer,
     h = x + mixer(SiLU(conv(n(x))), state); the block keeps the convolution's piece of the state
     (the state's ``conv``): makes it, resets it, checks it and carries it across calls."""
 
@@ -240,7 +181,7 @@ class Block(Layer):
     @property
     def conv(self) -> ShortConvolution | None:
         """The mixer's short convolution of its input, if it has one."""
-        return getattr(self.attn, "conv", None)
+        return self.attn.conv if isinstance(self.attn, ConvLayer) else None
 
     def init_state(self, batch_size: int, device: torch.device | str | None, dtype: torch.dtype) -> LayerState:
         state = self.attn.init_state(batch_size, device, dtype)
@@ -314,7 +255,7 @@ def check_compile() -> None:
         )
 
 
-class StreamingLM(nn.Module, GenerationMixin, HubMixin):
+class StreamingLM(nn.Module, Stack, GenerationMixin, HubMixin):
     """Token embedding -> the stack of layers -> final RMSNorm -> tied LM head.
 
     A model class names the ``kind`` of its layers (registered by ``registry.register_layer``) and
@@ -486,64 +427,6 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
             state = out.state
             yield Output(logits, out.loss, state)
 
-    def check_state(self, state: State, batch_size: int) -> State:
-        """Exact: the state's type, batch size, layer count and every layer state's shapes."""
-        where = f"state does not fit this {type(self).__name__}"
-        if not isinstance(state, State):
-            raise RecurformerError(f"{where}: it is a {type(state).__name__}, not a recurformer State")
-        if state.batch_size != batch_size:
-            raise RecurformerError(f"state has batch size {state.batch_size}, tokens have {batch_size}")
-        if len(state.layers) != len(self.layers):
-            raise RecurformerError(f"{where}: it has {len(state.layers)} layers, the model {len(self.layers)}")
-        for i, (layer, s) in enumerate(zip(self.layers, state.layers)):
-            if (why := layer.check_state(s, state.pos)) is not None:
-                raise RecurformerError(f"{where}: layer {i} ({layer.kind}) {why}")
-        return state
-
-    def state_from_flat(self, flat: dict[str, Tensor]) -> State:
-        """The inverse of ``State.to_flat`` (states saved before the layer contract are converted)."""
-        if "layers.n" not in flat:
-            flat = upgrade_state(self, flat)
-        try:
-            n = int(flat["layers.n"])
-            layers = [layer.state_cls.from_flat(flat, f"layers.{i}.") for i, layer in enumerate(self.layers[:n])]
-            state = State(fresh=flat["fresh"], start=flat["start"], pos=int(flat["pos"]), layers=layers)
-        except KeyError as e:
-            raise RecurformerError(f"saved state is not a recurformer State: missing '{e.args[0]}'") from None
-        return self.check_state(state, state.batch_size)
-
-    @property
-    def bounded_state(self) -> bool:
-        """Whether the state stays the same size at any length (False for a full KV cache)."""
-        return all(layer.bounded for layer in self.layers)
-
-    @property
-    def reset_boundary(self) -> int:
-        """A row's state can be reset only after a multiple of this many tokens: the least common
-        multiple of the layers' periods (1 for token-wise layers)."""
-        return math.lcm(*(layer.period for layer in self.layers))
-
-    def receptive_start(self, p: int) -> int:
-        """Earliest position of a document whose token can change the logits at position p: each
-        layer, from the last, maps a position to the earliest one it reads directly."""
-        q = p
-        for layer in reversed(self.layers):
-            r = layer.reach(q)
-            if r is None:
-                return 0
-            q = r
-        return max(q, 0)
-
-    def max_context(self) -> int | None:
-        """The receptive field of a logit far from the document start (None: unbounded, through a
-        cache or a recurrent state)."""
-        big, P = 1 << 40, self.reset_boundary
-        reach = [layer.reach(big + i) for layer in self.layers for i in range(P)]
-        if None in reach:
-            return None
-        far = len(self.layers) * P + sum(big + P - r for r in reach if r is not None)
-        return max(p - self.receptive_start(p) + 1 for p in range(far, far + P))
-
     def compile_layers(self) -> None:
         """``torch.compile`` each layer in place (regional compilation): identical layers share one
         compiled graph, so compiling costs about one layer however deep the model is. The
@@ -551,16 +434,6 @@ class StreamingLM(nn.Module, GenerationMixin, HubMixin):
         check_compile()
         for layer in self.layers:
             layer.compile()
-
-    def info_lines(self) -> list[str]:
-        """The stack and its receptive field for ``recurformer info`` (models add their facts)."""
-        stack = ", ".join(f"{i}:{layer.describe()}" for i, layer in enumerate(self.layers))
-        ctx = self.max_context()
-        where = [i for i, layer in enumerate(self.layers) if layer.reach(1 << 40) is None]
-        field_ = (
-            f"up to {ctx:,} tokens" if ctx is not None else f"unbounded (cache or recurrent state in layers {where})"
-        )
-        return [f"layers: {stack}", f"receptive field of a logit: {field_}"]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -30,9 +30,11 @@ FLOORS: list[list[str]] = [
         "data.sources",
     ],
     # 2: file formats and helpers on the state types; the captured step (a model's calls replayed); the
-    # report writer of the commands that measure a model (table, JSON, figure)
+    # report writer of the commands that measure a model (table, JSON, figure); the layer contract and
+    # what a model reads of its stack of layers
     [
         "checkpoint",
+        "stack",
         "report",
         "flops",
         "data.prepare",

@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..nn import Block, Layer
+from ..config import RecurformerError
+from ..nn import Block
+from ..stack import Layer
 from ..state import Call, LayerState, reset_rows
 from .rmt import RMT, SEGMENT_MEMORIES, RMTAttention, RMTConfig, RMTState, SegmentMemory
 
@@ -130,6 +132,13 @@ class AssociativeMemory(SegmentMemory):
     """ARMT's part of an RMT: every layer's state carries A and z (zero at a document start), the
     memory slots are ``init_memory`` at every segment, each layer's block reads A and writes it
     (``AssociativeBlock``), and a whole segment hands every layer's A, z on."""
+
+    @classmethod
+    def check(cls, cfg: RMTConfig) -> None:
+        if cfg.memory_update != "replace":
+            raise RecurformerError(
+                f"config key 'memory_update' is '{cfg.memory_update}', but an associative RMT carries no memory slots to gate (its slots are the same every segment)"
+            )
 
     def layer_state(self, state: RMTState, index: int, batch_size: int, device: Any, dtype: torch.dtype) -> RMTState:
         K, D = Associative.features(self.cfg.assoc_dim), self.cfg.dim

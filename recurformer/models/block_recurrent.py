@@ -36,12 +36,8 @@ decides where to detach. A per-row reset (``fresh``) restores the learned initia
 key/value cache, lazily at the next call, and only at a block boundary. Every layer sits in the
 library's pre-norm block (with meliad's 2-matrix ReLU MLP as an option).
 
-``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each layer's (normed) input through a
-short causal depthwise convolution with SiLU before its queries, keys and values (the tokens'
-queries into the state included; ``modules.short_conv``, the one Gated DeltaNet uses: Yang, Kautz &
-Hatamizadeh, "Gated Delta Networks", §3, after H3 and Mamba), the cheapest published lever for
-learning recall (Zoology; Based). Its last K-1 inputs are kept in the state (``conv``, zeros at a
-document start).
+``qkv_conv: K`` passes each layer's (normed) input through a short causal convolution before its
+queries, keys and values, the tokens' queries into the state included (``nn.ConvConfig``).
 """
 
 from __future__ import annotations
@@ -57,7 +53,6 @@ from .. import tap
 from ..cells import QK, StateCell, t5_buckets
 from ..config import RecurformerError, option
 from ..modules import (
-    ShortConvolution,
     apply_rope,
     biased_attend,
     compiled_region,
@@ -71,13 +66,14 @@ from ..modules import (
     rope_cos_sin,
     ungroup_heads,
 )
-from ..nn import Block, Layer, ModelConfig, StreamingLM
+from ..nn import Block, ConvConfig, ConvLayer, StreamingLM
 from ..registry import register, register_layer
+from ..stack import Layer
 from ..state import Call, LayerState, reset_rows
 
 
 @dataclass
-class BlockRecurrentConfig(ModelConfig):
+class BlockRecurrentConfig(ConvConfig):
     context_field = "block_size"
     block_size: int = option(512, range=">= 1")  # W: tokens per block = attention window
     num_states: int | None = option(None, range=">= 1")  # S: state vectors per recurrent layer (None: S = W)
@@ -92,8 +88,6 @@ class BlockRecurrentConfig(ModelConfig):
     qk_norm: bool = True  # meliad's normalize_keys: L2-normalised q, k times a learned per-head scale
     # queries per attention tile, at most W (speed only: exact at any value)
     query_tile: int = option(128, range=">= 1")
-    # K: a short causal convolution on each layer's input before q/k/v (0: none)
-    qkv_conv: int = option(0, range=">= 0", key="model.qkv_conv")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -133,10 +127,10 @@ class BlockRecurrentState(LayerState):
     k: Tensor
     v: Tensor
     cell: Tensor | None = None
-    conv: Tensor | None = None  # [B, K-1, D] (``qkv_conv``): the last K-1 inputs (zeros at a document start)
+    conv: Tensor | None = None  # [B, K-1, D]: the convolution's last K-1 inputs (``ConvLayer``)
 
 
-class BlockAttention(Layer):
+class BlockAttention(ConvLayer):
     """Sliding-window attention over blocks (the mixer of every layer); ``cell`` makes it
     recurrent. The output is Wo [self-attention ; token->state cross-attention]."""
 
@@ -145,10 +139,9 @@ class BlockAttention(Layer):
     shift_invariant = True  # positions within a chunk, or relative to a document start
 
     def __init__(self, cfg: BlockRecurrentConfig, recurrent: bool) -> None:
-        super().__init__()
+        super().__init__(cfg)
         D, Dkv = cfg.dim, cfg.key_value_heads * cfg.head_dim
         self.cfg = cfg
-        self.conv = ShortConvolution(cfg.dim, cfg.qkv_conv) if cfg.qkv_conv else None  # run by ``Block``
         self.n_heads, self.kv_heads = cfg.n_heads, cfg.key_value_heads
         self.wq = nn.Linear(D, D, bias=False)
         self.wk = nn.Linear(D, Dkv, bias=False)
@@ -359,7 +352,7 @@ class BlockRecurrent(StreamingLM):
         rec = c.recurrent_layer_ids
         kv_dim = c.key_value_heads * c.head_dim
         per_row = c.n_layers * 2 * kv_dim * (c.block_size + c.block_size - 1) + len(rec) * c.states * c.dim
-        per_row += c.n_layers * max(c.qkv_conv - 1, 0) * c.dim  # the convolution's last K-1 inputs
+        per_row += c.conv_floats
         parts = self.param_breakdown()
         total = sum(parts.values())
         lines = super().info_lines() + [

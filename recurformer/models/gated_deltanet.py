@@ -54,9 +54,10 @@ from torch import Tensor, nn
 
 from ..config import RecurformerError, option
 from ..modules import RMSNorm, acc_dtype, init_short_conv, short_conv
-from ..nn import Block, Layer, ModelConfig, StreamingLM
+from ..nn import Block, ModelConfig, StreamingLM
 from ..ops.delta_rule import delta_rule_chunked, delta_rule_naive
 from ..registry import register, register_layer
+from ..stack import Layer
 from ..state import Call, LayerState, reset_rows
 
 

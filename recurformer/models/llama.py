@@ -18,8 +18,9 @@ from torch import Tensor, nn
 
 from ..config import RecurformerError
 from ..modules import apply_rope, attend, float32_under_cpu_autocast, merge_heads, rope_cos_sin, split_heads
-from ..nn import Block, Layer, ModelConfig, StreamingLM
+from ..nn import Block, ModelConfig, StreamingLM
 from ..registry import register, register_layer
+from ..stack import Layer
 from ..state import Call, LayerState, writable
 
 

@@ -30,11 +30,8 @@ closed at initialisation; the keep path is the raw memory M_t, not the evolved M
 
     g = sigmoid(W_g O_t + b_g),    M_{t+1} = M_t + g * (O_t - M_t),    b_g = -5 at initialisation
 
-``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each memory layer's (normed) input through
-a short causal depthwise convolution with SiLU before q/k/v (``modules.short_conv``, the one Gated
-DeltaNet uses: Yang, Kautz & Hatamizadeh, "Gated Delta Networks", §3, after H3 and Mamba), so a key
-can carry the token before it, the cheapest published lever for learning recall (Zoology; Based).
-Its last K-1 inputs are kept in the state (``conv``), so any split into calls gives the same result.
+``qkv_conv: K`` passes each memory layer's (normed) input through a short causal convolution
+before q/k/v (``nn.ConvConfig``).
 
 ``memory_layers`` puts memory attention in the chosen layers only and full attention (or, with
 ``window``, sliding-window attention) in the others, as the code's ``memlayerN`` option.
@@ -54,7 +51,6 @@ from ..config import RecurformerError, option
 from ..modules import (
     MLP,
     RMSNorm,
-    ShortConvolution,
     WriteGate,
     apply_rope,
     attend,
@@ -64,13 +60,14 @@ from ..modules import (
     rope_cos_sin,
     split_heads,
 )
-from ..nn import Block, Layer, ModelConfig, StreamingLM
+from ..nn import Block, ConvConfig, ConvLayer, StreamingLM
 from ..registry import register, register_layer
+from ..stack import Layer
 from ..state import Call, LayerState, reset_rows
 
 
 @dataclass
-class MemoryAttentionConfig(ModelConfig):
+class MemoryAttentionConfig(ConvConfig):
     context_field = "chunk_size"
     chunk_size: int = option(32, range=">= 1")  # C: tokens per chunk = memory slots per layer
     memory_qkv: Literal["shared", "separate"] = "shared"  # memory K/V from W_k,W_v (code) or W_km,W_vm (paper)
@@ -80,8 +77,6 @@ class MemoryAttentionConfig(ModelConfig):
     init_memory: Literal["zeros", "learned"] = "zeros"
     memory_update: Literal["replace", "gated", "write_gate"] = "replace"  # M_{t+1} = O_t (the paper) or a gate above
     memory_layers: list[int] | None = None  # memory attention only in these layers (None: all)
-    # K: a short causal convolution on the memory layers' input before q/k/v (0: none)
-    qkv_conv: int = option(0, range=">= 0", key="model.qkv_conv")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -115,17 +110,16 @@ class MemoryState(LayerState):
     part_k: Tensor
     part_v: Tensor
     part_o: Tensor
-    conv: Tensor | None = None  # [B, K-1, D] (``qkv_conv``): the last K-1 inputs (zeros at a document start)
+    conv: Tensor | None = None  # [B, K-1, D]: the convolution's last K-1 inputs (``ConvLayer``)
 
 
-class MemoryAttentionLayer(Layer):
+class MemoryAttentionLayer(ConvLayer):
     kind, unit = "memory", "chunk"
     state_cls = MemoryState
     shift_invariant = True  # positions within a chunk, or relative to a document start
 
     def __init__(self, cfg: MemoryAttentionConfig) -> None:
-        super().__init__()
-        self.conv = ShortConvolution(cfg.dim, cfg.qkv_conv) if cfg.qkv_conv else None  # run by ``Block``
+        super().__init__(cfg)
         self.cfg = cfg
         self.n_heads = cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)

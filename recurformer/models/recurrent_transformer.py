@@ -46,9 +46,10 @@ from torch import Tensor, nn
 
 from ..config import option
 from ..modules import MLP, RMSNorm, acc_dtype, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
-from ..nn import Layer, ModelConfig, StreamingLM
+from ..nn import ModelConfig, StreamingLM
 from ..ops.recurrent_attention import (
     BiasFn,
+    RecurrentInputs,
     TileUpdate,
     alibi_bias,
     compiled_tile_update,
@@ -57,6 +58,7 @@ from ..ops.recurrent_attention import (
     tile_update,
 )
 from ..registry import register, register_layer
+from ..stack import Layer
 from ..state import Call, LayerState
 
 
@@ -187,16 +189,14 @@ class RecurrentLayer(Layer):
             k, v = self.kv(z, None if rope is None else (rope[0][s:e], rope[1][s:e]))
             return z, k, v
 
-        kw: dict[str, Any] = dict(
-            block=b, pos0=pos0, past_k=past["k"], past_v=past["v"], past_tk=past["tk"], past_tv=past["tv"],
-            start=start, bias_fn=bias_fn,
+        inputs = RecurrentInputs(
+            q, tk, tv, finish, block=b, pos0=pos0, past_k=past["k"], past_v=past["v"], past_tk=past["tk"],
+            past_tv=past["tv"], start=start, bias_fn=bias_fn,
         )  # fmt: skip
         if (impl or self.cfg.impl) == "tiled":  # finish reads x and the parameters: the custom backward
-            z, k, v = recurrent_attention_tiled(
-                q, tk, tv, finish, finish_inputs=(x, *self.parameters()), update=self.tile_update, **kw
-            )
+            z, k, v = recurrent_attention_tiled(inputs, finish_inputs=(x, *self.parameters()), update=self.tile_update)
         else:
-            z, k, v = recurrent_attention_naive(q, tk, tv, finish, **kw)
+            z, k, v = recurrent_attention_naive(inputs)
         r = (pos0 + x.shape[1]) % b  # positions of the unfinished block after this call
         tk_all, tv_all = torch.cat((past["tk"], tk), 2), torch.cat((past["tv"], tv), 2)
         R = tk_all.shape[2]

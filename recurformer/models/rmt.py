@@ -41,12 +41,9 @@ memory until the trainer detaches the state (the TBPTT boundary). A row can be r
 The memory slots pass through every layer, so every layer of the stack is an 'rmt' layer: a
 hybrid stack with 'full' or 'window' layers is refused (such a layer has no way to read the slots).
 
-``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each layer's (normed) input over the
-extended segment through a short causal depthwise convolution with SiLU before q/k/v
-(``modules.short_conv``, the one Gated DeltaNet uses: Yang, Kautz & Hatamizadeh, "Gated Delta
-Networks", §3, after H3 and Mamba), so a key can carry the token before it, the cheapest published
-lever for learning recall (Zoology; Based). The convolution restarts with every segment, as the
-positions do; the state keeps the segment's last K-1 inputs (``conv``).
+``qkv_conv: K`` passes each layer's (normed) input over the extended segment through a short
+causal convolution before q/k/v (``nn.ConvConfig``). The convolution restarts with every segment,
+as the positions do; the state keeps the segment's last K-1 inputs (``conv``).
 
 ``memory_update: write_gate`` holds the memory unless the segment opens a gate (``WriteGate``,
 closed at initialisation; ``RMT.next_memory``), so the keep path carries no norm gain:
@@ -72,7 +69,6 @@ from .. import tap
 from ..config import RecurformerError, option
 from ..modules import (
     RMSNorm,
-    ShortConvolution,
     WriteGate,
     apply_rope,
     attend,
@@ -82,13 +78,14 @@ from ..modules import (
     rope_cos_sin,
     split_heads,
 )
-from ..nn import Block, Layer, ModelConfig, StreamingLM
+from ..nn import Block, ConvConfig, ConvLayer, StreamingLM
 from ..registry import register, register_layer
+from ..stack import Layer
 from ..state import Call, LayerState, reset_rows
 
 
 @dataclass
-class RMTConfig(ModelConfig):
+class RMTConfig(ConvConfig):
     context_field = "segment_len"
     segment_len: int = option(128, range=">= 1")  # S: tokens per segment
     memory_size: int = option(16, range=">= 1")  # M: memory slots (read and write)
@@ -96,8 +93,6 @@ class RMTConfig(ModelConfig):
     assoc_dim: int = option(32, range=">= 1")  # d_mem: ARMT's key/query width before the DPFP feature map (K = 6 d_mem)
     memory_update: Literal["replace", "write_gate"] = "replace"  # the new memory as written, or held by a gate
     read_slots: bool = True  # M read slots before the tokens (false: write slots only, as ARMT's code)
-    # K: a short causal convolution on each layer's input before q/k/v, within a segment (0: none)
-    qkv_conv: int = option(0, range=">= 0", key="model.qkv_conv")
 
     @property
     def n_read(self) -> int:
@@ -106,14 +101,7 @@ class RMTConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.associative and self.memory_update != "replace":
-            raise RecurformerError(
-                f"config key 'memory_update' is '{self.memory_update}', but an associative RMT carries no memory slots to gate (its slots are the same every segment)"
-            )
-        if not self.read_slots and not self.associative:
-            raise RecurformerError(
-                "config key 'read_slots' is false, but a plain RMT reads its memory only through its read slots (set associative: true, which reads A from every row)"
-            )
+        memory_class(self).check(self)
         other = [k for k in self.layers or [] if k != "rmt"]
         if other:
             raise RecurformerError(
@@ -129,7 +117,7 @@ class RMTState(LayerState):
     memory of the current segment, the stack's input at the read and the write slots; ``assoc``
     [B, K, D] and ``assoc_z`` [B, K] (``associative`` only): the layer's fast-weight matrix A and
     normaliser z, as written by the segments before the current one; ``conv`` [B, K-1, D]
-    (``qkv_conv`` only): the layer's last K-1 inputs of the current extended segment (zeros at its
+    (``ConvLayer``): the layer's last K-1 inputs of the current extended segment (zeros at its
     start)."""
 
     cache: ClassVar[dict[str, int]] = {"k": 2, "v": 2}
@@ -141,7 +129,7 @@ class RMTState(LayerState):
     conv: Tensor | None = None
 
 
-class RMTAttention(Layer):
+class RMTAttention(ConvLayer):
     """Causal self-attention of new positions over the cached ones: the positions of x [B, n, D]
     are c..c+n-1, c the cache length (their place in the extended segment), and each sees the
     cache and the new positions up to itself."""
@@ -151,8 +139,7 @@ class RMTAttention(Layer):
     shift_invariant = True  # positions within a chunk, or relative to a document start
 
     def __init__(self, cfg: RMTConfig, index: int) -> None:
-        super().__init__()
-        self.conv = ShortConvolution(cfg.dim, cfg.qkv_conv) if cfg.qkv_conv else None  # run by ``Block``
+        super().__init__(cfg)
         self.cfg, self.index = cfg, index
         self.memory = memory_of(cfg)  # what crosses a segment boundary (not a module: no parameters)
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -236,6 +223,10 @@ class SegmentMemory:
     def __init__(self, cfg: RMTConfig) -> None:
         self.cfg = cfg
 
+    @classmethod
+    def check(cls, cfg: RMTConfig) -> None:
+        """One line if ``cfg`` asks of this memory what it cannot do (``RMTConfig`` asks, as it is built)."""
+
     def layer_state(self, state: RMTState, index: int, batch_size: int, device: Any, dtype: torch.dtype) -> RMTState:
         """Layer ``index``'s state at a document start, from ``state`` (its empty caches)."""
         raise NotImplementedError
@@ -286,6 +277,13 @@ class Slots(SegmentMemory):
     """The RMT's memory slots: layer 0's state holds the memory of the current segment (reset to
     ``init_memory``), and the write slots' final outputs become the next one (``RMT.next_memory``)."""
 
+    @classmethod
+    def check(cls, cfg: RMTConfig) -> None:
+        if not cfg.read_slots:
+            raise RecurformerError(
+                "config key 'read_slots' is false, but a plain RMT reads its memory only through its read slots (set associative: true, which reads A from every row)"
+            )
+
     def layer_state(self, state: RMTState, index: int, batch_size: int, device: Any, dtype: torch.dtype) -> RMTState:
         c = self.cfg
         memory = torch.zeros(batch_size, c.memory_size, c.dim, device=device, dtype=dtype) if index == 0 else None
@@ -312,9 +310,14 @@ class Slots(SegmentMemory):
 SEGMENT_MEMORIES: dict[str, type[SegmentMemory]] = {"slots": Slots}  # armt.py adds "associative"
 
 
+def memory_class(cfg: RMTConfig) -> type[SegmentMemory]:
+    """The kind of part that ``cfg`` carries across segments."""
+    return SEGMENT_MEMORIES["associative" if cfg.associative else "slots"]
+
+
 def memory_of(cfg: RMTConfig) -> SegmentMemory:
     """The part of an RMT that ``cfg`` carries across segments."""
-    return SEGMENT_MEMORIES["associative" if cfg.associative else "slots"](cfg)
+    return memory_class(cfg)(cfg)
 
 
 @register_layer("rmt", RMTConfig)
@@ -415,7 +418,7 @@ class RMT(StreamingLM):
         c = self.config
         S, M, R, N, D = c.segment_len, c.memory_size, c.n_read, c.n_layers, c.dim
         carried, what = self.memory.numbers()
-        conv = max(c.qkv_conv - 1, 0) * D * N  # the convolution's last K-1 inputs per layer
+        conv = c.conv_floats
         most = carried + 2 * (R + S - 1) * D * N + conv
         read = f"{R} read slots; " if R else ""
         return super().info_lines() + [

@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import RecurformerError, option
-from ..nn import Block, Layer, ModelConfig
+from ..nn import Block, ModelConfig
 from ..registry import register, register_layer
+from ..stack import Layer
 from .llama import Attention, Llama, LlamaConfig
 
 

@@ -34,12 +34,8 @@ before the document start are neither projected nor attended) are windows of the
 autograd (decoding) the keys/values of the memory and of the segment so far are kept
 (``XLRoom``), and the call is attended piece by piece.
 
-``qkv_conv: K`` (K >= 1; 0, the default, is none) passes each layer's (normed) input through a short
-causal depthwise convolution with SiLU before q/k/v (``modules.short_conv``, the one Gated DeltaNet
-uses: Yang, Kautz & Hatamizadeh, "Gated Delta Networks", §3, after H3 and Mamba), so a key can carry
-the token before it, the cheapest published lever for learning recall (Zoology; Based). The memory
-then holds the convolved inputs; the last K-1 inputs are kept in the state (``conv``, zeros at a
-document start).
+``qkv_conv: K`` passes each layer's (normed) input through a short causal convolution before q/k/v
+(``nn.ConvConfig``); the memory then holds the convolved inputs.
 """
 
 from __future__ import annotations
@@ -51,22 +47,21 @@ import torch
 from torch import Tensor, nn
 
 from ..config import RecurformerError, option
-from ..modules import ShortConvolution, pieces, split_heads
-from ..nn import Block, Layer, ModelConfig, StreamingLM
+from ..modules import pieces, split_heads
+from ..nn import Block, ConvConfig, ConvLayer, StreamingLM
 from ..ops.relative import relative_scores, sinusoid_table
 from ..registry import register, register_layer
+from ..stack import Layer
 from ..state import Call, LayerState, reset_rows, writable
 
 
 @dataclass
-class TransformerXLConfig(ModelConfig):
+class TransformerXLConfig(ConvConfig):
     context_field = "segment_len"
     segment_len: int = option(64, range=">= 1")  # L: tokens per segment
     mem_len: int | None = option(None, range=">= 0")  # M: cached positions per layer (None: M = L; 0: no recurrence)
     clamp_len: int | None = option(None, range=">= 0")  # distances beyond clamp_len use R_clamp_len (None: no cap)
     same_length: bool = False  # every query sees exactly the last M keys
-    # K: a short causal convolution on each layer's input before q/k/v (0: none)
-    qkv_conv: int = option(0, range=">= 0", key="model.qkv_conv")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -153,17 +148,16 @@ class XLState(LayerState):
     mem: Tensor
     seg: Tensor
     room: XLRoom | None = field(default=None, repr=False, compare=False)
-    conv: Tensor | None = None  # [B, K-1, D] (``qkv_conv``): the last K-1 inputs (zeros at a document start)
+    conv: Tensor | None = None  # [B, K-1, D]: the convolution's last K-1 inputs (``ConvLayer``)
 
 
-class RelAttention(Layer):
+class RelAttention(ConvLayer):
     kind, unit = "xl", "segment"
     state_cls = XLState
     shift_invariant = True  # positions within a chunk, or relative to a document start
 
     def __init__(self, cfg: TransformerXLConfig) -> None:
-        super().__init__()
-        self.conv = ShortConvolution(cfg.dim, cfg.qkv_conv) if cfg.qkv_conv else None  # run by ``Block``
+        super().__init__(cfg)
         self.cfg = cfg
         self.n_heads = cfg.n_heads
         self.scale = cfg.head_dim**-0.5
@@ -349,11 +343,7 @@ class TransformerXL(StreamingLM):
                 f"+ partial segment in the state: up to (L-1) × d × layers = {(L - 1) * D * N:,} floats per row",
                 f"receptive field rule: {rule}",
             ]
-            + (
-                [f"+ the convolution's last K-1 inputs: {(c.qkv_conv - 1) * D * N:,} floats per row"]
-                if c.qkv_conv > 1
-                else []
-            )
+            + ([f"+ the convolution's last K-1 inputs: {c.conv_floats:,} floats per row"] if c.conv_floats else [])
         )
 
 

@@ -15,6 +15,7 @@ from helpers import DEVICES, randomize_params
 
 from recurformer import RecurformerError, build_model
 from recurformer.ops.recurrent_attention import (
+    RecurrentInputs,
     block_edges,
     kv_reads,
     recurrent_attention_naive,
@@ -173,7 +174,7 @@ def test_uniform_attention_gradient_matches_stirling_formula(impl) -> None:
             return z, torch.zeros_like(a), (z @ Vm.T).unsqueeze(1)
 
         kw = dict(finish_inputs=(xs,)) if impl == "tiled-custom" else {}
-        return OPS[impl.removesuffix("-custom")](q, torch.zeros_like(q), tv, finish, **kw)[0][0]
+        return OPS[impl.removesuffix("-custom")](RecurrentInputs(q, torch.zeros_like(q), tv, finish), **kw)[0][0]
 
     J = torch.autograd.functional.jacobian(layer, x[0, 0].clone())  # [n, D, D]
     torch.testing.assert_close(J[0], torch.eye(D, dtype=torch.float64) + alpha * Vm, rtol=1e-12, atol=1e-12)
@@ -243,8 +244,10 @@ def test_tiled_op_under_bf16_autocast_is_as_exact_as_its_bf16_inputs_allow(block
     low: list[torch.Tensor] = []
     ref: list[torch.Tensor] = []
     with torch.autocast(device, dtype=torch.bfloat16):
-        recurrent_attention_tiled(q, tk, tv, finish(x, low), block=block)
-    recurrent_attention_tiled(q.double(), tk.double(), tv.double(), finish(x.double(), ref), block=block)
+        recurrent_attention_tiled(RecurrentInputs(q, tk, tv, finish(x, low), block=block))
+    recurrent_attention_tiled(
+        RecurrentInputs(q.double(), tk.double(), tv.double(), finish(x.double(), ref), block=block)
+    )
     a, r = torch.cat(low, 2), torch.cat(ref, 2)
     assert a.dtype == torch.float32
     assert float((a.double() - r).abs().max()) <= 2**-8 * float(r.abs().max())
@@ -301,8 +304,8 @@ def test_ops_tiled_query_chunks_equal_naive(block, pos0, chunk) -> None:
         bias_fn=lambda dist: -0.3 * dist[None].double(),
         **past,
     )
-    ref = recurrent_attention_naive(q, tk, tv, finish, **kw)
-    out = recurrent_attention_tiled(q, tk, tv, finish, query_chunk=chunk, **kw)
+    ref = recurrent_attention_naive(RecurrentInputs(q, tk, tv, finish, **kw))
+    out = recurrent_attention_tiled(RecurrentInputs(q, tk, tv, finish, **kw), query_chunk=chunk)
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 

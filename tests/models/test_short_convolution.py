@@ -1,7 +1,7 @@
 """The short causal convolution as one module (``modules.ShortConvolution``), run by ``nn.Block`` for
-every attention memory with ``qkv_conv``; and the checkpoints written before it was one module
-(``tests/fixtures/conv_v2``, see its README), which load and compute the logits of the old code bit
-for bit."""
+every attention memory with ``qkv_conv`` (one field, ``nn.ConvConfig``); and the checkpoints
+written before it was one module (``tests/fixtures/conv_v2``, see its README), which load and
+compute the logits of the old code bit for bit."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from recurformer.hub import load
 from recurformer.modules import ShortConvolution
-from recurformer.nn import Block
-from recurformer.registry import build_model
+from recurformer.nn import Block, ConvConfig, ConvLayer
+from recurformer.registry import build_model, config_keys, lookup, model_names
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "conv_v2"
 CONV_MODELS = ("memory_attention", "transformer_xl", "block_recurrent", "rmt")
@@ -87,3 +87,14 @@ def test_checkpoint_of_before_the_module_loads_and_computes_the_same_bits(case: 
         saved = model.state_from_flat(load_file(FIXTURES / case / "state.safetensors"))
         logits = model(exp["tokens"], state=saved).logits
     torch.testing.assert_close(logits, exp["logits_from_state"], rtol=1e-12, atol=1e-12)
+
+
+def test_qkv_conv_is_one_field_of_conv_config() -> None:
+    """``qkv_conv`` is declared once (``nn.ConvConfig``): the configs that take it are exactly the
+    ConvConfigs, and their attention mixers are ``ConvLayer``s."""
+    takes = {name for name in model_names() if "qkv_conv" in config_keys(name)}
+    assert takes == {name for name in model_names() if issubclass(lookup(name)[0], ConvConfig)}
+    assert takes == set(CONV_MODELS)
+    for name in CONV_MODELS:
+        cfg = next(c for c in TEST_CONFIGS[name] if c.get("qkv_conv"))
+        assert all(isinstance(layer.attn, ConvLayer) for layer in build_model(name, cfg).layers)

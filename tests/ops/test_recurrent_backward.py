@@ -12,7 +12,12 @@ import torch
 from helpers import DEVICES, randomize_params
 
 from recurformer import build_model
-from recurformer.ops.recurrent_attention import finish_vjp, recurrent_attention_naive, recurrent_attention_tiled
+from recurformer.ops.recurrent_attention import (
+    RecurrentInputs,
+    finish_vjp,
+    recurrent_attention_naive,
+    recurrent_attention_tiled,
+)
 
 BASE = dict(vocab_size=53, dim=16, n_layers=1, n_heads=2)
 CUSTOM = "_TiledRecurrentAttentionBackward"
@@ -144,11 +149,11 @@ def test_op_gradients_equal_naive(block, pos0, chunk) -> None:
     for custom in (True, False):
         if custom:
             outs = recurrent_attention_tiled(
-                q, tk, tv, finish, query_chunk=chunk, finish_inputs=closed, **tensors, **kw
+                RecurrentInputs(q, tk, tv, finish, **tensors, **kw), query_chunk=chunk, finish_inputs=closed
             )
             assert CUSTOM in _graph_nodes(outs[0])
         else:
-            outs = recurrent_attention_naive(q, tk, tv, finish, **tensors, **kw)
+            outs = recurrent_attention_naive(RecurrentInputs(q, tk, tv, finish, **tensors, **kw))
         g.manual_seed(7)
         loss = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum() for o in outs)
         grads.append(torch.autograd.grad(loss, inputs))
@@ -194,10 +199,11 @@ def test_learned_bias_falls_back_to_autograd() -> None:
     slopes = torch.tensor([0.2, 0.7], dtype=torch.float64, requires_grad=True)
     kw = dict(block=2, pos0=5, start=start, bias_fn=lambda dist: -slopes.view(-1, 1, 1) * dist.double())
     q, tk, tv = (tensors.pop(n) for n in ("q", "tk", "tv"))
-    z, _, _ = recurrent_attention_tiled(q, tk, tv, finish, finish_inputs=closed, **tensors, **kw)
+    inputs = RecurrentInputs(q, tk, tv, finish, **tensors, **kw)
+    z, _, _ = recurrent_attention_tiled(inputs, finish_inputs=closed)
     assert CUSTOM not in _graph_nodes(z)
     (g_tiled,) = torch.autograd.grad(z.sum(), slopes)
-    (g_naive,) = torch.autograd.grad(recurrent_attention_naive(q, tk, tv, finish, **tensors, **kw)[0].sum(), slopes)
+    (g_naive,) = torch.autograd.grad(recurrent_attention_naive(inputs)[0].sum(), slopes)
     torch.testing.assert_close(g_tiled, g_naive, rtol=1e-10, atol=1e-10)
 
 
@@ -211,7 +217,7 @@ def test_finish_closure_found_without_finish_inputs() -> None:
     kw = dict(block=2, pos0=5, start=start, bias_fn=lambda dist: -0.3 * dist[None].double())
     grads = []
     for op in (recurrent_attention_tiled, recurrent_attention_naive):
-        z, k, _ = op(q, tk, tv, finish, **tensors, **kw)
+        z, k, _ = op(RecurrentInputs(q, tk, tv, finish, **tensors, **kw))
         assert z.requires_grad
         grads.append(torch.autograd.grad(z.sum() + k.square().sum(), closed))
     for gt, gn in zip(*grads):
@@ -229,7 +235,7 @@ def test_saved_bytes_grow_linearly_in_n(custom) -> None:
         tensors, finish, closed, start = _op_inputs(1, 0, T=T)
         q, tk, tv = (tensors.pop(n) for n in ("q", "tk", "tv"))
         fn = lambda: recurrent_attention_tiled(
-            q, tk, tv, finish, finish_inputs=closed if custom else None, start=start, **tensors
+            RecurrentInputs(q, tk, tv, finish, start=start, **tensors), finish_inputs=closed if custom else None
         )  # noqa: E731
         saved.append(_saved_bytes(fn))
     ratio = saved[1] / saved[0]

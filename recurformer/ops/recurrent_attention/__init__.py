@@ -35,13 +35,14 @@ O(N d) tensors and recomputes the tile scores, like FlashAttention, run over the
 reverse because finish() sits inside the recurrence (its vector-Jacobian product per block).
 """
 
-from .common import BiasFn, Finish, Stats, TileUpdate, alibi_bias, block_edges, kv_reads, tile_schedule
+from .common import BiasFn, Finish, RecurrentInputs, Stats, TileUpdate, alibi_bias, block_edges, kv_reads, tile_schedule
 from .naive import recurrent_attention_naive
 from .tiled import compiled_tile_update, finish_vjp, recurrent_attention_tiled, softmax_backward, tile_update
 
 __all__ = [
     "BiasFn",
     "Finish",
+    "RecurrentInputs",
     "Stats",
     "TileUpdate",
     "alibi_bias",

@@ -1,9 +1,10 @@
 """What the tiled and the naive recurrent attention share: the callable types, the block edges
-and the tiled schedule on block indices, the visibility mask, the scores, the defaults of the
-earlier calls' state, and the count of K/V reads of each schedule."""
+and the tiled schedule on block indices, the visibility mask, the scores, the inputs both take
+(``RecurrentInputs``, with the defaults of the earlier calls' state), and the count of K/V reads of each schedule."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -65,17 +66,41 @@ def scores(q: Tensor, k: Tensor, scale: float, acc: torch.dtype) -> Tensor:
     return torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale
 
 
-def with_defaults(q, past_k, past_v, past_tk, past_tv, start, scale):  # type: ignore[no-untyped-def]
-    B, H, _, d = q.shape
-    empty = q.new_zeros(B, H, 0, d)
-    return (
-        empty if past_k is None else past_k,
-        empty if past_v is None else past_v,
-        empty if past_tk is None else past_tk,
-        empty if past_tv is None else past_tv,
-        torch.zeros(B, dtype=torch.long, device=q.device) if start is None else start,
-        d**-0.5 if scale is None else scale,
-    )
+@dataclass
+class RecurrentInputs:
+    """What both recurrent attentions take (``recurrent_attention_tiled``, ``recurrent_attention_naive``):
+    q, tk, tv [B, H, T, d], the queries and temporary pairs of positions pos0..pos0+T-1; ``finish``;
+    the ``block`` length b; the persistent pairs ``past_k``/``past_v`` [B, H, S, d] of earlier calls
+    and the temporaries ``past_tk``/``past_tv`` [B, H, r0, d] of their unfinished block (None:
+    none); each row's document ``start`` [B] (None: 0); the score ``scale`` (None: d^-1/2); and
+    ``bias_fn`` (None: no bias)."""
+
+    q: Tensor
+    tk: Tensor
+    tv: Tensor
+    finish: Finish
+    block: int = 1
+    pos0: int = 0
+    past_k: Tensor | None = None
+    past_v: Tensor | None = None
+    past_tk: Tensor | None = None
+    past_tv: Tensor | None = None
+    start: Tensor | None = None
+    scale: float | None = None
+    bias_fn: BiasFn | None = None
+
+    def filled(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, float]:
+        """past_k, past_v, past_tk, past_tv, start and scale, each None given its default."""
+        B, H, _, d = self.q.shape
+        empty = self.q.new_zeros(B, H, 0, d)
+        return (
+            empty if self.past_k is None else self.past_k,
+            empty if self.past_v is None else self.past_v,
+            empty if self.past_tk is None else self.past_tk,
+            empty if self.past_tv is None else self.past_tv,
+            torch.zeros(B, dtype=torch.long, device=self.q.device) if self.start is None else self.start,
+            d**-0.5 if self.scale is None else self.scale,
+        )
 
 
 def kv_reads(n: int, block: int = 1, schedule: str = "tiled") -> int:

@@ -8,29 +8,17 @@ import torch
 from torch import Tensor
 
 from ...modules import acc_dtype
-from .common import BiasFn, Finish, block_edges, scores, visible, with_defaults
+from .common import RecurrentInputs, block_edges, scores, visible
 
 
-def recurrent_attention_naive(
-    q: Tensor,
-    tk: Tensor,
-    tv: Tensor,
-    finish: Finish,
-    *,
-    block: int = 1,
-    pos0: int = 0,
-    past_k: Tensor | None = None,
-    past_v: Tensor | None = None,
-    past_tk: Tensor | None = None,
-    past_tv: Tensor | None = None,
-    start: Tensor | None = None,
-    scale: float | None = None,
-    bias_fn: BiasFn | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+def recurrent_attention_naive(inputs: RecurrentInputs) -> tuple[Tensor, Tensor, Tensor]:
     """Reference: one block at a time, each query block attending (plain softmax) to the whole
     visible prefix of persistent pairs plus its block's temporary pairs. Same I/O as the tiled op."""
+    q, tk, tv, finish, block, pos0, bias_fn = (
+        inputs.q, inputs.tk, inputs.tv, inputs.finish, inputs.block, inputs.pos0, inputs.bias_fn
+    )  # fmt: skip
     B, H, T, d = q.shape
-    past_k, past_v, past_tk, past_tv, start, scale = with_defaults(q, past_k, past_v, past_tk, past_tv, start, scale)
+    past_k, past_v, past_tk, past_tv, start, scale = inputs.filled()
     acc = acc_dtype(q.dtype)
     S, r0 = past_k.shape[2], past_tk.shape[2]
     edges = block_edges(pos0, T, block)

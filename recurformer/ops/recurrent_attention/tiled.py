@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from ...modules import acc_dtype
-from .common import BiasFn, Finish, Stats, TileUpdate, block_edges, visible, with_defaults
+from .common import BiasFn, Finish, RecurrentInputs, Stats, TileUpdate, block_edges, visible
 from .naive import recurrent_attention_naive
 
 
@@ -382,27 +382,15 @@ def _bias_needs_grad(bias_fn: BiasFn | None, device: torch.device) -> bool:
 
 
 def recurrent_attention_tiled(
-    q: Tensor,
-    tk: Tensor,
-    tv: Tensor,
-    finish: Finish,
+    inputs: RecurrentInputs,
     *,
-    block: int = 1,
-    pos0: int = 0,
-    past_k: Tensor | None = None,
-    past_v: Tensor | None = None,
-    past_tk: Tensor | None = None,
-    past_tv: Tensor | None = None,
-    start: Tensor | None = None,
-    scale: float | None = None,
-    bias_fn: BiasFn | None = None,
     query_chunk: int = 512,
     finish_inputs: Sequence[Tensor] | None = None,
     update: TileUpdate = tile_update,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The exact tiled forward (appendix Algorithm "Exact tiled forward pass", on blocks).
-    q, tk, tv: [B, H, T, d] queries and temporary pairs of positions pos0..pos0+T-1.
-    Returns z [B, T, D] and the new persistent pairs k, v [B, H, T, d]. A tile's queries are
+    ``inputs``: see ``RecurrentInputs`` (q, tk, tv [B, H, T, d]: the queries and temporary pairs
+    of positions pos0..pos0+T-1). Returns z [B, T, D] and the new persistent pairs k, v [B, H, T, d]. A tile's queries are
     processed ``query_chunk`` rows at a time (memory bound, same result); ``update`` runs each
     tile (``tile_update``, or ``compiled_tile_update()``: the same numbers).
 
@@ -418,8 +406,9 @@ def recurrent_attention_tiled(
     learned bias), the call falls back to plain autograd through ``recurrent_attention_naive``
     (the same values; O(N^2 d) saved). The custom backward is once differentiable (no double
     backward) and recomputes finish, so finish must be deterministic."""
-    past_k, past_v, past_tk, past_tv, start, scale = with_defaults(q, past_k, past_v, past_tk, past_tv, start, scale)
-    tiling = _Tiling(finish, block, pos0, start, scale, bias_fn, query_chunk, update)
+    q, tk, tv, finish, bias_fn = inputs.q, inputs.tk, inputs.tv, inputs.finish, inputs.bias_fn
+    past_k, past_v, past_tk, past_tv, start, scale = inputs.filled()
+    tiling = _Tiling(finish, inputs.block, inputs.pos0, start, scale, bias_fn, query_chunk, update)
     tensors = (q, tk, tv, past_k, past_v, past_tk, past_tv)
     if not _needs_graph(tiling, q, tensors, finish_inputs):
         with torch.no_grad():
@@ -431,10 +420,7 @@ def recurrent_attention_tiled(
             a, lse, _ = _tiled_forward(tiling, *tensors, finish_last=False)
         z, k_grad, v_grad = finish(a, 0, q.shape[2])  # the same values, under autograd: see the class
         return _TiledRecurrentAttention.apply(tiling, a, lse, z, k_grad, v_grad, *tensors)
-    return recurrent_attention_naive(
-        q, tk, tv, finish, block=block, pos0=pos0, past_k=past_k, past_v=past_v, past_tk=past_tk,
-        past_tv=past_tv, start=start, scale=scale, bias_fn=bias_fn,
-    )  # fmt: skip
+    return recurrent_attention_naive(inputs)
 
 
 def _needs_graph(tiling: _Tiling, q: Tensor, tensors: Sequence[Tensor], finish_inputs: Sequence[Tensor] | None) -> bool:
