@@ -26,7 +26,7 @@ class Entry:
 @dataclass(frozen=True)
 class LayerKind:
     config: type[Any]  # the config a layer of this kind needs (a subclass of nn.ModelConfig)
-    make: Callable[[Any, int], Any]  # make(config, index) -> the layer (an nn.Layer)
+    make: Callable[[Any, int], Any]  # make(config, index) -> the layer (a stack.Layer)
 
 
 REGISTRY: dict[str, Entry] = {}
