@@ -30,10 +30,13 @@ FLOORS: list[list[str]] = [
         "data.sources",
     ],
     # 2: file formats and helpers on the state types; the captured step (a model's calls replayed); the
-    # report writer of the commands that measure a model (table, JSON, figure)
+    # report writer of the commands that measure a model (table, JSON, figure), their bootstrap intervals
+    # and the probe's options
     [
         "checkpoint",
         "report",
+        "intervals",
+        "probe.options",
         "flops",
         "data.prepare",
         "data.synthetic",
@@ -41,8 +44,8 @@ FLOORS: list[list[str]] = [
         "ops.delta_rule",
         "ops.recurrent_attention.naive",
     ],
-    # 3
-    ["data", "loggers", "ops.recurrent_attention.tiled"],
+    # 3: also what eval and probe measured, as tables, JSON and figures; the probe's documents
+    ["data", "loggers", "ops.recurrent_attention.tiled", "evaluate.results", "probe.results", "probe.samples"],
     # 4: loading models from disk or the Hub (the Hub methods of a model, as a mixin)
     ["hub", "ops.recurrent_attention"],
     # 5: generation (a mixin of the model; ``recurformer generate`` is ``api.generate_text``)
@@ -50,15 +53,16 @@ FLOORS: list[list[str]] = [
     # 6: the model around a stack of layers
     ["nn"],
     # 7: what reads a model; Llama, which other architectures build on
-    ["layers", "evaluate", "probe", "models.llama", "hf", "lm_eval", "curriculum"],
+    ["layers", "evaluate", "evaluate.lengths", "probe", "probe.measure", "models.llama", "hf", "lm_eval", "curriculum"],
     # 8: the architectures (``models.*`` files not named elsewhere live on this floor too)
     [],
     # a variant composed onto its base architecture (ARMT onto the RMT)
     ["models.armt"],
     # 9
     ["models", "reference"],
-    # 10: measure a built model's state; one step of truncated BPTT; whether a model reads its memory
-    ["statesize", "tbptt", "readout", "niah"],
+    # 10: measure a built model's state; one step of truncated BPTT; whether a model reads its memory; the
+    # eval and probe commands
+    ["statesize", "tbptt", "readout", "niah", "evaluate.command", "probe.command"],
     ["synth", "train"],
     ["api"],
     ["__init__"],  # the package's public names

@@ -38,8 +38,8 @@ def test_api_functions_keep_the_names_of_their_modules() -> None:
     interpreter, so that no earlier import hides an order problem)."""
     code = (
         "import recurformer, recurformer.api as api\n"
-        "from recurformer.train import Trainer\nfrom recurformer.evaluate import evaluate_lengths\n"
-        "from recurformer.probe import probe_model\nimport recurformer.cli\n"
+        "from recurformer.train import Trainer\nfrom recurformer.evaluate.lengths import evaluate_lengths\n"
+        "from recurformer.probe.measure import probe_model\nimport recurformer.cli\n"
         "assert (recurformer.train, recurformer.evaluate, recurformer.probe) == (api.train, api.evaluate, api.probe)\n"
         "assert Trainer.__module__ == 'recurformer.train'\nprint('ok')\n"
     )
