@@ -126,9 +126,8 @@ def eval_tokens(
 def window_ends(n_tokens: int, context: int, last: int, windows: int | None = None) -> np.ndarray:
     """Where the evaluation windows end (exclusive indices into the token stream): every
     ``last``-th position from ``context + 1`` on, so the scored blocks of ``last`` targets tile the
-    text after the first ``context`` tokens; ``windows`` keeps that many of them, evenly spaced."""
-    if n_tokens < context + 1:
-        raise RecurformerError(f"{n_tokens} evaluation tokens are too few for windows of {context} tokens (+1)")
+    text after the first ``context`` tokens; ``windows`` keeps that many of them, evenly spaced.
+    ``context`` as ``LengthOptions.context_for`` gives it, checked there to leave a window."""
     ends = np.arange(context + 1, n_tokens + 1, last)
     if windows is not None and windows < len(ends):
         ends = ends[np.unique(np.linspace(0, len(ends) - 1, windows).round().astype(np.int64))]
