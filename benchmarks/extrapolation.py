@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import numpy as np
 
 from recurformer.checkpoint import resolve
-from recurformer.evaluate import LengthResult, paired_differences
+from recurformer.evaluate.results import LengthResult, paired_differences
 from recurformer.files import atomic_write
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -213,7 +213,8 @@ def load_results(path: Path, what: dict) -> list[LengthResult] | None:
 def cmd_eval(args: argparse.Namespace) -> None:
     import torch
 
-    from recurformer.evaluate import evaluate_checkpoints, markdown_table, plot, save_json
+    from recurformer.evaluate.command import evaluate_checkpoints
+    from recurformer.evaluate.results import markdown_table, plot, save_json
 
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out) if args.out else ROOT / "out" / repro_name(args.scale)

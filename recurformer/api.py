@@ -28,9 +28,10 @@ import torch
 from .config import RecurformerError, make_options, merge, opt, option, suggest
 from .data import Tokenizer
 from .device import cpu_threads, graphs_or_eager
-from .evaluate import LengthOptions, LengthResult, evaluate_options
+from .evaluate.lengths import LengthOptions, evaluate_options
+from .evaluate.results import LengthResult
 from .nn import StreamingLM
-from .probe import ProbeResult
+from .probe.results import ProbeResult
 
 
 @dataclass
@@ -135,7 +136,7 @@ def load(dir_or_repo_id: str | Path, device: str = "cpu") -> tuple[StreamingLM, 
 
 def _tokens(tokenizer: Tokenizer | None, dataset: str | None, text: Sequence[str | Path] | None) -> np.ndarray:
     """A bundled dataset's val split, or text files, as one token stream (BOS before each document)."""
-    from .evaluate import eval_tokens
+    from .evaluate.lengths import eval_tokens
 
     if tokenizer is None:
         raise RecurformerError("this model has no tokenizer; pass token ids instead of a dataset or text")
@@ -159,12 +160,13 @@ def evaluate(
 ) -> list[LengthResult]:
     """Length extrapolation as ``recurformer eval``: loss (with a 95% bootstrap interval over
     documents) and accuracy on the last ``last`` tokens of windows of each length, on ``tokens``
-    or a dataset's val split or text files; ``options``: the fields of ``evaluate.LengthOptions``
-    (``lengths``, ``last``, ``windows``, ``chunk``, ``batch_size``, ``warm_state``, ``context``,
-    ``cuda_graphs``: every aligned chunk read through a CUDA graph, a model on a CUDA GPU).
+    or a dataset's val split or text files; ``options``: the fields of
+    ``evaluate.lengths.LengthOptions`` (``lengths``, ``last``, ``windows``, ``chunk``, ``batch_size``,
+    ``warm_state``, ``context``, ``cuda_graphs``: every aligned chunk read through a CUDA graph, a
+    model on a CUDA GPU).
     The windows are deterministic: ``windows`` evenly spaced ones (default ``DEFAULT_WINDOWS``),
     or all of them with ``windows=None`` (the scored blocks tile the text);
-    ``evaluate.paired_differences`` compares two models' results on the same tokens."""
+    ``evaluate.results.paired_differences`` compares two models' results on the same tokens."""
     o = make_options(LengthOptions, options)  # checked where built (LengthOptions.__post_init__)
     graphs = graphs_or_eager(o.cuda_graphs, model.tok_emb.weight.device, opt("cuda_graphs"), "this model is")
     data = np.asarray(tokens, dtype=np.int64) if tokens is not None else _tokens(tokenizer, dataset, text)
@@ -174,10 +176,12 @@ def evaluate(
 @cpu_threads()
 def probe(model: StreamingLM, tokenizer: Tokenizer, *, label: str = "model", **options: Any) -> ProbeResult:
     """The copy (``repeat``) or ``swap`` probe as ``recurformer probe`` (``options``: the fields of
-    ``probe.ProbeOptions``): per-distance-bin means with bootstrap intervals. ``dataset`` defaults
-    to ``tinystories-repeat`` for ``repeat``."""
+    ``probe.options.ProbeOptions``): per-distance-bin means with bootstrap intervals. ``dataset``
+    defaults to ``tinystories-repeat`` for ``repeat``."""
     from .models import model_name
-    from .probe import METRICS, ProbeOptions, probe_model, receptive_field, samples_for
+    from .probe.measure import probe_model, receptive_field
+    from .probe.options import METRICS, ProbeOptions
+    from .probe.samples import samples_for
 
     o = make_options(ProbeOptions, options)  # checked where built (ProbeOptions.__post_init__)
     dataset = o.dataset

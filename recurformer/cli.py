@@ -170,7 +170,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from .evaluate import EvalOptions, evaluate_checkpoints
+    from .evaluate.command import EvalOptions, evaluate_checkpoints
 
     options = options_of(EvalOptions, args)
     evaluate_checkpoints(
@@ -229,7 +229,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_probe(args: argparse.Namespace) -> None:
-    from .probe import ProbeCommandOptions, merge_probes, probe_checkpoints
+    from .probe.command import ProbeCommandOptions, merge_probes, probe_checkpoints
 
     if args.merge:
         merge_probes(args.merge, args.out)
@@ -258,11 +258,11 @@ def _options_classes() -> dict[str, type[Any]]:
     """Each command's options dataclass (where it has one): its fields name its flags in errors."""
     from .api import ExportOptions
     from .data import DataConfig
-    from .evaluate import EvalOptions
+    from .evaluate.command import EvalOptions
     from .generate import GenerateOptions
     from .info import InfoOptions
     from .niah import NiahOptions
-    from .probe import ProbeCommandOptions
+    from .probe.command import ProbeCommandOptions
     from .readout import ReadoutOptions
     from .synth.command import SynthCommandOptions
     from .training.command import TrainOptions
@@ -304,11 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .api import ExportOptions
     from .data import DataConfig
-    from .evaluate import EvalOptions
+    from .evaluate.command import EvalOptions
     from .generate import GenerateOptions
     from .info import InfoOptions
     from .niah import NiahOptions
-    from .probe import ProbeCommandOptions
+    from .probe.command import ProbeCommandOptions
     from .readout import ReadoutOptions
     from .synth.command import SynthCommandOptions
     from .training.command import TrainOptions

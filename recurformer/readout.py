@@ -182,7 +182,7 @@ def readout_checkpoint(
     writes ``out`` (JSON) when given."""
     from .data import eval_windows
     from .data.synthetic import get_task, make_split
-    from .evaluate import eval_tokens
+    from .evaluate.lengths import eval_tokens
     from .files import atomic_write, check_writable
     from .hub import load
 

@@ -16,7 +16,7 @@ import recurformer
 import recurformer.capture as capture
 from recurformer import RecurformerError
 from recurformer.capture import DecodeGraphs
-from recurformer.evaluate import evaluate_lengths, score_rows
+from recurformer.evaluate.lengths import evaluate_lengths, score_rows
 from recurformer.models import build_model
 from recurformer.nn import StreamingLM
 

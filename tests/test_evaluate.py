@@ -15,17 +15,9 @@ from helpers import ROOT, TEST_CONFIGS, randomize_params
 
 from recurformer import build_model
 from recurformer.config import RecurformerError
-from recurformer.evaluate import (
-    bootstrap_weights,
-    evaluate_lengths,
-    figure,
-    markdown_table,
-    paired_differences,
-    ratio_interval,
-    save_json,
-    score_windows,
-    window_ends,
-)
+from recurformer.evaluate.lengths import evaluate_lengths, score_windows, window_ends
+from recurformer.evaluate.results import figure, markdown_table, paired_differences, save_json
+from recurformer.intervals import bootstrap_weights, ratio_interval
 
 
 @pytest.mark.parametrize("name", ["memory_attention", "llama", "transformer_xl", "block_recurrent"])
@@ -149,7 +141,7 @@ def test_table_json_and_plot_show_intervals(tmp_path) -> None:
 PROBE = """
 import json, sys, numpy as np, torch
 from recurformer import build_model
-from recurformer.evaluate import evaluate_lengths
+from recurformer.evaluate.lengths import evaluate_lengths
 torch.manual_seed(0)
 name, L = sys.argv[1], int(sys.argv[2])
 extra = {"memory_attention": {"chunk_size": 32}}.get(name, {})
@@ -190,7 +182,7 @@ def test_length_options_are_checked_where_they_are_built(tmp_path) -> None:
     """``LengthOptions`` checks itself when built, so ``recurformer.evaluate`` refuses options that
     do not fit together before it reads any text (here: a dataset that does not exist)."""
     import recurformer
-    from recurformer.evaluate import LengthOptions
+    from recurformer.evaluate.lengths import LengthOptions
 
     with pytest.raises(RecurformerError, match=r"^lengths: 8 is shorter than last 16$"):
         LengthOptions(lengths=[8], last=16)

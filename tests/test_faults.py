@@ -658,8 +658,8 @@ def test_out_of_memory_in_eval_and_generate_is_one_line(trained, tmp_path, capsy
     def oom(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise CUDA_OOM
 
-    # recurformer eval and recurformer.evaluate both read through evaluate.evaluate_options (read_lengths)
-    monkeypatch.setattr(importlib.import_module("recurformer.evaluate"), "read_lengths", oom)
+    # recurformer eval and recurformer.evaluate both read through evaluate.lengths.evaluate_options (read_lengths)
+    monkeypatch.setattr(importlib.import_module("recurformer.evaluate.lengths"), "read_lengths", oom)
     ev = ["eval", "--checkpoint", str(trained), "--lengths", "32,64", "--last", "16", "--windows", "1"]
     assert cli([*ev, "--chunk", "16", "--json", str(tmp_path / "e.json")]) == 2
     err = capsys.readouterr().err
@@ -688,7 +688,7 @@ def test_a_default_eval_reads_a_sample_says_how_far_it_got_in_a_log_and_keeps_wh
     """Without ``--windows`` eval reads ``DEFAULT_WINDOWS`` evenly spaced windows, not the whole
     text (``--all`` does); its progress reaches a log (not a terminal here); an eval stopped after
     its first length leaves that length in the JSON, marked incomplete."""
-    from recurformer.evaluate import DEFAULT_WINDOWS
+    from recurformer.evaluate.lengths import DEFAULT_WINDOWS
 
     text = write_corpus(tmp_path / "text.txt", 1)  # ~24k bytes: a few hundred windows of 64 scored tokens
     out = tmp_path / "e.json"
@@ -705,7 +705,7 @@ def test_a_default_eval_reads_a_sample_says_how_far_it_got_in_a_log_and_keeps_wh
         every > DEFAULT_WINDOWS and f"{every} windows (every window of the evaluation text)" in capsys.readouterr().out
     )
 
-    module = importlib.import_module("recurformer.evaluate")  # the module, not the function recurformer exports
+    module = importlib.import_module("recurformer.evaluate.lengths")  # the module, not the function recurformer exports
     real, calls = module.score_rows, {"n": 0}
 
     def stopped_at_the_second_length(*args, **kwargs):
@@ -734,10 +734,12 @@ def test_the_python_api_names_its_own_keywords_in_eval_and_probe_errors(trained,
     ]
     for extra, message in cases:
         with pytest.raises(RecurformerError) as e:
-            importlib.import_module("recurformer.evaluate").evaluate_checkpoints([str(trained)], **common, **extra)  # type: ignore[arg-type]
+            importlib.import_module("recurformer.evaluate.command").evaluate_checkpoints(
+                [str(trained)], **common, **extra
+            )  # type: ignore[arg-type]
         assert str(e.value).startswith(message) and "--" not in str(e.value), str(e.value)
     with pytest.raises(RecurformerError) as e:
-        importlib.import_module("recurformer.probe").probe_checkpoints(
+        importlib.import_module("recurformer.probe.command").probe_checkpoints(
             [str(trained)], blocker / "p.json", docs=1, log=lambda s: None
         )
     assert str(e.value).startswith(f"cannot write out file {blocker / 'p.json'}"), str(e.value)

@@ -30,12 +30,14 @@ FLOORS: list[list[str]] = [
         "data.sources",
     ],
     # 2: file formats and helpers on the state types; the captured step (a model's calls replayed); the
-    # report writer of the commands that measure a model (table, JSON, figure); the layer contract and
-    # what a model reads of its stack of layers
+    # report writer of the commands that measure a model (table, JSON, figure), their bootstrap intervals
+    # and the probe's options; the layer contract and what a model reads of its stack of layers
     [
         "checkpoint",
         "stack",
         "report",
+        "intervals",
+        "probe.options",
         "flops",
         "data.prepare",
         "data.synthetic",
@@ -43,8 +45,8 @@ FLOORS: list[list[str]] = [
         "ops.delta_rule",
         "ops.recurrent_attention.naive",
     ],
-    # 3
-    ["data", "loggers", "ops.recurrent_attention.tiled"],
+    # 3: also what eval and probe measured, as tables, JSON and figures; the probe's documents
+    ["data", "loggers", "ops.recurrent_attention.tiled", "evaluate.results", "probe.results", "probe.samples"],
     # 4: loading models from disk or the Hub (the Hub methods of a model, as a mixin)
     ["hub", "ops.recurrent_attention"],
     # 5: generation (a mixin of the model; ``recurformer generate`` is ``api.generate_text``)
@@ -52,7 +54,7 @@ FLOORS: list[list[str]] = [
     # 6: the model around a stack of layers
     ["nn"],
     # 7: what reads a model; Llama, which other architectures build on
-    ["layers", "evaluate", "probe", "models.llama", "hf", "lm_eval", "curriculum"],
+    ["layers", "evaluate", "evaluate.lengths", "probe", "probe.measure", "models.llama", "hf", "lm_eval", "curriculum"],
     # 8: the architectures (``models.*`` files not named elsewhere live on this floor too)
     [],
     # a variant composed onto its base architecture (ARMT onto the RMT)
@@ -60,7 +62,9 @@ FLOORS: list[list[str]] = [
     # 9
     ["models", "reference"],
     # 10: measure a built model's state; one step of truncated BPTT; whether a model reads its memory
-    ["statesize", "tbptt", "readout", "niah", "training", "training.ranks", "training.signals", "training.parts"],
+    # the eval and probe commands
+    ["statesize", "tbptt", "readout", "niah", "evaluate.command", "probe.command"]
+    + ["training", "training.ranks", "training.signals", "training.parts"],
     # 11: the one training loop; the run config of ``recurformer train``
     ["training.loop", "training.config"],
     # 12: what a run is built from: its data, its meter and logs; ``recurformer info``

@@ -20,7 +20,7 @@ from helpers import TEST_CONFIGS, randomize_params  # noqa: E402
 from recurformer import build_model  # noqa: E402
 from recurformer.cli import main as cli_main  # noqa: E402
 from recurformer.data import Tokenizer  # noqa: E402
-from recurformer.evaluate import score_windows  # noqa: E402
+from recurformer.evaluate.lengths import score_windows  # noqa: E402
 from recurformer.models import REGISTRY  # noqa: E402
 
 WORDS = ["the", "cat", "dog", "sat", "ran", "on", "a", "mat", "big", "red", "house", "tree", "saw", "blue"]

@@ -83,17 +83,17 @@ def command(module: str, name: str):  # type: ignore[no-untyped-def]
 PYTHON = [
     ("api", "generate_text", (MISSING,), {"top_p": 2}, "top_p must be in (0, 1], got 2"),
     ("api", "generate_text", (MISSING,), {"top_q": 0.5}, "unknown option 'top_q' (did you mean 'top_p'?)"),
-    ("evaluate", "evaluate_checkpoints", ([MISSING],), {"windows": 0}, "windows must be >= 1, got 0"),
-    ("evaluate", "evaluate_checkpoints", ([MISSING],), {"lengths": [0]}, "lengths must be >= 1, got 0"),
+    ("evaluate.command", "evaluate_checkpoints", ([MISSING],), {"windows": 0}, "windows must be >= 1, got 0"),
+    ("evaluate.command", "evaluate_checkpoints", ([MISSING],), {"lengths": [0]}, "lengths must be >= 1, got 0"),
     (
-        "evaluate",
+        "evaluate.command",
         "evaluate_checkpoints",
         ([MISSING],),
         {"cuda_graphs": True, "device": "cpu"},
         "cuda_graphs needs a CUDA GPU; this evaluation runs on cpu",
     ),
-    ("probe", "probe_checkpoints", ([MISSING],), {"warm": (-1, 5)}, "warm must be >= 0, got -1"),
-    ("probe", "probe_checkpoints", ([MISSING],), {"passage": 0}, "passage must be >= 1, got 0"),
+    ("probe.command", "probe_checkpoints", ([MISSING],), {"warm": (-1, 5)}, "warm must be >= 0, got -1"),
+    ("probe.command", "probe_checkpoints", ([MISSING],), {"passage": 0}, "passage must be >= 1, got 0"),
     ("readout", "readout_checkpoint", (MISSING,), {"rows": 0}, "rows must be >= 1, got 0"),
     ("niah", "niah_checkpoint", (MISSING,), {"trials": 0}, "trials must be >= 1, got 0"),
     ("niah", "niah_checkpoint", (MISSING,), {"chunks": 8}, "unknown option 'chunks' (did you mean 'chunk'?)"),
@@ -137,7 +137,9 @@ def test_an_option_in_the_middle_of_a_message_is_spelled_for_its_reader(pretrain
         f"recurformer: error: cannot write --json file {blocker / 'e.json'}: {blocker} is not a directory\n"
     )
     with pytest.raises(RecurformerError, match=r"^cannot write out file "):
-        command("evaluate", "evaluate_checkpoints")([str(pretrained)], [32], blocker / "e.json", last=16, chunk=16)
+        command("evaluate.command", "evaluate_checkpoints")(
+            [str(pretrained)], [32], blocker / "e.json", last=16, chunk=16
+        )
     assert cli_main(["readout", "--checkpoint", str(pretrained), "--json", str(blocker / "r.json")]) == 2
     assert capsys.readouterr().err.startswith("recurformer: error: cannot write --json file ")
     with pytest.raises(RecurformerError, match=r"^cannot write save_state file "):
@@ -169,7 +171,7 @@ def test_eval_text_too_short_names_the_lengths_that_fit(pretrained, tmp_path, mo
         "use --lengths 256,417 (the longest that fits is 417)\n"
     )
     with pytest.raises(RecurformerError, match=re.escape("use lengths=[256, 417] (the longest that fits is 417)")):
-        command("evaluate", "evaluate_checkpoints")([str(pretrained)], text=["short.txt"])
+        command("evaluate.command", "evaluate_checkpoints")([str(pretrained)], text=["short.txt"])
     assert cli_main([*argv, "--lengths", "256,417"]) == 0
     (tmp_path / "empty.txt").write_text("\n")
     assert cli_main([*argv[:3], "--text", "empty.txt"]) == 2

@@ -16,7 +16,7 @@ from recurformer import RecurformerError, build_model
 from recurformer.cli import main as cli_main
 from recurformer.config import make_options
 from recurformer.data import DataConfig, Tokenizer
-from recurformer.evaluate import LengthOptions
+from recurformer.evaluate.lengths import LengthOptions
 from recurformer.generate import GenerateOptions
 from recurformer.registry import make_config
 from recurformer.synth.config import SynthConfig
@@ -112,8 +112,8 @@ def test_python_commands_check_their_options_first(call, kwargs, message, pretra
     import recurformer.api
 
     home = {
-        "evaluate_checkpoints": sys.modules["recurformer.evaluate"],
-        "probe_checkpoints": sys.modules["recurformer.probe"],
+        "evaluate_checkpoints": sys.modules["recurformer.evaluate.command"],
+        "probe_checkpoints": sys.modules["recurformer.probe.command"],
         "readout_checkpoint": sys.modules["recurformer.readout"],
     }
     monkeypatch.chdir(tmp_path)

@@ -35,12 +35,12 @@ def test_version(capsys) -> None:
 def test_api_functions_keep_the_names_of_their_modules() -> None:
     """``recurformer.train``/``evaluate``/``probe`` are the API functions, also after the modules
     are imported (``recurformer.training``, ``recurformer.evaluate``), and ``from
-    recurformer.evaluate import evaluate_lengths`` still reads the module (in a fresh interpreter,
+    recurformer.evaluate.lengths import evaluate_lengths`` still reads the module (in a fresh interpreter,
     so that no earlier import hides an order problem)."""
     code = (
         "import recurformer, recurformer.api as api\n"
-        "from recurformer.training.trainer import Trainer\nfrom recurformer.evaluate import evaluate_lengths\n"
-        "from recurformer.probe import probe_model\nimport recurformer.cli\n"
+        "from recurformer.training.trainer import Trainer\nfrom recurformer.evaluate.lengths import evaluate_lengths\n"
+        "from recurformer.probe.measure import probe_model\nimport recurformer.cli\n"
         "assert (recurformer.train, recurformer.evaluate, recurformer.probe) == (api.train, api.evaluate, api.probe)\n"
         "assert Trainer.__module__ == 'recurformer.training.trainer'\nprint('ok')\n"
     )

@@ -6,7 +6,7 @@ import torch
 
 
 def _results(*lengths: int):
-    from recurformer.evaluate import LengthResult
+    from recurformer.evaluate.results import LengthResult
 
     return [
         LengthResult(L, 3.0 - 0.1 * i, 2.9 - 0.1 * i, 3.1 - 0.1 * i, 0.3, 100, 4, 4, "windows", 1000.0, 10.0)
@@ -17,7 +17,7 @@ def _results(*lengths: int):
 def test_eval_plot_labels_follow_last_and_training_lengths() -> None:
     import matplotlib.pyplot as plt
 
-    from recurformer.evaluate import figure
+    from recurformer.evaluate.results import figure
 
     fig = figure({"a": _results(128, 512), "b": _results(128, 512)}, "t", last=128, trained={"a": 256, "b": 1024})
     ax = fig.axes[0]

@@ -16,16 +16,9 @@ from helpers import randomize_params
 
 from recurformer import build_model
 from recurformer.cli import main as cli_main
-from recurformer.probe import (
-    aggregate,
-    bootstrap_mean,
-    distance_bins,
-    receptive_field,
-    repeat_samples_from_stream,
-    row_losses,
-    split_copy_document,
-    swap_samples,
-)
+from recurformer.intervals import bootstrap_mean
+from recurformer.probe.measure import aggregate, distance_bins, receptive_field, row_losses
+from recurformer.probe.samples import repeat_samples_from_stream, split_copy_document, swap_samples
 
 BOUNDED = {
     "sliding_window": dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, window=5),
@@ -164,7 +157,7 @@ def test_bootstrap_interval_on_constructed_samples() -> None:
 
 
 def test_aggregate_weighs_documents_not_tokens() -> None:
-    from recurformer.probe import Comparison, Sample
+    from recurformer.probe.samples import Comparison, Sample
 
     def doc(n: int, value: float) -> tuple[Sample, list[np.ndarray]]:
         """n tokens at distance 5 whose metric (loss of row 1 - loss of row 0) is ``value``."""
@@ -440,7 +433,7 @@ def test_plot_marks_receptive_fields_and_labels_distance_zero() -> None:
     legend; the bin at distance 0 (drawn at 1/2 on the log axis) has its tick labelled 0."""
     import matplotlib.pyplot as plt
 
-    from recurformer.probe import BinStat, ProbeResult, figure
+    from recurformer.probe.results import BinStat, ProbeResult, figure
 
     bins = [
         BinStat(0, 1, 0.5, 0.4, 0.6, 10, 10),
@@ -495,7 +488,7 @@ def test_split_copy_document_finds_the_last_marker_as_a_scan_does() -> None:
 def test_a_probe_result_prints_as_tables_that_say_how_to_read_them() -> None:
     """``print(probe(...))`` shows one table per metric (not the dataclass fields), each under a
     line saying what a good value looks like."""
-    from recurformer.probe import READING, BinStat, ProbeResult, markdown_tables
+    from recurformer.probe.results import READING, BinStat, ProbeResult, markdown_tables
 
     bins = [BinStat(1, 2, 0.3, 0.2, 0.4, 10, 10), BinStat(16, 64, 0.1, 0.0, 0.2, 10, 10)]
     facts = {"step": None, "tokens_seen": None, "val_loss": None, "train_tok_per_s": None}
@@ -508,7 +501,8 @@ def test_a_probe_result_prints_as_tables_that_say_how_to_read_them() -> None:
 
 def test_probe_options_are_checked_where_they_are_built() -> None:
     from recurformer.config import RecurformerError
-    from recurformer.probe import ProbeCommandOptions, ProbeOptions
+    from recurformer.probe.command import ProbeCommandOptions
+    from recurformer.probe.options import ProbeOptions
 
     with pytest.raises(RecurformerError, match=r"^unknown probe task 'nope'; valid tasks: repeat, swap$"):
         ProbeOptions(task="nope")

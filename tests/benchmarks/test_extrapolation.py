@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import extrapolation  # noqa: E402
 
-from recurformer.evaluate import LengthResult  # noqa: E402
+from recurformer.evaluate.results import LengthResult  # noqa: E402
 
 DOCS = 40
 TOKENS = np.full(DOCS, 100.0)
