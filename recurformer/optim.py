@@ -1,5 +1,5 @@
-"""The optimizer and the learning-rate schedule shared by the trainer (``train.py``) and the
-synthetic diagnostics (``synth.py``), and the optimizer state as safetensors + JSON (no pickles)."""
+"""The optimizer and the learning-rate schedule shared by the trainer (``training``) and the
+synthetic diagnostics (``synth``), and the optimizer state as safetensors + JSON (no pickles)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One optimizer step of truncated backpropagation through time (TBPTT), shared by the trainer
-(``train.py``) and the synthetic diagnostics (``synth.py``).
+(``training.steps``) and the synthetic diagnostics (``synth.learner``).
 
 A step reads segments s_1..s_n in order, the state carried from one to the next, and cuts them
 into windows of consecutive segments. Each window's summed loss, divided by ``divisor`` D,
