@@ -101,7 +101,7 @@ def test_public_text_has_no_internal_words() -> None:
 
 def test_experiment_configs_load() -> None:
     """Every YAML under experiments/ is a training config that loads, or a study config that loads
-    by name (a synth config, checked as one in tests/test_memory.py::test_synth_config_files)."""
+    by name (a synth config, checked as one in tests/synth/test_recipes.py::test_synth_config_files)."""
     from recurformer.config import load_yaml, study_configs
     from recurformer.training.config import load_run_config
 

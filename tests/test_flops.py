@@ -1,5 +1,5 @@
 """FLOP counting and the matmul peak (flops.py): counts checked against the closed form where one
-exists (the trainer's fraction of peak: tests/test_train.py)."""
+exists (the trainer's fraction of peak: tests/training/test_trainer.py)."""
 
 from __future__ import annotations
 

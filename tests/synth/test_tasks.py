@@ -341,7 +341,7 @@ def test_merged_sweep_halves_equal_the_whole_sweep() -> None:
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "synthetic.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "synthetic.py"
     spec = importlib.util.spec_from_file_location("synthetic_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

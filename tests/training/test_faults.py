@@ -28,7 +28,7 @@ from recurformer.data import DataConfig
 from recurformer.training.config import load_run_config
 from recurformer.training.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 prep = importlib.import_module("recurformer.data.prepare")  # the module, not the function recurformer.data exports
 WORDS = "the a cat dog ran sat on mat big small red blue happy sad tree house went saw".split()
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_ddp.py under torchrun: train a few steps and dump what the test compares."""
+"""Run by tests/training/test_ddp.py under torchrun: train a few steps and dump what the test compares."""
 
 import os
 import sys

@@ -670,7 +670,7 @@ def test_key_signal_sees_a_carried_key_and_the_exact_zero_of_a_window() -> None:
     import sys as _sys
     from pathlib import Path as P
 
-    _sys.path.insert(0, str(P(__file__).resolve().parent.parent / "experiments" / "memory"))
+    _sys.path.insert(0, str(P(__file__).resolve().parents[2] / "experiments" / "memory"))
     import key_signal  # noqa: PLC0415
 
     def model(name: str, **extra):  # noqa: ANN202
@@ -702,7 +702,7 @@ def test_segment_curriculum_chains_stages_from_the_last_model_and_resumes(tmp_pa
 
     from recurformer.checkpoint import load_checkpoint
 
-    root = P(__file__).resolve().parent.parent
+    root = P(__file__).resolve().parents[2]
     tiny = ["model.dim=16", "model.n_heads=2", "model.ffn_hidden=32", "model.n_layers=1", "synth.steps=2"]
     tiny += ["synth.batch_size=4", "synth.n_val=4", "synth.n_test=4", "synth.eval_every=0"]
 
