@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 import torch
 
-from .config import RecurformerError
+from .config import RecurformerError, check_range
 from .nn import State, StreamingLM
 
 StateInit = Literal["zero", "noise", "passing"]
@@ -64,8 +64,7 @@ class Schedule:
         ``keys``, or doubles to a value that is not the base times a power of two."""
         if self.stages and self.double_every:
             raise RecurformerError(f"{where}: give either 'stages' or 'double_every', not both")
-        if self.double_every < 0:
-            raise RecurformerError(f"config key '{where}.double_every' must be >= 0, got {self.double_every}")
+        check_range("double_every", self.double_every, (0, True, None, False), f"config key '{where}.double_every'")
         if bool(self.double_every) != bool(self.double):
             raise RecurformerError(
                 f"{where}: 'double_every' and 'double' go together (got double_every={self.double_every}, double={self.double})"
@@ -74,8 +73,9 @@ class Schedule:
             raise RecurformerError(
                 f"config key '{where}.advance_below' must be a training loss >= 0 (0: off), got {self.advance_below!r}"
             )
-        if not isinstance(self.advance_window, int) or self.advance_window < 1:
-            raise RecurformerError(f"config key '{where}.advance_window' must be >= 1, got {self.advance_window!r}")
+        check_range(
+            "advance_window", self.advance_window, (1, True, None, False), f"config key '{where}.advance_window'"
+        )
         last = -1
         for i, st in enumerate(self.stages):
             if not isinstance(st, dict) or not isinstance(st.get("step"), int) or isinstance(st.get("step"), bool):
@@ -194,9 +194,10 @@ def schedule_from(value: Any, where: str) -> Schedule:
         raise RecurformerError(f"config key '{where}.stages' must be a list of mappings, got {stages!r}")
     if not isinstance(double, dict):
         raise RecurformerError(f"config key '{where}.double' must be a mapping key: final value, got {double!r}")
-    every = value.get("double_every", 0)
-    if not isinstance(every, int) or isinstance(every, bool):
-        raise RecurformerError(f"config key '{where}.double_every' must be an integer, got {every!r}")
+    every, window = value.get("double_every", 0), value.get("advance_window", 100)
+    for key, v in (("double_every", every), ("advance_window", window)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise RecurformerError(f"config key '{where}.{key}' must be an integer, got {v!r}")
     below = value.get("advance_below", 0.0)
     if not isinstance(below, (int, float)) or isinstance(below, bool):
         raise RecurformerError(f"config key '{where}.advance_below' must be a number, got {below!r}")
@@ -205,7 +206,7 @@ def schedule_from(value: Any, where: str) -> Schedule:
         double_every=every,
         double=dict(double),
         advance_below=float(below),
-        advance_window=value.get("advance_window", 100),
+        advance_window=window,
     )
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import Checked, RecurformerError, option
+from .config import Checked, RecurformerError, check_range, option
 from .device import autocast_context
 from .generate import GenerationMixin
 from .hub import HubMixin
@@ -389,8 +389,7 @@ class StreamingLM(nn.Module, Stack, GenerationMixin, HubMixin):
         makes each call instead of the model's own, from ``init_state`` when no state is given;
         it gives no loss, so it takes no ``targets``."""
         check_token_shape(tokens)
-        if chunk < 1:
-            raise RecurformerError(f"chunk must be >= 1, got {chunk}")
+        check_range("chunk", chunk, (1, True, None, False), "chunk")
         if targets is not None:
             check_targets(tokens, targets)
             if step is not None:

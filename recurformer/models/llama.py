@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from ..config import RecurformerError
+from ..config import check_range
 from ..modules import apply_rope, attend, float32_under_cpu_autocast, merge_heads, rope_cos_sin, split_heads
 from ..nn import Block, ModelConfig, StreamingLM
 from ..registry import register, register_layer
@@ -231,8 +231,7 @@ class Llama(StreamingLM):
     def set_window(self, window: int | None) -> None:
         """Evaluate with a sliding-window mask (the "Slide Window" baseline of Liang, "Block-wise Recurrent
         Transformer", is a normally trained Llama evaluated with a 256-token window)."""
-        if window is not None and window < 1:
-            raise RecurformerError(f"window must be >= 1, got {window}")
+        check_range("window", window, (1, True, None, False), "window")
         for m in self.modules():
             if isinstance(m, Attention):
                 m.window = window
