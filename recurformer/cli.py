@@ -133,7 +133,7 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> None:
     from .config import check_values
-    from .data import DataConfig, prepare
+    from .data import DataConfig
 
     if not args.dataset and not args.text_files:
         raise RecurformerError("give --dataset NAME or --text FILE ...")
@@ -142,14 +142,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         check_values(DataConfig, vocab_size=options["vocab_size"])  # as the flag, not as data.vocab_size
     dc = DataConfig(**options)
     out = dc.resolved_dir()  # --out, or where `train` with the same data section looks
-    meta = prepare(
-        out,
-        dataset=dc.dataset,
-        text_files=dc.text_files or None,
-        tokenizer=dc.tokenizer,
-        vocab_size=dc.vocab_size,
-        text_field=dc.text_field,
-    )
+    meta = dc.prepare(out)
     print(f"prepared {out}: " + ", ".join(f"{k}={v}" for k, v in meta.items() if not isinstance(v, (dict, list))))
 
 
