@@ -133,7 +133,7 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> None:
     from .config import check_values
-    from .data import DataConfig, prepare
+    from .data import DataConfig
 
     if not args.dataset and not args.text_files:
         raise RecurformerError("give --dataset NAME or --text FILE ...")
@@ -142,14 +142,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         check_values(DataConfig, vocab_size=options["vocab_size"])  # as the flag, not as data.vocab_size
     dc = DataConfig(**options)
     out = dc.resolved_dir()  # --out, or where `train` with the same data section looks
-    meta = prepare(
-        out,
-        dataset=dc.dataset,
-        text_files=dc.text_files or None,
-        tokenizer=dc.tokenizer,
-        vocab_size=dc.vocab_size,
-        text_field=dc.text_field,
-    )
+    meta = dc.prepare(out)
     print(f"prepared {out}: " + ", ".join(f"{k}={v}" for k, v in meta.items() if not isinstance(v, (dict, list))))
 
 
@@ -317,23 +310,23 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="recurformer", description=summary)
     ap.add_argument("--version", action="version", version=f"recurformer {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", formatter_class=_Help, help="print a model's configuration and parameter counts")
-    add_options(p, InfoOptions)
-    _add_set(p)
 
-    p = sub.add_parser("prepare", formatter_class=_Help, help="tokenize a corpus into train/val token files")
-    add_options(p, DataConfig)
+    def command(
+        name: str, help: str, options: type, with_set: bool = False
+    ) -> tuple[argparse.ArgumentParser, dict[str, Any]]:
+        """A subcommand with the flags of ``options`` (and ``--set`` where ``with_set``)."""
+        p = sub.add_parser(name, formatter_class=_Help, help=help)
+        groups = add_options(p, options)
+        if with_set:
+            _add_set(p)
+        return p, groups
 
-    p = sub.add_parser("train", formatter_class=_Help, help="train a model (stateful TBPTT) from a YAML config")
-    add_options(p, TrainOptions)
-    _add_set(p)
-
-    p = sub.add_parser(
-        "eval",
-        formatter_class=_Help,
-        help="length-extrapolation evaluation (loss on the last tokens at several lengths)",
+    command("info", "print a model's configuration and parameter counts", InfoOptions, with_set=True)
+    command("prepare", "tokenize a corpus into train/val token files", DataConfig)
+    command("train", "train a model (stateful TBPTT) from a YAML config", TrainOptions, with_set=True)
+    _, groups = command(
+        "eval", "length-extrapolation evaluation (loss on the last tokens at several lengths)", EvalOptions
     )
-    groups = add_options(p, EvalOptions)
     groups["windows"].add_argument(
         "--all",
         dest="windows",
@@ -342,25 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="every window, so the scored blocks tile the whole text after the first --context tokens "
         "(the default run's val split: 743 windows, longer than its training)",
     )
-
-    p = sub.add_parser("generate", formatter_class=_Help, help="stream text from a checkpoint")
-    add_options(p, GenerateOptions)
+    p, _ = command("generate", "stream text from a checkpoint", GenerateOptions)
     p.add_argument("--stats", action="store_true", help="print tokens/s and peak memory")
-
-    p = sub.add_parser(
-        "synth",
-        formatter_class=_Help,
-        help="train a small model on a synthetic diagnostic task and report its accuracy",
-    )
-    add_options(p, SynthCommandOptions)
-
-    p = sub.add_parser(
+    command("synth", "train a small model on a synthetic diagnostic task and report its accuracy", SynthCommandOptions)
+    command(
         "readout",
-        formatter_class=_Help,
-        help="does a model read its memory, and does a later loss reach it: attention share and gradient norms",
+        "does a model read its memory, and does a later loss reach it: attention share and gradient norms",
+        ReadoutOptions,
+        with_set=True,
     )
-    add_options(p, ReadoutOptions)
-    _add_set(p)
 
     p = sub.add_parser(
         "probe",
@@ -387,13 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--warm-max", type=int, default=warm_max, help="most tokens of stream text read before each document"
     )
-    p = sub.add_parser(
+    command(
         "niah",
-        formatter_class=_Help,
-        help="needle in a haystack: a passkey at depth d%% of a context of length L, retrieved at the end "
+        "needle in a haystack: a passkey at depth d%% of a context of length L, retrieved at the end "
         "(exact match and answer log-likelihood; a depth x length heatmap)",
+        NiahOptions,
     )
-    add_options(p, NiahOptions)
     p = sub.add_parser(
         "lm-eval",
         add_help=False,
@@ -401,10 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(needs recurformer[eval]); every argument is lm-eval's own, e.g. --model_args pretrained=DIR --tasks NAME",
     )
     p.add_argument("args", nargs=argparse.REMAINDER, help="lm-eval's own arguments")
-    p = sub.add_parser(
-        "export", formatter_class=_Help, help="write a run's checkpoint in Hugging Face Hub layout with a model card"
-    )
-    add_options(p, ExportOptions)
+    command("export", "write a run's checkpoint in Hugging Face Hub layout with a model card", ExportOptions)
     return ap
 
 

@@ -238,6 +238,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def qkvo(dim: int) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
+    """W_q, W_k, W_v, W_o of an attention layer: bias-free [dim, dim] linears, made (so drawn at
+    initialisation) in that order; assign them in that order to keep the state_dict's."""
+    wq, wk, wv, wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+    return wq, wk, wv, wo
+
+
 def split_heads(x: Tensor, n_heads: int) -> Tensor:
     """[B, T, H*d] -> [B, H, T, d]"""
     B, T, D = x.shape

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .config import option
 from .files import atomic_write, atomic_write_text, check_writable
 
 DPI = 120
@@ -23,6 +24,12 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def json_option(help: str) -> Any:
+    """A measuring command's ``out`` option (``config.option``): ``--json FILE``, the results' JSON
+    (the figure beside it); ``help`` says what is written and where by default."""
+    return option(None, help, flag="--json", metavar="FILE")
 
 
 def claim_outputs(out: Path, what: str, figure: str = "plot") -> None:

@@ -62,6 +62,19 @@ class DataConfig:
             self.dataset, self.text_files or None, self.tokenizer, self.vocab_size, text_field=self.text_field
         )
 
+    def prepare(self, out_dir: Path) -> dict:
+        """Prepare this source (``data.prepare``) into ``out_dir``; returns the meta dict."""
+        from recurformer.data.prepare import prepare
+
+        return prepare(
+            out_dir,
+            dataset=self.dataset,
+            text_files=self.text_files or None,
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            text_field=self.text_field,
+        )
+
     def resolved_dir(self) -> Path:
         """``data.dir``, or ``prepared/<dataset>-<tokenizer><vocab>`` for a bundled dataset and
         ``prepared/text-<content hash>-<tokenizer><vocab>`` for text files."""

@@ -16,6 +16,7 @@ Batches are built by slicing the array with one fancy index; there are no per-to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -61,6 +62,30 @@ def _check_state(d: dict, expected: dict[str, int], kind: str) -> int:
     return step
 
 
+class _Loader:
+    """What both iterators share: the checks of their arguments, the batch counter ``step`` that
+    is their whole state, and the identity (``_identity``) a state dict must match to load."""
+
+    kind: ClassVar[str]  # the state dict's "kind"
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, rank: int, world_size: int) -> None:
+        _check_common(tokens, batch_size, seq_len, rank, world_size)
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.rank, self.world_size = rank, world_size
+        self.step = 0
+
+    def _identity(self) -> dict[str, int]:
+        return {
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "seq_len": self.seq_len,
+            "num_tokens": len(self.tokens),
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        self.step = _check_state(d, self._identity(), self.kind)
+
+
 def _next_bos(tokens: np.ndarray, bos_id: int, start: int, limit: int, chunk: int = 1 << 20) -> int:
     """First position >= start (and < limit) holding BOS; ``start`` itself if there is none."""
     for lo in range(start, limit, chunk):
@@ -79,7 +104,7 @@ def _bounds(tokens: np.ndarray, n: int, bos_id: int | None) -> np.ndarray:
     return np.array(bounds, dtype=np.int64)
 
 
-class ContiguousStreams:
+class ContiguousStreams(_Loader):
     """``batch_size * world_size`` streams over equal contiguous regions; rank r owns rows r*B..(r+1)*B-1.
 
     Each batch advances every stream by ``seq_len`` tokens (windows of T+1 overlap by one token).
@@ -93,6 +118,8 @@ class ContiguousStreams:
     chunk); ``split`` names the tokens there (``"validation"``).
     """
 
+    kind = "contiguous"
+
     def __init__(
         self,
         tokens: np.ndarray,
@@ -104,9 +131,8 @@ class ContiguousStreams:
         seq_multiple: int = 1,
         split: str = "",
     ) -> None:
-        _check_common(tokens, batch_size, seq_len, rank, world_size)
-        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
-        self.rank, self.world_size, self.bos_id = rank, world_size, bos_id
+        super().__init__(tokens, batch_size, seq_len, rank, world_size)
+        self.bos_id = bos_id
         bounds = _bounds(tokens, batch_size * world_size, bos_id)
         self.region_start = bounds[:-1]
         self.region_len = np.diff(bounds)
@@ -115,7 +141,6 @@ class ContiguousStreams:
         # Windows per pass over a region: starts 0, T, 2T, ... while start + T + 1 <= region length.
         self.windows_per_pass: np.ndarray = (self.region_len - 1) // seq_len
         self.rows = slice(rank * batch_size, (rank + 1) * batch_size)
-        self.step = 0
 
     def _too_few(self, multiple: int, split: str) -> str:
         """The message for regions shorter than a window: the largest batch size at this segment
@@ -150,28 +175,21 @@ class ContiguousStreams:
         return Batch(xy[:, :-1], xy[:, 1:], torch.from_numpy(wrapped))
 
     def _identity(self) -> dict[str, int]:
-        return {
-            "batch_size": self.batch_size,
-            "world_size": self.world_size,
-            "seq_len": self.seq_len,
-            "num_tokens": len(self.tokens),
-            "bos_id": -1 if self.bos_id is None else self.bos_id,
-        }
+        return {**super()._identity(), "bos_id": -1 if self.bos_id is None else self.bos_id}
 
     def state_dict(self) -> dict:
-        return {"kind": "contiguous", "step": self.step, **self._identity(), "cursors": self.cursors().tolist()}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.step = _check_state(d, self._identity(), "contiguous")
+        return {"kind": self.kind, "step": self.step, **self._identity(), "cursors": self.cursors().tolist()}
 
 
-class ShuffledWindows:
+class ShuffledWindows(_Loader):
     """Independent uniformly random windows of T+1 tokens per row: the paper's ablation without data
     continuity. ``wrapped`` is all False: whether the state is carried across these unrelated
     windows is the trainer's ``state: carry|reset`` switch ("Infinity Only Model" carries it).
 
     Batch k of rank r uses the generator seeded by ``(seed, rank, k)``, so resuming needs only k.
     """
+
+    kind = "shuffled"
 
     def __init__(
         self,
@@ -182,12 +200,10 @@ class ShuffledWindows:
         world_size: int = 1,
         seed: int = 0,
     ) -> None:
-        _check_common(tokens, batch_size, seq_len, rank, world_size)
+        super().__init__(tokens, batch_size, seq_len, rank, world_size)
         if len(tokens) < seq_len + 1:
             raise RecurformerError(f"{len(tokens)} tokens are too few for windows of seq_len {seq_len} (+1)")
-        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.step = 0
+        self.seed = seed
 
     def next_batch(self) -> Batch:
         rng = np.random.default_rng([self.seed, self.rank, self.step])
@@ -197,24 +213,15 @@ class ShuffledWindows:
         return Batch(xy[:, :-1], xy[:, 1:], torch.zeros(self.batch_size, dtype=torch.bool))
 
     def _identity(self) -> dict[str, int]:
-        return {
-            "batch_size": self.batch_size,
-            "world_size": self.world_size,
-            "seq_len": self.seq_len,
-            "num_tokens": len(self.tokens),
-            "seed": self.seed,
-        }
+        return {**super()._identity(), "seed": self.seed}
 
     def state_dict(self) -> dict:
         return {
-            "kind": "shuffled",
+            "kind": self.kind,
             "step": self.step,
             **self._identity(),
             "rng": "numpy default_rng([seed, rank, step])",
         }
-
-    def load_state_dict(self, d: dict) -> None:
-        self.step = _check_state(d, self._identity(), "shuffled")
 
 
 def eval_windows(tokens: np.ndarray, length: int, n: int, seed: int = 0, context: int | None = None) -> torch.Tensor:

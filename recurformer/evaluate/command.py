@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from ..config import RecurformerError, make_options, opt, option, say
 from ..device import cpu_threads, device_option
 from ..nn import NonFiniteLogits
-from ..report import claim_outputs, write_report
+from ..report import claim_outputs, json_option, write_report
 from .lengths import LengthOptions, eval_tokens, evaluate_options, window_ends
 from .results import LengthResult, figure, json_doc, markdown_table, save_json
 
@@ -34,12 +34,9 @@ class EvalOptions(LengthOptions):
         None, "text files, encoded with the checkpoint's tokenizer", nargs="+", group="source"
     )
     device: str = device_option()
-    out: str | None = option(
-        None,
+    out: str | None = json_option(
         "output JSON, a PNG plot beside it (default: eval.json in the first checkpoint's run directory; a Hub "
-        "repo id's: the working directory)",
-        flag="--json",
-        metavar="FILE",
+        "repo id's: the working directory)"
     )
 
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..config import check_range
-from ..modules import apply_rope, attend, float32_under_cpu_autocast, merge_heads, rope_cos_sin, split_heads
+from ..modules import apply_rope, attend, float32_under_cpu_autocast, merge_heads, qkvo, rope_cos_sin, split_heads
 from ..nn import Block, ModelConfig, StreamingLM
 from ..registry import register, register_layer
 from ..stack import Layer
@@ -133,10 +133,7 @@ class Attention(Layer):
         self.n_heads, self.head_dim, self.theta = cfg.n_heads, cfg.head_dim, cfg.rope_theta
         self.window = window
         self.query_tile: int | None = 64  # queries per band of a window layer (speed only; None: one band)
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wq, self.wk, self.wv, self.wo = qkvo(cfg.dim)
 
     @property
     def kind(self) -> str:

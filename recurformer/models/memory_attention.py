@@ -57,6 +57,7 @@ from ..modules import (
     compiled_region,
     merge_heads,
     pieces,
+    qkvo,
     rope_cos_sin,
     split_heads,
 )
@@ -122,10 +123,7 @@ class MemoryAttentionLayer(ConvLayer):
         super().__init__(cfg)
         self.cfg = cfg
         self.n_heads = cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wq, self.wk, self.wv, self.wo = qkvo(cfg.dim)
         if cfg.memory_qkv == "separate":
             self.wkm = nn.Linear(cfg.dim, cfg.dim, bias=False)
             self.wvm = nn.Linear(cfg.dim, cfg.dim, bias=False)

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import option
-from ..modules import MLP, RMSNorm, acc_dtype, alibi_slopes, apply_rope, merge_heads, rope_cos_sin, split_heads
+from ..modules import MLP, RMSNorm, acc_dtype, alibi_slopes, apply_rope, merge_heads, qkvo, rope_cos_sin, split_heads
 from ..nn import ModelConfig, StreamingLM
 from ..ops.recurrent_attention import (
     BiasFn,
@@ -97,10 +97,7 @@ class RecurrentLayer(Layer):
         self.n_heads = cfg.n_heads
         self.alpha = 1 / math.sqrt(cfg.n_layers) if cfg.residual_scale else 1.0
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wq, self.wk, self.wv, self.wo = qkvo(cfg.dim)
         self.q_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)

@@ -75,6 +75,7 @@ from ..modules import (
     compiled_region,
     merge_heads,
     pieces,
+    qkvo,
     rope_cos_sin,
     split_heads,
 )
@@ -142,10 +143,7 @@ class RMTAttention(ConvLayer):
         super().__init__(cfg)
         self.cfg, self.index = cfg, index
         self.memory = memory_of(cfg)  # what crosses a segment boundary (not a module: no parameters)
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wq, self.wk, self.wv, self.wo = qkvo(cfg.dim)
 
     @property
     def period(self) -> int:

@@ -15,7 +15,7 @@ import torch
 from ..checkpoint import metrics, train_json
 from ..config import RecurformerError, make_options, opt, option
 from ..device import device_option
-from ..report import claim_outputs, write_report
+from ..report import claim_outputs, json_option, write_report
 from .measure import probe_model, receptive_field
 from .options import METRICS, ProbeOptions
 from .results import ProbeResult, figure, markdown_tables, merge, text_sha256, to_json
@@ -31,12 +31,9 @@ class ProbeCommandOptions(ProbeOptions):
         None, "run or checkpoint directories or Hub repo ids (one line each in the plot)", cli=False
     )  # the command line's, beside --merge
     device: str = device_option()
-    out: str | None = option(
-        None,
+    out: str | None = json_option(
         "output JSON, a PNG plot beside it (default: probe.json in the first checkpoint's run directory; with "
-        "--merge, probe-merged.json beside the first merged file)",
-        flag="--json",
-        metavar="FILE",
+        "--merge, probe-merged.json beside the first merged file)"
     )
 
 

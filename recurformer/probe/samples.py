@@ -148,17 +148,25 @@ def _elsewhere(stream: np.ndarray, at: int, length: int, rng: np.random.Generato
     return stream[o : o + length]
 
 
+def _check_length(stream: np.ndarray, need: int, what: str, smaller: str) -> None:
+    """One line where ``stream`` is shorter than 4 ``need`` tokens (room for the random offsets of
+    pieces of ``need`` tokens): ``what`` it is too short for, and ``smaller``, the options to lower."""
+    if len(stream) < 4 * need:
+        raise RecurformerError(
+            f"the text has {len(stream):,} tokens, too short for {what} (need at least {4 * need:,}); "
+            f"give more text or {smaller}"
+        )
+
+
 def repeat_samples_from_stream(
     stream: np.ndarray, marker: np.ndarray, n_docs: int, passage: int, warm: tuple[int, int], rng: np.random.Generator
 ) -> list[Sample]:
     """Copy documents ``prefix, s1, marker, s1`` with s1 a ``passage``-token piece of ``stream``,
     and the swapped passage a piece from elsewhere in the stream."""
     need = warm[1] + 2 * passage + 1
-    if len(stream) < 4 * need:
-        raise RecurformerError(
-            f"the text has {len(stream):,} tokens, too short for {passage}-token passages after a prefix of up to {warm[1]} "
-            f"(need at least {4 * need:,}); give more text or a smaller --passage / --warm-max"
-        )
+    _check_length(
+        stream, need, f"{passage}-token passages after a prefix of up to {warm[1]}", "a smaller --passage / --warm-max"
+    )
     samples = []
     for _ in range(n_docs):
         at = int(rng.integers(warm[1], len(stream) - passage))
@@ -184,11 +192,9 @@ def swap_samples(
         raise RecurformerError(f"--distances must be non-negative integers, got {list(distances)}")
     dmax = max(distances)
     length = dmax + warm[1] + span
-    if len(stream) < 4 * length:
-        raise RecurformerError(
-            f"the text has {len(stream):,} tokens, too short for histories of {dmax} + a prefix of up to {warm[1]} tokens "
-            f"(need at least {4 * length:,}); give more text or smaller --distances / --warm-max"
-        )
+    _check_length(
+        stream, length, f"histories of {dmax} + a prefix of up to {warm[1]} tokens", "smaller --distances / --warm-max"
+    )
     samples = []
     for _ in range(n_docs):
         hist = dmax + int(rng.integers(warm[0], warm[1] + 1))

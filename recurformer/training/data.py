@@ -40,7 +40,7 @@ def run_data(data: DataConfig, resumed: dict[str, Any] | None, rank: int, world:
     It must be what the run expects: for a resumed run, the data it started with (text files
     deleted after they were prepared into an explicit data.dir cannot be checked), else the
     configured source; a ``data.dir`` alone must hold prepared data."""
-    from ..data import load_prepared, prepare
+    from ..data import load_prepared
 
     data_dir = data.resolved_dir()
     if resumed is not None:
@@ -71,14 +71,7 @@ def run_data(data: DataConfig, resumed: dict[str, Any] | None, rank: int, world:
                 "(data.text_files or data.dataset)"
             )
         if rank == 0:
-            prepare(
-                data_dir,
-                dataset=data.dataset,
-                text_files=data.text_files or None,
-                tokenizer=data.tokenizer,
-                vocab_size=data.vocab_size,
-                text_field=data.text_field,
-            )
+            data.prepare(data_dir)
         if world > 1:
             dist.barrier()
     meta, train_tokens, val_tokens, tokenizer = load_prepared(data_dir)
