@@ -36,17 +36,17 @@ FLOORS: list[list[str]] = [
         "report",
         "flops",
         "data.prepare",
-        "data.synthetic",
+        "data.rows",
         "capture",
         "ops.delta_rule",
         "ops.recurrent_attention.naive",
     ],
-    # 3
-    ["data", "loggers", "ops.recurrent_attention.tiled"],
-    # 4: loading models from disk or the Hub (the Hub methods of a model, as a mixin)
-    ["hub", "ops.recurrent_attention"],
-    # 5: generation (a mixin of the model; ``recurformer generate`` is ``api.generate_text``)
-    ["generate"],
+    # 3: the book text of the long-context tasks (a BPE over the bundled books)
+    ["data", "loggers", "ops.recurrent_attention.tiled", "data.booktext"],
+    # 4: loading models from disk or the Hub (the Hub methods of a model, as a mixin); the long-context tasks
+    ["hub", "ops.recurrent_attention", "data.needles", "data.babi"],
+    # 5: generation (a mixin of the model; ``recurformer generate`` is ``api.generate_text``); the task registry
+    ["generate", "data.synthetic"],
     # 6: the model around a stack of layers
     ["nn"],
     # 7: what reads a model; Llama, which other architectures build on
