@@ -40,17 +40,19 @@ FLOORS: list[list[str]] = [
         "probe.options",
         "flops",
         "data.prepare",
-        "data.synthetic",
+        "data.rows",
         "capture",
         "ops.delta_rule",
         "ops.recurrent_attention.naive",
     ],
-    # 3: also what eval and probe measured, as tables, JSON and figures; the probe's documents
-    ["data", "loggers", "ops.recurrent_attention.tiled", "evaluate.results", "probe.results", "probe.samples"],
-    # 4: loading models from disk or the Hub (the Hub methods of a model, as a mixin)
-    ["hub", "ops.recurrent_attention"],
-    # 5: generation (a mixin of the model; ``recurformer generate`` is ``api.generate_text``)
-    ["generate"],
+    # 3: also what eval and probe measured, as tables, JSON and figures; the probe's documents; the book text
+    # of the long-context tasks (a BPE over the bundled books)
+    ["data", "loggers", "ops.recurrent_attention.tiled", "evaluate.results", "probe.results", "probe.samples"]
+    + ["data.booktext"],
+    # 4: loading models from disk or the Hub (the Hub methods of a model, as a mixin); the long-context tasks
+    ["hub", "ops.recurrent_attention", "data.needles", "data.babi"],
+    # 5: generation (a mixin of the model; ``recurformer generate`` is ``api.generate_text``); the task registry
+    ["generate", "data.synthetic"],
     # 6: the model around a stack of layers
     ["nn"],
     # 7: what reads a model; Llama, which other architectures build on

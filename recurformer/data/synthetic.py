@@ -29,19 +29,11 @@ import torch
 
 from ..config import RecurformerError, coerce, suggest
 from ..state import IGNORE_INDEX
-
-Arrays = tuple[np.ndarray, np.ndarray]
-
-
-def _shift(seq: np.ndarray, scored: np.ndarray) -> Arrays:
-    """seq, scored: [n, T+1] -> inputs seq[:, :-1], targets seq[:, 1:] where scored, else -100."""
-    return seq[:, :-1].copy(), np.where(scored[:, 1:], seq[:, 1:], IGNORE_INDEX)
-
-
-def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise RecurformerError(msg)
-
+from .babi import BABI
+from .needles import NEEDLES
+from .rows import Arrays, TaskData
+from .rows import need as _need
+from .rows import shift as _shift
 
 # ----------------------------------------------------------------------------------------------
 # MAD tasks
@@ -400,10 +392,12 @@ class Task:
     train_size: int  # the baseline number of training examples
     head: str = "lm"  # "lm": next-token targets; "autoencoder": decode every target from the last position
     length_key: tuple[str, ...] = ()  # the parameter(s) a length sweep sets (passkey filler, copy string, delay)
+    texts: bool = False  # the filler is book text: ``make_split``'s ``split`` picks training or test books
 
     @property
     def defaults(self) -> dict[str, Any]:
-        return {k: p.default for k, p in list(inspect.signature(self.fn).parameters.items())[2:]}
+        params = list(inspect.signature(self.fn).parameters.items())[2:]
+        return {k: p.default for k, p in params if p.kind is not p.KEYWORD_ONLY}  # (``split`` is no parameter)
 
     def at_length(self, params: dict[str, Any], length: int) -> dict[str, Any]:
         """``params`` with the task's length set to ``length`` (every row exactly that long)."""
@@ -433,6 +427,7 @@ TASKS: dict[str, Task] = {
         Task("delayed_copy", delayed_copy, "sequence", 12800, length_key=("delay",)),
         Task("passkey", passkey, "sequence", 12800, length_key=("length",)),
         Task("mqar", mqar, "token", 12800, length_key=("distance",)),
+        *(Task(k, f, "sequence", 12800, length_key=("length",), texts=True) for k, f in {**NEEDLES, **BABI}.items()),
     ]
 }
 
@@ -443,23 +438,19 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-@dataclass
-class TaskData:
-    inputs: torch.Tensor  # [N, T] int64
-    targets: torch.Tensor  # [N, T] int64, IGNORE_INDEX where not scored
-
-    def row_keys(self) -> set[bytes]:
-        """One hashable key per row (its input tokens), for disjointness checks."""
-        return {r.tobytes() for r in self.inputs.numpy()}
-
-
 def make_split(
-    task: str, n: int, seed: int, params: dict[str, Any] | None = None, exclude: set[bytes] | None = None
+    task: str,
+    n: int,
+    seed: int,
+    params: dict[str, Any] | None = None,
+    exclude: set[bytes] | None = None,
+    split: str = "train",
 ) -> TaskData:
     """``n`` distinct rows of ``task`` drawn from ``seed`` (the same seed gives the same rows), none
-    of whose inputs is in ``exclude``. Raises if the task cannot supply that many distinct rows."""
+    of whose inputs is in ``exclude``; a task in book text cuts its filler from the ``split``
+    ("train" or "test") books (``booktext``). Raises if the task cannot supply that many distinct rows."""
     t = get_task(task)
-    kw = t.params(params)
+    kw = {**t.params(params), **({"split": split} if t.texts else {})}
     if n < 1:
         raise RecurformerError(f"a split needs at least 1 example, got {n}")
     exclude = exclude or set()
@@ -490,6 +481,7 @@ ROW_TOKENS: dict[str, Callable[[dict[str, Any]], int]] = {
     "delayed_copy": lambda p: 2 * p["copy_len"] + p["delay"],
     "passkey": lambda p: 2 * p["key_len"] + p["length"],
     "mqar": lambda p: max(p["seq_len"], 2 * p["num_pairs"] + p["distance"] + 2 * p["num_queries"] - 1),
+    **dict.fromkeys([*NEEDLES, *BABI], lambda p: p["length"]),
 }
 
 

@@ -30,6 +30,13 @@ SMALL = {  # small settings so the tests stay fast; defaults are the MAD baselin
     "delayed_copy": dict(delay=20),
     "passkey": dict(length=30),
     "mqar": dict(num_pairs=4, num_queries=4, distance=6),
+    "s_niah_1": dict(length=160),
+    "s_niah_2": dict(length=160),
+    "s_niah_3": dict(length=256),
+    "mk_niah": dict(length=224, num_needles=2),
+    "qa1": dict(length=96, num_facts=2),
+    "qa2": dict(length=160, num_facts=4),
+    "qa3": dict(length=192, num_facts=5),
 }
 
 
