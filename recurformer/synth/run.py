@@ -160,9 +160,9 @@ def run_synth(
     train: TaskData | FreshRows
     if cfg.fresh():  # held-out rows first; training rows are drawn per batch, none equal to one of them
         held = trained_params(t, params, cfg)
-        val = make_split(task, cfg.n_val, cfg.seed + 1, held)
+        val = make_split(task, cfg.n_val, cfg.seed + 1, held, split="test")
         seen = val.row_keys()
-        test = make_split(task, cfg.n_test, cfg.seed + 2, held, exclude=seen)
+        test = make_split(task, cfg.n_test, cfg.seed + 2, held, exclude=seen, split="test")
         seen |= test.row_keys()
         length_data = {L: length_split(t, params, L, cfg.n_length_test, cfg.seed, seen) for L in cfg.eval_lengths}
         for d in length_data.values():
@@ -174,9 +174,9 @@ def run_synth(
     else:
         train = make_split(task, cfg.n_train or t.train_size, cfg.seed, params)
         seen = train.row_keys()
-        val = make_split(task, cfg.n_val, cfg.seed + 1, params, exclude=seen)
+        val = make_split(task, cfg.n_val, cfg.seed + 1, params, exclude=seen, split="test")
         seen |= val.row_keys()
-        test = make_split(task, cfg.n_test, cfg.seed + 2, params, exclude=seen)
+        test = make_split(task, cfg.n_test, cfg.seed + 2, params, exclude=seen, split="test")
         seen |= test.row_keys()
         length_data = {L: length_split(t, params, L, cfg.n_length_test, cfg.seed, seen) for L in cfg.eval_lengths}
         log(
@@ -241,7 +241,7 @@ def length_split(
 ) -> TaskData:
     """The test rows of ``t`` at length ``L`` of a run with seed ``seed`` (``run_synth``'s
     ``eval_lengths``, and ``score_lengths`` after it)."""
-    return make_split(t.name, n, seed + 3 + L, t.at_length(params, L), exclude=exclude)
+    return make_split(t.name, n, seed + 3 + L, t.at_length(params, L), exclude=exclude, split="test")
 
 
 def score_lengths(

@@ -537,3 +537,21 @@ def test_scoring_a_saved_model_budgets_the_rows_it_reads() -> None:
         score_lengths(model, "passkey", params, [16384], 256, cfg)
     scores = score_lengths(model, "passkey", params, [16384], 4, cfg)
     assert scores[16384].rows == 4
+
+
+def test_held_out_rows_of_a_task_in_book_text_come_from_the_test_books(monkeypatch) -> None:
+    """A synth run trains on rows cut from the training books and validates and tests (at its own
+    length and at ``eval_lengths``) on rows cut from the held-out books."""
+    import recurformer.synth.run as run
+
+    drawn: list[tuple[int, str]] = []
+
+    def recording(task, n, seed, params=None, exclude=None, split="train"):
+        drawn.append((n, split))
+        return make_split(task, n, seed, params, exclude, split)
+
+    monkeypatch.setattr(run, "make_split", recording)
+    cfg = synth_config({"steps": 1, "batch_size": 2, "n_train": 3, "n_val": 4, "n_test": 5, "lrs": [1e-3]})
+    cfg.eval_lengths, cfg.n_length_test = [192], 6
+    run_synth("s_niah_2", "llama", {"dim": 16, "n_heads": 2, "ffn_hidden": 32}, {"length": 160}, cfg)
+    assert drawn == [(3, "train"), (4, "test"), (5, "test"), (6, "test")]
