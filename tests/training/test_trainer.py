@@ -15,6 +15,7 @@ import recurformer.checkpoint as ckpt
 from recurformer import RecurformerError
 from recurformer.cli import main as cli_main
 from recurformer.training.config import load_run_config
+from recurformer.training.steps import Pacing
 from recurformer.training.trainer import Trainer
 
 RESUME_CASES = {  # data order, precision and truncation: a resume continues each exactly
@@ -111,8 +112,9 @@ def test_schedule_applies_at_its_steps(corpus, tmp_path) -> None:
     """The stage in force is a function of the step: truncation 1 -> 2 -> 4 by doubling every 2
     steps, and a truncation-2 step backpropagates the first segment's loss through the state."""
     cfg = run_config(corpus, tmp_path, grad_accum=4, schedule="{double_every: 2, double: {truncation: 4}}").train
-    assert [cfg.at(s)["truncation"] for s in range(7)] == [1, 1, 2, 2, 4, 4, 4]
-    assert [cfg.at(s)["seq_len"] for s in range(7)] == [32] * 7
+    pacing = Pacing(cfg)
+    assert [pacing.at(s)["truncation"] for s in range(7)] == [1, 1, 2, 2, 4, 4, 4]
+    assert [pacing.at(s)["seq_len"] for s in range(7)] == [32] * 7
     tr = Trainer(
         run_config(corpus, tmp_path, grad_accum=4, schedule="{stages: [{step: 1, truncation: 4}]}"), show_progress=False
     )
