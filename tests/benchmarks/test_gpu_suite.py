@@ -47,6 +47,7 @@ def suite_here(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, *
     return rc, out, err
 
 
+@pytest.mark.slow  # every stage of the suite at toy sizes: about a minute on a 2-core CPU
 def test_dry_run_writes_every_stage(tmp_path: Path) -> None:
     done = suite("--dry-run", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
