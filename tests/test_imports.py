@@ -25,6 +25,7 @@ FLOORS: list[list[str]] = [
         "ops.recurrent_attention.common",
         "ops.delta_rule.chunk",
         "ops.delta_rule.naive",
+        "ops.delta_rule.fla",
         "data.tokenizer",
         "data.streams",
         "data.sources",

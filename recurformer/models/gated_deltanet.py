@@ -19,7 +19,10 @@ Two exact forms of the recurrence (``ops/delta_rule``): ``delta_rule_naive`` (to
 reference; it also decodes single tokens) and ``delta_rule_chunked`` (the paper's chunkwise WY/UT form,
 §3, over chunks of ``chunk_size`` tokens, for training), equal to rounding in outputs, final state and
 gradients (tests/ops/test_delta_rule.py). The chunk is a unit of compute only: a row can be reset at any
-token, and any split of a text into calls gives the same result.
+token, and any split of a text into calls gives the same result. On CUDA the chunked form is
+flash-linear-attention's Triton kernel where ``fla-core[cuda]`` imports (``impl: auto``, the default;
+``impl: fla`` insists, ``chunked`` / ``naive`` pick ours): the same arguments, parameters and state
+(``ops/delta_rule/fla.py``).
 
 Initialisation: W_a starts at zero, A_log at 0 and dt_bias at softplus^{-1}(-log ``decay_init``),
 so a_t = ``decay_init`` (0.999 by default) on every input at first: a fact then halves in about
@@ -52,10 +55,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import RecurformerError, option
+from ..config import RecurformerError, opt, option
 from ..modules import RMSNorm, acc_dtype, init_short_conv, short_conv
 from ..nn import Block, ModelConfig, StreamingLM
 from ..ops.delta_rule import delta_rule_chunked, delta_rule_naive
+from ..ops.delta_rule.fla import FLA_CHUNKS, delta_rule_fla, use_fla
 from ..registry import register, register_layer
 from ..stack import Layer
 from ..state import Call, LayerState, reset_rows
@@ -74,7 +78,9 @@ class GatedDeltaNetConfig(ModelConfig):
     write_init: float = option(0.5, range="(0, 1)")
     write_floor: float = 0.0  # eps: b_t = max(0, sigmoid(.) - eps) / (1 - eps), exactly 0 below eps (0: the paper's)
     decay_floor: float = 0.0  # delta: log a_t = min(0, log a_t + delta), exactly no decay above -delta (0: the paper's)
-    impl: Literal["chunked", "naive"] = "chunked"  # the recurrence over a call of several tokens
+    # the recurrence over a call of several tokens: "chunked" (ours), "naive" (per token), "fla"
+    # (flash-linear-attention's kernel, CUDA only), "auto" (fla on CUDA where it imports, else chunked)
+    impl: Literal["auto", "chunked", "naive", "fla"] = option("auto")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,6 +93,11 @@ class GatedDeltaNetConfig(ModelConfig):
             raise RecurformerError(
                 f"config key 'decay_floor' must be >= 0 and below -log(decay_init) = {-math.log(self.decay_init):.4g} "
                 f"(else no token decays at initialisation and a_t gets no gradient), got {self.decay_floor}"
+            )
+        if self.impl == "fla" and self.chunk_size not in FLA_CHUNKS:
+            raise RecurformerError(
+                f"config key 'model.chunk_size' must be 16, 32 or 64 for flash-linear-attention's kernel "
+                f"({opt('model.impl', 'fla')}), got {self.chunk_size}: use {opt('model.chunk_size', 64)}"
             )
 
 
@@ -179,6 +190,11 @@ class GatedDeltaNetLayer(Layer):
             args = (F.normalize(q.to(f), dim=-1), F.normalize(k.to(f), dim=-1), v.to(f), b.to(f), g.to(f))
             if self.cfg.impl == "naive" or T == 1:
                 o, S = delta_rule_naive(*args, state.S.to(f))
+            elif self.cfg.impl != "chunked" and use_fla(self.cfg.impl, x.device, self.cfg.chunk_size):
+                # q, k, v in the projections' dtype (bf16 under autocast, as fla's own layers call it;
+                # the kernel accumulates in float32), the gates and the state in float32 at least
+                qk = (args[0].to(q.dtype), args[1].to(q.dtype))
+                o, S = delta_rule_fla(*qk, v, *args[3:], state.S.to(f), self.cfg.chunk_size)
             else:
                 o, S = delta_rule_chunked(*args, state.S.to(f), self.cfg.chunk_size)
         o = self.out_norm(o.transpose(1, 2).to(x.dtype)) * F.silu(gate).unflatten(-1, (H, d))

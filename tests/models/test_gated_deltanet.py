@@ -143,7 +143,12 @@ def test_state_survives_a_safetensors_file(tmp_path) -> None:
         (dict(conv_size=0), "'conv_size' must be >= 1, got 0"),
         (dict(chunk_size=0), "'chunk_size' must be >= 1, got 0"),
         (dict(dim=30, n_heads=4), r"dim \(30\) must be divisible by n_heads \(4\)"),
-        (dict(impl="fast"), r"'model.impl' must be one of \['chunked', 'naive'\], got 'fast'"),
+        (dict(impl="fast"), r"'model.impl' must be one of \['auto', 'chunked', 'naive', 'fla'\], got 'fast'"),
+        (
+            dict(impl="fla", chunk_size=8),
+            r"'model.chunk_size' must be 16, 32 or 64 for flash-linear-attention's kernel "
+            r"\(model=\{\"impl\": 'fla'\}\), got 8: use model=\{\"chunk_size\": 64\}",
+        ),
         (dict(n_layers=2, layers=["delta", "window"]), "layer 1 is a 'window' layer: set config key 'window'"),
     ],
 )
@@ -175,3 +180,60 @@ def test_a_training_step_reads_nothing_from_the_device() -> None:
             state, loss = out.state, loss + out.loss
         loss.backward()
     assert mode.reads == []
+
+
+def test_fla_on_the_cpu_gives_one_line_before_any_work() -> None:
+    """``model.impl: fla`` on a CPU tensor: one line naming the fix at the first call, before the
+    kernel (or any recurrence) runs; the CLI spells the option as its ``--set``."""
+    from recurformer.cli import cli_spelling
+
+    model = build_model("gated_deltanet", dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=16, impl="fla"))
+    with pytest.raises(RecurformerError) as e:
+        model(torch.randint(0, 61, (2, 20)))
+    assert str(e.value) == (
+        "model={\"impl\": 'fla'} runs flash-linear-attention's Triton kernel on CUDA only, but this model runs "
+        "on cpu: use model={\"impl\": 'auto'} (fla on CUDA, ours elsewhere)"
+    )
+    assert "use --set model.impl=auto " in cli_spelling("train")(e.value.args[0])
+
+
+def test_fla_without_the_package_gives_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where fla does not import, ``model.impl: fla`` names the install (on CUDA, checked first
+    on the device: the CPU's message is the one above)."""
+    from recurformer.ops.delta_rule import fla
+
+    monkeypatch.setattr(fla, "fla_kernel", lambda: None)
+    with pytest.raises(RecurformerError, match=r"needs flash-linear-attention, which does not import here: ") as e:
+        fla.use_fla("fla", torch.device("cuda"), 64)
+    assert "pip install 'fla-core[cuda]', or use model={\"impl\": 'auto'}" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "device, kernel, chunk, uses",
+    [("cuda", True, 64, True), ("cuda", True, 16, True), ("cuda", False, 64, False), ("cpu", True, 64, False)]
+    + [("cuda", True, 8, False)],
+)
+def test_auto_takes_fla_on_cuda_where_it_imports(monkeypatch, device, kernel, chunk, uses) -> None:
+    """``model.impl: auto`` (the default): fla's kernel on CUDA where it imports and takes the
+    chunk size, ours otherwise, with no error either way."""
+    from recurformer.ops.delta_rule import fla
+
+    monkeypatch.setattr(fla, "fla_kernel", lambda: (lambda: None) if kernel else None)
+    assert fla.use_fla("auto", torch.device(device), chunk) is uses
+    assert make_config("gated_deltanet", dict(dim=32, n_heads=4)).impl == "auto"
+
+
+def test_the_state_and_weights_do_not_depend_on_impl() -> None:
+    """A checkpoint is the same whichever form computes the recurrence: the same parameter names
+    and shapes, the same state layout."""
+    models = {
+        impl: build_model(
+            "gated_deltanet", dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, chunk_size=16, impl=impl)
+        )
+        for impl in ("auto", "chunked", "naive", "fla")
+    }
+    shapes = {impl: {k: v.shape for k, v in m.state_dict().items()} for impl, m in models.items()}
+    states = {impl: {k: v.shape for k, v in m.init_state(2, "cpu").to_flat().items()} for impl, m in models.items()}
+    assert all(s == shapes["chunked"] for s in shapes.values())
+    assert all(s == states["chunked"] for s in states.values())

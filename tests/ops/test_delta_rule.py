@@ -135,3 +135,60 @@ def test_chunked_equals_flash_linear_attentions_reference(form: str, T: int, chu
     got = grads(theirs, xs, w, wS)
     for n, a, b in zip(["o", "S_T", "dq", "dk", "dv", "db", "dg", "dS0"], got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(
+    "floors", [{}, {"write_floor": 0.3, "decay_floor": 0.6, "decay_init": 0.3}], ids=["", "floors"]
+)
+def test_a_layer_on_flas_kernel_equals_ours(monkeypatch: pytest.MonkeyPatch, floors: dict) -> None:
+    """``model.impl: fla`` maps our tensors onto fla's ``chunk_gated_delta_rule`` exactly: with
+    the kernel (which needs CUDA) replaced by fla's own pure-PyTorch ``naive_chunk_gated_delta_rule``,
+    called with the same arguments, the whole layer over two calls (the state carried, the floors
+    applied) gives ours's outputs, states and the gradients of its input, of a nonzero initial
+    state and of every parameter. fla computes in float32 whatever it is given, so the layer runs
+    in float64 and agrees to float32 rounding."""
+    import recurformer.models.gated_deltanet as gdn
+    from recurformer.models.gated_deltanet import DeltaState, GatedDeltaNetLayer
+    from recurformer.ops.delta_rule import fla as fla_ops
+    from recurformer.registry import make_config
+    from recurformer.state import Call
+
+    fla = fla_naive()
+    calls = []
+
+    def kernel(q, k, v, g, beta, *, use_qk_l2norm_in_kernel, **kw):  # type: ignore[no-untyped-def]
+        assert not use_qk_l2norm_in_kernel  # q and k arrive normalised
+        calls.append(q.shape)
+        return fla.naive_chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+
+    monkeypatch.setattr(fla_ops, "fla_kernel", lambda: kernel)
+    monkeypatch.setattr(gdn, "use_fla", lambda impl, device, chunk: True)  # (the CPU stands in for CUDA)
+    layers = {}
+    for impl in ("chunked", "fla"):
+        layers[impl] = GatedDeltaNetLayer(
+            make_config("gated_deltanet", dict(dim=32, n_heads=2, chunk_size=16, impl=impl, **floors))
+        )
+    torch.manual_seed(3)
+    for p in layers["chunked"].parameters():
+        p.data.normal_(0.0, 0.3)
+    layers["chunked"].double()
+    layers["fla"].double().load_state_dict(layers["chunked"].state_dict())
+    B, lengths = 2, (37, 20)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(B, sum(lengths), 32, generator=gen, **F64, requires_grad=True)
+    w = torch.randn(B, sum(lengths), 32, generator=gen, **F64)
+    s0 = layers["chunked"].init_state(B, "cpu", torch.float64)
+    s0 = DeltaState(S=torch.randn(s0.S.shape, generator=gen, **F64).requires_grad_(), conv=s0.conv)
+    results = {}
+    for impl, layer in layers.items():
+        s, ys = s0, []
+        for part in x.split(lengths, dim=1):
+            y, s = layer(part, s, Call(0, torch.zeros(B, dtype=torch.long)))
+            ys.append(y)
+        y = torch.cat(ys, dim=1)
+        gs = torch.autograd.grad((y * w).sum() + s.S.sum(), [x, s0.S, *layer.parameters()])
+        results[impl] = [y, s.S, s.conv, *gs]
+    assert len(calls) == len(lengths)  # the kernel ran every call
+    names = ["y", "S", "conv", "dx", "dS0", *dict(layers["chunked"].named_parameters())]
+    for n, a, b in zip(names, results["fla"], results["chunked"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
