@@ -32,9 +32,9 @@ from helpers import run_config
 from recurformer.models import build_model, model_names
 from recurformer.training.trainer import Trainer
 
-# a tiny model of each kind whose chunk / segment / block divides the 32 tokens of a segment
+# a tiny model of each kind whose chunk / segment / block divides the tokens of a segment (SEQ)
 EXTRA: dict[str, dict[str, Any]] = {
-    "block_recurrent": dict(block_size=8, query_tile=4, recurrent_layers=[0]),
+    "block_recurrent": dict(block_size=4, query_tile=2, recurrent_layers=[0]),
     "gated_deltanet": dict(chunk_size=8),
     "memory_attention": dict(chunk_size=8),
     "recurrent_transformer": dict(block_size=4),
@@ -42,6 +42,9 @@ EXTRA: dict[str, dict[str, Any]] = {
     "sliding_window": dict(window=6),
     "transformer_xl": dict(segment_len=8),
 }
+# tokens per segment (8 unless said): one unit of most models' loops (a smaller graph to compile), two
+# blocks of the Block-Recurrent Transformer (its recurrent gates are read only from the second block on)
+SEQ: dict[str, int] = {}
 STEPS = 3
 REL = 1e-4  # of a tensor's scale (see the module docstring)
 
@@ -52,7 +55,9 @@ def train(corpus, tmp, name: str, compile: bool) -> tuple[Trainer, list[dict[str
     model = dict(dim=32, n_layers=2, n_heads=4, **EXTRA.get(name, {}))
     state = {} if build_model(name, model).bounded_state else dict(state="reset")  # (a cache without bound)
     model["name"] = name
-    cfg = run_config(corpus, tmp, model=model, grad_accum=2, compile=compile, save_every=100, **state)
+    cfg = run_config(
+        corpus, tmp, model=model, seq_len=SEQ.get(name, 8), grad_accum=2, compile=compile, save_every=100, **state
+    )
     tr = Trainer(cfg, show_progress=False)
     steps: list[dict[str, Any]] = []
     real = tr.opt.step
