@@ -247,54 +247,215 @@ def stage_tests(ctx: Ctx, target: list[str] | None = None) -> dict:
     return dict(res, **counts, failures=failures)
 
 
-GRAPH_MODELS = ("memory_attention", "rmt", "block_recurrent", "recurrent_transformer", "llama")
+# every registered model, Gated DeltaNet once per delta-rule kernel (fla's where it runs, ours)
+DRY_GRAPH_MODELS = ("gated_deltanet", "llama")
 # the dry run's: one model per way graphs_bench.py carries the state (a bounded state carried, a
-# KV cache read from a fresh state each step); every model's captured step is held to its plain
-# one by tests/test_capture.py, so more processes here would test imports, not the protocol
-DRY_GRAPH_MODELS = ("memory_attention", "llama")
+# KV cache read from a fresh state each step), Gated DeltaNet for its two delta-rule rows; every
+# model's captured step is held to its plain one by tests/test_capture.py, so more processes here
+# would test imports, not the protocol
+BASE_BATCH, FIT_BATCHES = 16, (128, 64, 32)  # rows per micro-batch: 16, then the largest that fits
+DRY_BASE_BATCH = 2
+FIT_ON_CPU = "skipped: the micro-batch search needs a GPU's memory to run out of (a CPU's never does)"
+ROW_S = dict(base=75.0, fit=45.0)  # seconds a row is planned for on a GPU; rows left over wait for the next call
+OOM_EXIT = 3  # a --graphs-row child that ran out of GPU memory
+
+
+@dataclass(frozen=True)
+class GraphRow:
+    """One row of the graphs stage: a model (``impl``: Gated DeltaNet's ``model.impl``) at 16 rows
+    per micro-batch (``base``) or at the largest of ``FIT_BATCHES`` that fits (``fit``)."""
+
+    model: str
+    impl: str | None
+    kind: str  # "base" or "fit"
+
+    @property
+    def label(self) -> str:
+        return self.model + (f"[{self.impl}]" if self.impl else "")
+
+    @property
+    def key(self) -> str:
+        return f"{self.label}/{self.kind}"
+
+
+def row_key(x: dict) -> str:
+    """A measured row's ``GraphRow.key`` (rows written before there were keys: a base row)."""
+    return x.get("key") or x["model"] + (f"[{x['impl']}]" if x.get("impl") else "") + "/base"
+
+
+def row_done(x: dict) -> bool:
+    """Whether a measured row is complete: a base row reached generation, a fit row its search's end."""
+    return bool(x.get("fit", {}).get("done")) if row_key(x).endswith("/fit") else "generate" in x
+
+
+def fla_skip(device: torch.device) -> str | None:
+    """Why Gated DeltaNet's fla row cannot run here (None: it can)."""
+    if device.type != "cuda":
+        return "skipped: flash-linear-attention's Triton kernel runs on CUDA only"
+    from recurformer.ops.delta_rule.fla import INSTALL, fla_kernel
+
+    return None if fla_kernel() is not None else f"skipped: flash-linear-attention does not import here ({INSTALL})"
+
+
+def measured_labels(out: Path) -> set[str]:
+    """Models (``GraphRow.label``) with a complete base row in ``out``'s graphs.json or in an earlier
+    GPU suite's under ``docs/results/data/gpu/``: the rows already measured, which run last."""
+    seen = set()
+    for path in [out / "graphs.json", *RESULTS.glob("suite_*/graphs.json")]:
+        rec = json.loads(path.read_text()) if path.is_file() else {}
+        if path.parent != out and rec.get("dry_run", True):
+            continue
+        seen |= {row_key(x).split("/")[0] for x in (rec.get("result") or {}).get("rows", []) if row_done(x)}
+    return seen
+
+
+def graph_rows(names: list[str], fla: str | None, measured: set[str]) -> tuple[list[GraphRow], dict[str, str]]:
+    """The stage's rows, those of models never measured first, and the rows skipped with why
+    (``fla``: why the fla row cannot run, None where it can)."""
+    variants = [
+        GraphRow(n, impl, "base")
+        for n in names
+        for impl in ((["fla"] if fla is None else []) + ["chunked"] if n == "gated_deltanet" else [None])
+    ]
+    variants.sort(key=lambda v: v.label in measured)  # stable: registration order within each group
+    skipped = {"gated_deltanet[fla]": fla} if fla is not None and "gated_deltanet" in names else {}
+    return [GraphRow(v.model, v.impl, kind) for v in variants for kind in ("base", "fit")], skipped
+
+
+def micro_batches(rows: list[dict]) -> dict[str, dict]:
+    """Per model, graphed training (eager where graphed is missing) at 16 rows and at the largest
+    that fitted: tokens/s, fraction of the peak, and the better micro-batch (by tokens/s)."""
+    got: dict[str, dict] = {}
+    for x in rows:
+        train = x.get("train", {})
+        best = train.get("graphed") or train.get("eager")
+        if not best or (row_key(x).endswith("/fit") and not x.get("fit", {}).get("batch")):
+            continue
+        label, kind = row_key(x).split("/")
+        got.setdefault(label, {})[kind] = dict(
+            batch=x["batch"], tokens_per_s=best["tokens_per_s"], fraction_of_peak=best["fraction_of_peak"]
+        )
+    for v in got.values():
+        if "base" in v and "fit" in v:
+            v["better"] = max((v["base"], v["fit"]), key=lambda r: r["tokens_per_s"])["batch"]
+    return got
+
+
+def graphs_child(argv: list[str]) -> None:
+    """``gpu_suite.py --graphs-row [--impl IMPL] GRAPHS_BENCH_ARGS``: ``benchmarks/graphs_bench.py``
+    with Gated DeltaNet's ``model.impl`` set, exiting with ``OOM_EXIT`` where the GPU runs out of
+    memory (its JSON keeps what it measured before)."""
+    import graphs_bench
+
+    ap = argparse.ArgumentParser(prog="gpu_suite.py --graphs-row")
+    ap.add_argument("--impl")
+    own, rest = ap.parse_known_args(argv)
+    if own.impl:
+        config = graphs_bench.model_config
+        graphs_bench.model_config = lambda name, size: dict(config(name, size), impl=own.impl)
+    sys.argv = ["graphs_bench.py", *rest]
+    try:
+        graphs_bench.main()
+    except torch.cuda.OutOfMemoryError as e:
+        sys.exit(print(f"out of memory: {str(e).splitlines()[0][:200]}", file=sys.stderr) or OOM_EXIT)
+    except RuntimeError as e:  # a capture that runs out can raise the plain CUDA error
+        if "out of memory" not in str(e):
+            raise
+        sys.exit(print(f"out of memory: {str(e).splitlines()[0][:200]}", file=sys.stderr) or OOM_EXIT)
 
 
 def stage_graphs(ctx: Ctx) -> dict:
-    """``benchmarks/graphs_bench.py`` per model of ``GRAPH_MODELS`` (dry run: ``DRY_GRAPH_MODELS``), one process each (its share of
-    the stage, compiled + graphed when a share is long enough): eager against graphed training
-    and decoding. ``graphs.json`` is rewritten after every row with status ``partial``, and a
-    later run into the same folder measures only the models it lacks."""
+    """``benchmarks/graphs_bench.py`` for every registered model (dry run: ``DRY_GRAPH_MODELS``; Gated
+    DeltaNet with fla's kernel and with ours), each row its own process (compiled + graphed too
+    when its share is long enough): eager against graphed training and decoding at 16 rows per
+    micro-batch, then eager against graphed training at the largest of ``FIT_BATCHES`` that fits
+    (largest first; a try that runs out of memory ends its process, and the next smaller one
+    starts in a fresh one). Models never measured (in this folder or an earlier suite's) run
+    first; ``graphs.json`` is rewritten after every row with status ``partial``, and a later run
+    into the same folder measures only the rows it lacks."""
     path = ctx.out / "graphs.json"
     before = json.loads(path.read_text()) if path.is_file() else {}
-    res: dict[str, Any] = dict(rows=[], failed={})
+    res: dict[str, Any] = dict(rows=[], failed={}, skipped={}, micro_batch={})
     if before.get("status") == "partial":
-        res["rows"] = before["result"]["rows"]
-    done = {x["model"] for x in res["rows"] if "generate" in x}
-    res["rows"] = [x for x in res["rows"] if x["model"] in done]  # a row cut off is measured again
+        res["rows"] = [x for x in before["result"]["rows"] if row_done(x)]  # a row cut off is measured again
+    done = {row_key(x) for x in res["rows"]}
+    names = [n for n in model_names() if not ctx.dry or n in DRY_GRAPH_MODELS]
+    rows, res["skipped"] = graph_rows(names, fla_skip(ctx.device), measured_labels(ctx.out))
+    if ctx.device.type != "cuda":
+        res["skipped"].update({r.key: FIT_ON_CPU for r in rows if r.kind == "fit"})
+    todo = [r for r in rows if r.key not in done and r.key not in res["skipped"]]
     # toy sizes: the protocol with the eager backend, calls of one chunk / segment / block
     size = (
-        ["--config", "toy", "--batch", "2", "--seq", "0", "--steps", "1", "--gen-tokens", "8", "--backend", "eager"]
+        ["--config", "toy", "--seq", "0", "--steps", "1", "--gen-tokens", "8", "--backend", "eager"]
         if ctx.dry
-        else ["--config", "125m", "--batch", "16", "--seq", "1024", "--steps", "5", "--gen-tokens", "256"]
+        else ["--config", "125m", "--seq", "1024", "--steps", "5"]
     )
-    todo = [n for n in (DRY_GRAPH_MODELS if ctx.dry else GRAPH_MODELS) if n not in done]
     end = ctx.deadline()
-    for i, n in enumerate(todo):
-        share = (end - time.monotonic()) / (len(todo) - i)
-        if share < (5 if ctx.dry else 30):
-            res["failed"][n] = "skipped: the budget ran out"
-            continue
-        row = ctx.scratch / f"graphs_{n}.json"
-        row.unlink(missing_ok=True)
-        compiled = ["--compile"] if not ctx.dry and share >= 90 else []
-        cmd = [PY, "benchmarks/graphs_bench.py", "--model", n, *size, *compiled, *device_kw(ctx), "--out", str(row)]
-        r = run(cmd, share, log=ctx.out / f"graphs_{n}.log")
-        if row.is_file():
-            got = json.loads(row.read_text())
-            if r["rc"] != 0:
-                got["cut_off"] = "timed out" if r["timed_out"] else r["tail"].strip().splitlines()[-1][:200]
-            res["rows"].append(got)
-        else:
-            res["failed"][n] = (
-                "timed out" if r["timed_out"] else f"failed: {(r['tail'].strip().splitlines() or ['?'])[-1][:200]}"
-            )
-        write_json(path, dict(stage="graphs", status="partial", device=str(ctx.device), result=res))
+    for i, r in enumerate(todo):
+        left = end - time.monotonic()
+        share = max(min(left, 5.0 if ctx.dry else ROW_S[r.kind]), left / (len(todo) - i))
+        if left < (5 if ctx.dry else 30):
+            res["failed"].update({x.key: "skipped: the budget ran out (a next call measures it)" for x in todo[i:]})
+            break
+        cmd = [PY, "benchmarks/gpu_suite.py", "--graphs-row", *(["--impl", r.impl] if r.impl else [])]
+        cmd += ["--model", r.model, *size, *device_kw(ctx)]
+        row, why = (graphs_base if r.kind == "base" else graphs_fit)(ctx, r, cmd, share)
+        if row is not None:
+            res["rows"].append(row)
+        if why is not None:
+            res["failed"][r.key] = why
+        res["micro_batch"] = micro_batches(res["rows"])
+        write_json(path, dict(stage="graphs", status="partial", device=str(ctx.device), dry_run=ctx.dry, result=res))
     return res
+
+
+def graphs_base(ctx: Ctx, r: GraphRow, cmd: list[str], share: float) -> tuple[dict | None, str | None]:
+    """One model at 16 rows per micro-batch (the dry run: 2): its row (cut off: with why), or why not."""
+    out = ctx.scratch / f"graphs_{r.label}_base.json"
+    out.unlink(missing_ok=True)
+    more = ["--batch", str(DRY_BASE_BATCH if ctx.dry else BASE_BATCH)]
+    more += [] if ctx.dry else ["--gen-tokens", "256", *(["--compile"] if share >= 90 else [])]
+    got = run([*cmd, *more, "--out", str(out)], share, log=ctx.out / f"graphs_{r.label}.log")
+    return graphs_got(r, out, got)
+
+
+def graphs_fit(ctx: Ctx, r: GraphRow, cmd: list[str], share: float) -> tuple[dict | None, str | None]:
+    """One model at the largest of ``FIT_BATCHES`` rows per micro-batch
+    that fits, largest first, each try a process of its own (one that runs out of GPU memory exits
+    with ``OOM_EXIT`` and frees it all): the row of the first that fits, with ``fit`` saying what
+    each try did; none fitting is a finished row too. A try cut off otherwise: None and why."""
+    end = time.monotonic() + share
+    tried: dict[str, str] = {}
+    for b in FIT_BATCHES:
+        out = ctx.scratch / f"graphs_{r.label}_fit{b}.json"
+        out.unlink(missing_ok=True)
+        more = ["--batch", str(b), "--gen-tokens", "8", "--out", str(out)]  # decoding is batch 1: the base row's
+        got = run([*cmd, *more], end - time.monotonic(), log=ctx.out / f"graphs_{r.label}_{b}.log")
+        if got["rc"] == OOM_EXIT:
+            tried[str(b)] = "out of memory"
+            continue
+        row, why = graphs_got(r, out, got)
+        if row is None or "graphed" not in row["train"]:
+            tried[str(b)] = (why or row["cut_off"]) if row is None or "cut_off" in row else "no graphed step"
+            return None, f"{b} rows: {tried[str(b)]} (tried: {tried})"
+        tried[str(b)] = "fitted"
+        return dict(row, fit=dict(tried=tried, batch=b, done=True)), None
+    sizes = "/".join(tried)
+    return dict(key=r.key, model=r.model, impl=r.impl, fit=dict(tried=tried, batch=None, done=True)), (
+        f"none of {sizes} rows fitted in GPU memory"
+    )
+
+
+def graphs_got(r: GraphRow, out: Path, got: dict) -> tuple[dict | None, str | None]:
+    """A row's JSON as its process left it, keyed, with ``cut_off`` where the process did not finish;
+    or None and why, where it wrote nothing."""
+    last = (got["tail"].strip().splitlines() or ["?"])[-1][:200]
+    if not out.is_file():
+        return None, "timed out" if got["timed_out"] else f"failed: {last}"
+    row = dict(json.loads(out.read_text()), key=r.key, impl=r.impl)
+    if got["rc"] != 0:
+        row["cut_off"] = "timed out" if got["timed_out"] else last
+    return row, None
 
 
 def stage_throughput(ctx: Ctx) -> dict:
@@ -645,10 +806,12 @@ def sum_graphs(r: dict) -> list[str]:
         "check (graphed vs eager, accumulation 2: largest difference / largest gradient); kernels (or operators) "
         "and GPU busy per step, eager -> graphed; batch-1 generation tokens/s, eager -> graphed",
         "",
-        "| model | eager tok/s | graphed tok/s | compiled+graphed tok/s | grad check | kernels / step | GPU busy | generate tok/s |",
-        "|---|---:|---:|---:|---|---:|---:|---:|",
+        "| model | micro-batch | eager tok/s | graphed tok/s | compiled+graphed tok/s | grad check | kernels / step | GPU busy | generate tok/s |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for x in r.get("rows", []):
+        if not x.get("batch"):  # a micro-batch search that nothing passed: below
+            continue
         tr, pr, gen = x.get("train", {}), x.get("profile", {}), x.get("generate", {})
         cell = lambda k: (  # noqa: E731
             f"{tr[k]['tokens_per_s']:,.0f} ({tr[k]['fraction_of_peak']:.1%})" if k in tr else "-"
@@ -657,15 +820,31 @@ def sum_graphs(r: dict) -> list[str]:
         busy = lambda p: f"{p['gpu_busy']:.0%}" if "gpu_busy" in p else "-"  # noqa: E731
         g = x.get("grad_check", {})
         out.append(
-            f"| {x['model']} | {cell('eager')} | {cell('graphed')} | {cell('compiled+graphed')} | "
+            f"| {row_key(x).split('/')[0]} | {x['batch']} | {cell('eager')} | {cell('graphed')} | {cell('compiled+graphed')} | "
             f"{'ok' if g.get('ok') else 'FAILED' if g else '-'} {g.get('max_diff_over_max_grad', float('nan')):.1e} | "
             f"{count(pr.get('eager', {}))} -> {count(pr.get('graphed', {}))} | "
             f"{busy(pr.get('eager', {}))} -> {busy(pr.get('graphed', {}))} | "
             f"{gen.get('eager', {}).get('tokens_per_s', float('nan')):,.0f} -> {gen.get('graphed', {}).get('tokens_per_s', float('nan')):,.0f} |"
             + (f" ({x['cut_off']})" if x.get("cut_off") else "")
         )
-        out += [f"  - {x['model']} generation: {n}" for n in gen.get("graphed", {}).get("notes", [])]
-    out += [f"- {k}: {v}" for k, v in r.get("failed", {}).items()]
+        out += [f"  - {row_key(x).split('/')[0]} generation: {n}" for n in gen.get("graphed", {}).get("notes", [])]
+    out += [f"- {k}: {v}" for k, v in {**r.get("skipped", {}), **r.get("failed", {})}.items()]
+    mb = r.get("micro_batch", {})
+    if mb:
+        out += [
+            "",
+            "micro-batch: graphed training (eager where graphed is missing) at 16 rows of 1,024 tokens and at the "
+            "largest of 32 / 64 / 128 rows that fitted in GPU memory",
+            "",
+            "| model | 16 rows tok/s | largest fitting | its tok/s | better |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        cell = lambda v: f"{v['tokens_per_s']:,.0f} ({v['fraction_of_peak']:.1%})" if v else "-"  # noqa: E731
+        for label, v in mb.items():
+            base, fit = v.get("base"), v.get("fit")
+            out.append(
+                f"| {label} | {cell(base)} | {fit['batch'] if fit else '-'} | {cell(fit)} | {v.get('better', '-')} |"
+            )
     return out
 
 
@@ -853,4 +1032,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--graphs-row"]:  # the graphs stage's child process
+        graphs_child(sys.argv[2:])
+    else:
+        main()
