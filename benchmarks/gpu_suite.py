@@ -4,19 +4,24 @@
     PYTHONPATH=$PWD python3 benchmarks/gpu_suite.py --dry-run        # toy sizes on the CPU (~1 minute; a CI test)
 
 The dry run checks the plumbing, not the models one by one: its ``graphs`` stage measures one model
-per way of carrying the state (``DRY_GRAPH_MODELS``), and its ``throughput`` rows share one process.
+per way of carrying the state (``DRY_GRAPH_MODELS``) and records the CUDA-only rows (fla's kernel,
+the micro-batch search) as skipped with why, and its ``throughput`` rows share one process.
 
 Stages, in this order (``--stages`` picks some; each writes ``<stage>.json`` atomically as soon as
 it finishes, so a run that is cut off keeps what it finished, and a later run in the same output
 folder skips the stages already there unless ``--redo``):
 
-* ``graphs`` (first: what is new): for Memory Attention, RMT, Block-Recurrent, the Recurrent
-  Transformer and Llama, ``benchmarks/graphs_bench.py`` in one process per model: training
-  tokens/s and fraction of the bf16 peak eager, graphed (``capture.StepGraphs``) and, where the
-  share allows, compiled + graphed; a gradient check graphed vs eager under accumulation 2; one
-  profiled step of each (kernels, launches, GPU busy); batch-1 generation tokens/s eager vs
-  graphed (``capture.DecodeGraphs``). ``graphs.json`` is rewritten after every model (status
-  ``partial``), so a call cut off keeps its rows and the next call into the folder measures the rest.
+* ``graphs`` (first: what is new): every registered model (Gated DeltaNet twice: fla's kernel where
+  it imports, else that row skipped with why, and ours), ``benchmarks/graphs_bench.py`` in one
+  process per row: training tokens/s and fraction of the bf16 peak eager, graphed
+  (``capture.StepGraphs``) and, where the share allows, compiled + graphed; a gradient check
+  graphed vs eager under accumulation 2; one profiled step of each (kernels, launches, GPU busy);
+  batch-1 generation tokens/s eager vs graphed (``capture.DecodeGraphs``), at 16 rows per
+  micro-batch; then each model's training at the largest of 128 / 64 / 32 rows that fits in GPU
+  memory (largest first, a try that runs out of memory ending its own process), and which
+  micro-batch is better. Models never measured (in this folder or an earlier suite's) run first;
+  ``graphs.json`` is rewritten after every row (status ``partial``), so a call cut off keeps its
+  rows and the next call into the folder measures the rest.
 * ``env``: GPU name, memory, driver, torch / CUDA / Triton versions; the best bf16 and fp32
   n x n matmul (``recurformer.flops.matmul_peak``), device-to-device and pinned host-to-device
   copy bandwidth.
@@ -351,8 +356,8 @@ def graphs_child(argv: list[str]) -> None:
     ap.add_argument("--impl")
     own, rest = ap.parse_known_args(argv)
     if own.impl:
-        config = graphs_bench.model_config
-        graphs_bench.model_config = lambda name, size: dict(config(name, size), impl=own.impl)
+        base = graphs_bench.model_config
+        graphs_bench.model_config = lambda name, config: dict(base(name, config), impl=own.impl)
     sys.argv = ["graphs_bench.py", *rest]
     try:
         graphs_bench.main()
@@ -435,8 +440,10 @@ def graphs_fit(ctx: Ctx, r: GraphRow, cmd: list[str], share: float) -> tuple[dic
             tried[str(b)] = "out of memory"
             continue
         row, why = graphs_got(r, out, got)
-        if row is None or "graphed" not in row["train"]:
-            tried[str(b)] = (why or row["cut_off"]) if row is None or "cut_off" in row else "no graphed step"
+        if row is None:
+            return None, f"{b} rows: {why} (tried: {tried})"
+        if "graphed" not in row["train"]:
+            tried[str(b)] = row.get("cut_off", "no graphed step")
             return None, f"{b} rows: {tried[str(b)]} (tried: {tried})"
         tried[str(b)] = "fitted"
         return dict(row, fit=dict(tried=tried, batch=b, done=True)), None

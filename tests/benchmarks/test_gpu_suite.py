@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -76,39 +77,127 @@ def test_dry_run_writes_every_stage(tmp_path: Path) -> None:
     assert set(r["paper"]["eval"]["results"]) == set(gpu_suite.PAPER_RUNS)
     # graphed training and decoding: the capture protocol's gradients equal eager ones under
     # accumulation 2 for each way of carrying the state (every model: tests/test_capture.py), and
-    # every row measured both kinds
-    graphs = {x["model"]: x for x in r["graphs"]["rows"]}
-    assert set(graphs) == set(gpu_suite.DRY_GRAPH_MODELS) and not r["graphs"]["failed"], r["graphs"]
+    # every row measured both kinds; Gated DeltaNet's fla row and the micro-batch search (CUDA
+    # only) recorded as skipped with why
+    graphs = {x["key"]: x for x in r["graphs"]["rows"]}
+    assert set(graphs) == {"gated_deltanet[chunked]/base", "llama/base"} and not r["graphs"]["failed"], r["graphs"]
+    assert set(r["graphs"]["skipped"]) == {"gated_deltanet[fla]", "gated_deltanet[chunked]/fit", "llama/fit"}
+    assert "CUDA only" in r["graphs"]["skipped"]["gated_deltanet[fla]"]
     for x in graphs.values():
         assert x["grad_check"]["ok"] and x["grad_check"]["max_diff_over_max_grad"] == 0.0, x
         assert all(
             x["train"][k]["tokens_per_s"] > 0 and x["generate"][k]["tokens_per_s"] > 0 for k in ("eager", "graphed")
         )
         assert all(x["profile"][k]["operators"] > 0 for k in ("eager", "graphed"))
+    assert r["graphs"]["micro_batch"]["llama"]["base"]["batch"] == gpu_suite.DRY_BASE_BATCH
     summary = (tmp_path / "summary.md").read_text()
     assert all(f"## {n}" in summary for n in gpu_suite.STAGES)
 
 
-def test_graphs_stage_measures_only_the_models_a_partial_json_lacks(tmp_path: Path, monkeypatch) -> None:
-    """A first call cut off after four models (and during the fifth): the second call keeps the
-    four rows, measures the fifth again, and rewrites graphs.json after it. (graphs_bench.py's
-    process stands in here: the dry run's test runs it.)"""
-    kept = [dict(model=n, train={}, generate={"eager": {}}) for n in gpu_suite.GRAPH_MODELS if n != "memory_attention"]
-    cut = dict(model="memory_attention", train={})  # no generate: cut off
-    (tmp_path / "graphs.json").write_text(json.dumps(dict(status="partial", result=dict(rows=[*kept, cut]))))
-    measured = []
+def every_row(fla: str | None = None, measured: frozenset[str] = frozenset()) -> list[str]:
+    rows, _ = gpu_suite.graph_rows(gpu_suite.model_names(), fla, set(measured))
+    return [r.key for r in rows]
+
+
+def test_graphs_stage_plans_every_model_at_both_micro_batches() -> None:
+    """Every registered model, Gated DeltaNet with fla's kernel and with ours where fla runs (ours
+    alone, the fla row skipped with why, where it does not), each at 16 rows and at the largest
+    that fits; models without a measured row first, in registration order."""
+    names = gpu_suite.model_names()
+    labels = [n for n in names if n != "gated_deltanet"] + ["gated_deltanet[fla]", "gated_deltanet[chunked]"]
+    assert sorted(every_row()) == sorted(f"{lab}/{k}" for lab in labels for k in ("base", "fit"))
+    rows, skipped = gpu_suite.graph_rows(names, "skipped: no fla", set())
+    assert "gated_deltanet[fla]/base" not in [r.key for r in rows] and skipped == {
+        "gated_deltanet[fla]": "skipped: no fla"
+    }
+    measured = frozenset({"llama", "rmt", "memory_attention"})
+    order = every_row(measured=measured)
+    assert [k.split("/")[0] for k in order[-6:]] == [n for n in names if n in measured for _ in range(2)], order
+    assert order[:2] == [f"{names[0]}/base", f"{names[0]}/fit"] and names[0] not in measured
+
+
+def fake_bench(measured: list[str], oom_above: int = 10**9) -> Callable[..., dict]:
+    """graphs_bench.py's process stood in: a row at the asked batch, or the child's out-of-memory
+    exit above ``oom_above`` rows."""
 
     def bench(cmd: list[str], timeout: float, log: Path | None = None) -> dict:
-        model, out = cmd[cmd.index("--model") + 1], Path(cmd[cmd.index("--out") + 1])
-        measured.append(model)
-        out.write_text(json.dumps(dict(model=model, train={"eager": {}}, generate={"eager": {}})))
+        model, out, batch = (
+            cmd[cmd.index("--model") + 1],
+            Path(cmd[cmd.index("--out") + 1]),
+            int(cmd[cmd.index("--batch") + 1]),
+        )
+        impl = cmd[cmd.index("--impl") + 1] if "--impl" in cmd else None
+        measured.append(f"{model}[{impl}]@{batch}" if impl else f"{model}@{batch}")
+        if batch > oom_above:
+            return dict(rc=gpu_suite.OOM_EXIT, timed_out=False, tail="out of memory: CUDA out of memory")
+        rate = dict(tokens_per_s=1000.0 * (1 + batch / 100), fraction_of_peak=0.1)
+        out.write_text(
+            json.dumps(dict(model=model, batch=batch, train={"eager": rate, "graphed": rate}, generate={"eager": {}}))
+        )
         return dict(rc=0, timed_out=False, tail="")
 
-    monkeypatch.setattr(gpu_suite, "run", bench)
-    ctx = gpu_suite.Ctx(out=tmp_path, dry=True, device=torch.device("cpu"), seconds=300, scratch=tmp_path)
+    return bench
+
+
+def test_micro_batch_search_takes_the_largest_that_fits(tmp_path: Path, monkeypatch) -> None:
+    """128 rows run out of memory, 64 fit: the fit row is at 64, the tries recorded, 32 never tried,
+    and the better micro-batch read off both rows."""
+    measured: list[str] = []
+    monkeypatch.setattr(gpu_suite, "run", fake_bench(measured, oom_above=64))
+    ctx = gpu_suite.Ctx(out=tmp_path, dry=False, device=torch.device("cuda"), seconds=600, scratch=tmp_path)
+    r = gpu_suite.GraphRow("llama", None, "fit")
+    row, why = gpu_suite.graphs_fit(ctx, r, ["gpu_suite.py", "--model", "llama"], 100)
+    assert measured == ["llama@128", "llama@64"] and why is None
+    assert row is not None and row["fit"] == dict(tried={"128": "out of memory", "64": "fitted"}, batch=64, done=True)
+    base = dict(
+        key="llama/base", model="llama", batch=16, train={"graphed": dict(tokens_per_s=900.0, fraction_of_peak=0.2)}
+    )
+    mb = gpu_suite.micro_batches([base, row])["llama"]
+    assert mb["base"]["batch"] == 16 and mb["fit"]["batch"] == 64 and mb["better"] == 64, mb
+    measured.clear()
+    monkeypatch.setattr(gpu_suite, "run", fake_bench(measured, oom_above=16))
+    row, why = gpu_suite.graphs_fit(ctx, r, ["gpu_suite.py", "--model", "llama"], 100)
+    assert measured == ["llama@128", "llama@64", "llama@32"] and why and "none of 128/64/32" in why
+    assert row is not None and row["fit"]["done"] and row["fit"]["batch"] is None
+    assert "llama" not in gpu_suite.micro_batches([row])
+
+
+def test_graphs_child_exits_with_oom_exit(monkeypatch, capsys) -> None:
+    """The child process: an out-of-memory error from graphs_bench.py is one line and ``OOM_EXIT``
+    (the stage then tries a smaller micro-batch); ``--impl`` reaches the model's config."""
+    import graphs_bench
+
+    seen = {}
+
+    def main() -> None:
+        seen["config"] = graphs_bench.model_config("gated_deltanet", "toy")
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(graphs_bench, "main", main)
+    monkeypatch.setattr(graphs_bench, "model_config", graphs_bench.model_config)  # restored after
+    with pytest.raises(SystemExit) as e:
+        gpu_suite.graphs_child(["--impl", "fla", "--model", "gated_deltanet"])
+    assert e.value.code == gpu_suite.OOM_EXIT and seen["config"]["impl"] == "fla"
+    assert capsys.readouterr().err.strip().startswith("out of memory: CUDA out of memory")
+
+
+def test_graphs_stage_measures_only_the_rows_a_partial_json_lacks(tmp_path: Path, monkeypatch) -> None:
+    """A first call cut off after every base row but Memory Attention's (cut off during it): the
+    second call keeps those rows, measures Memory Attention's again first (never measured), then
+    the fit rows, and rewrites graphs.json after each. (graphs_bench.py's process stood in: the dry
+    run's test runs it.)"""
+    base = [k for k in every_row() if k.endswith("/base") and k != "memory_attention/base"]
+    kept = [dict(key=k, model=k.split("[")[0].split("/")[0], train={}, generate={"eager": {}}) for k in base]
+    cut = dict(key="memory_attention/base", model="memory_attention", train={})  # no generate: cut off
+    (tmp_path / "graphs.json").write_text(json.dumps(dict(status="partial", result=dict(rows=[*kept, cut]))))
+    measured: list[str] = []
+    monkeypatch.setattr(gpu_suite, "run", fake_bench(measured))
+    monkeypatch.setattr(gpu_suite, "fla_skip", lambda device: None)
+    ctx = gpu_suite.Ctx(out=tmp_path, dry=False, device=torch.device("cuda"), seconds=3000, scratch=tmp_path)
     r = gpu_suite.stage_graphs(ctx)
-    assert measured == ["memory_attention"], measured
-    assert r["rows"][:4] == kept and r["rows"][4]["model"] == "memory_attention" and "generate" in r["rows"][4], r
+    assert measured[0] == "memory_attention@16" and len(measured) == 1 + len(base) + 1, measured
+    assert all(m.endswith("@128") for m in measured[1:]), measured
+    assert r["rows"][: len(kept)] == kept and r["rows"][len(kept)]["key"] == "memory_attention/base", r
     assert json.loads((tmp_path / "graphs.json").read_text())["result"]["rows"] == r["rows"]
 
 
