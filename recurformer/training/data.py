@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import RecurformerError
-from ..data import DataConfig
+from ..data import ContiguousStreams, DataConfig, ShuffledWindows, load_prepared
 from ..nn import StreamingLM
 from .config import RunConfig
 
@@ -40,8 +40,6 @@ def run_data(data: DataConfig, resumed: dict[str, Any] | None, rank: int, world:
     It must be what the run expects: for a resumed run, the data it started with (text files
     deleted after they were prepared into an explicit data.dir cannot be checked), else the
     configured source; a ``data.dir`` alone must hold prepared data."""
-    from ..data import load_prepared
-
     data_dir = data.resolved_dir()
     if resumed is not None:
         expected_key = resumed["train_json"].get("data_key")
@@ -108,8 +106,6 @@ def train_streams(
     """B streams of ``seq_len``-token segments over the training split: ``contiguous`` (row b of a
     segment continues row b of the one before; a stream that wraps starts at a document) or
     ``shuffled`` windows (``seed``); segments a multiple of the model's ``boundary``."""
-    from ..data import ContiguousStreams, ShuffledWindows
-
     if order == "contiguous":
         return ContiguousStreams(
             data.train_tokens,
@@ -126,8 +122,6 @@ def train_streams(
 
 def val_streams(data: RunData, batch_size: int, seq_len: int, rank: int, world: int, boundary: int) -> Any:
     """B fresh streams over the validation split."""
-    from ..data import ContiguousStreams
-
     return ContiguousStreams(
         data.val_tokens,
         batch_size,
