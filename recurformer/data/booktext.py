@@ -4,6 +4,10 @@ books, the token streams a row's filler is cut from, and the layout of such a ro
 Two texts from disjoint books (``corpora/README.md``): ``train`` is the first ``TRAIN_CHARS``
 characters of ``books_train`` (47 books), ``test`` is all of ``books_val`` (4 others, about 410,000
 tokens at vocabulary 1024). ``make_split``'s ``split`` picks which one a row's filler comes from.
+A test row longer than ``books_val`` (rows of up to 1M tokens and more) takes its filler from
+``books_val`` followed by ``LONG_TEST_CHARS`` characters of the ``books_train`` books that begin
+after the train slice (books it never reads: about 2.0M tokens in all); rows that fit in
+``books_val`` are drawn from it alone, as they always were.
 The BPE is trained on the train slice only (a slice, so that training the tokenizer and encoding
 both texts take a few seconds, not the ~30 s of all 37 MB); each is built once per process and
 vocabulary (``functools.lru_cache``). The tasks' default vocabulary is 1024: a tiny synth model's
@@ -29,6 +33,7 @@ from .tokenizer import Tokenizer
 
 CORPORA = {"train": "books_train", "test": "books_val"}
 TRAIN_CHARS = 2_000_000
+LONG_TEST_CHARS = 4_200_000  # unread training books after books_val, for test rows longer than it
 
 # one row's pieces: the inserts (in order), the question, the answer (scored), as token lists
 Parts = tuple[list[list[int]], list[int], list[int]]
@@ -40,11 +45,22 @@ def check_split(split: str) -> None:
 
 
 @lru_cache(maxsize=None)
-def text(split: str) -> str:
-    """The books a ``split`` ("train" or "test") draws its filler from, as one string."""
+def text(split: str, long: bool = False) -> str:
+    """The books a ``split`` ("train" or "test") draws its filler from, as one string; ``long``
+    (test only): ``books_val`` and then the first ``LONG_TEST_CHARS`` characters of the training
+    books that begin after the train slice."""
     check_split(split)
     joined = "\n\n".join(bundled_corpus(CORPORA[split]))
-    return joined[:TRAIN_CHARS] if split == "train" else joined
+    if split == "train":
+        return joined[:TRAIN_CHARS]
+    if not long:
+        return joined
+    unread, start = [], 0
+    for book in bundled_corpus(CORPORA["train"]):
+        if start >= TRAIN_CHARS:  # the train slice ends before this book begins
+            unread.append(book)
+        start += len(book) + 2
+    return "\n\n".join([joined, *unread])[: len(joined) + 2 + LONG_TEST_CHARS]
 
 
 @lru_cache(maxsize=4)
@@ -59,11 +75,18 @@ def tokenizer(vocab_size: int) -> Tokenizer:
 
 
 @lru_cache(maxsize=8)
-def stream(split: str, vocab_size: int) -> np.ndarray:
-    """The tokens of ``text(split)`` (int64, read-only: shared by every caller)."""
-    out = np.asarray(tokenizer(vocab_size).encode(text(split)), dtype=np.int64)
+def stream(split: str, vocab_size: int, long: bool = False) -> np.ndarray:
+    """The tokens of ``text(split, long)`` (int64, read-only: shared by every caller)."""
+    out = np.asarray(tokenizer(vocab_size).encode(text(split, long)), dtype=np.int64)
     out.flags.writeable = False
     return out
+
+
+def filler_stream(split: str, vocab_size: int, length: int) -> np.ndarray:
+    """The tokens a row of ``length`` tokens cuts its filler from: the ``split`` text, or for a
+    test row longer than it the long test text (``text(split, long=True)``)."""
+    short = stream(split, vocab_size)
+    return stream(split, vocab_size, long=True) if split == "test" and length + 1 > len(short) else short
 
 
 @lru_cache(maxsize=4096)
@@ -86,11 +109,12 @@ def check_fits(task: str, length: int, vocab_size: int, split: str, inserts: int
         f"tokens) of a row of {length} tokens: set {opt('task.length', 2 * inserts + rest - 1)} or more",
     )
     if not noise:
-        have = len(stream(split, vocab_size))
+        have = len(filler_stream(split, vocab_size, length))
+        books = CORPORA[split] + (" and the unread training books" if have > len(stream(split, vocab_size)) else "")
         need(
             length + 1 <= have,
             f"task {task} at {opt('task.length', length)} needs more filler than the {split} text has "
-            f"({CORPORA[split]}: {have:,} tokens at vocabulary {vocab_size}): set {opt('task.length', have - 1)} or less",
+            f"({books}: {have:,} tokens at vocabulary {vocab_size}): set {opt('task.length', have - 1)} or less",
         )
 
 
@@ -100,7 +124,7 @@ def layout(
     """The rows of ``parts`` (one per row; ``check_fits`` first), each ``length`` input tokens:
     filler from the ``split`` text (or ``noise`` repeated from its start), with the inserts in
     order at sorted uniform positions, then the question and the answer (scored)."""
-    source = np.resize(np.asarray(encode(vocab_size, noise)), length + 1) if noise else stream(split, vocab_size)
+    source = np.resize(np.asarray(encode(vocab_size, noise)), length + 1) if noise else filler_stream(split, vocab_size, length)
     seq = np.empty((len(parts), length + 1), dtype=np.int64)
     scored = np.zeros_like(seq, dtype=bool)
     for i, (inserts, question, answer) in enumerate(parts):

@@ -11,7 +11,7 @@ import pytest
 
 from recurformer.config import RecurformerError
 from recurformer.data import booktext
-from recurformer.data.babi import ACTORS, OBJECTS, PLACES
+from recurformer.data.babi import ACTORS, MOVES, OBJECTS, PLACES
 from recurformer.data.needles import KEYS
 from recurformer.data.synthetic import TASKS, TaskData, get_task, make_split, row_tokens
 from recurformer.state import IGNORE_INDEX
@@ -135,6 +135,22 @@ def test_test_rows_filler_is_not_in_the_training_text() -> None:
     assert all(w in train for w in windows("train"))
 
 
+def test_a_test_row_of_a_million_tokens_reads_books_the_training_text_does_not_hold() -> None:
+    """A test row longer than books_val takes its filler from books_val and the training books
+    after the train slice: 1M tokens fit, no 64-token window of its filler (sampled over the whole
+    row, most of it beyond books_val's length) is in the training text, and the fact is found."""
+    tok, train = booktext.tokenizer(V), booktext.text("train")
+    L = 1_000_000
+    assert len(booktext.stream("test", V)) < L < len(booktext.filler_stream("test", V, L))
+    d = make_split("qa1", 1, seed=5, params={"length": L, "num_facts": 1}, split="test")
+    x = d.inputs[0].tolist()
+    assert len(x) == L
+    windows = [tok.decode(x[a : a + 64])[8:-8] for a in range(0, L - 200, L // 40)]
+    filler = [w for w in windows if not any(word in w for word in [*ACTORS, *PLACES])]
+    assert len(filler) > 30 and not any(w in train for w in filler)
+    assert re.search(rf" ({'|'.join(ACTORS)}) ({'|'.join(MOVES)}) the ({'|'.join(PLACES)})[.]", tok.decode(x))
+
+
 @pytest.mark.parametrize("task", ["s_niah_2", "mk_niah", "qa2"])
 def test_rows_are_length_tokens(task: str) -> None:
     t = get_task(task)
@@ -158,9 +174,14 @@ def test_rows_are_length_tokens(task: str) -> None:
             r'from 256 keys, got task=\{"num_needles": 300\}: set task=\{"num_needles": 256\}$',
         ),
         (
-            lambda: make_split("s_niah_2", 2, 0, {"length": 1_000_000}, split="test"),
-            r's_niah_2 at task=\{"length": 1000000\} needs more filler than the test text has '
-            r'\(books_val: [\d,]+ tokens at vocabulary 1024\): set task=\{"length": \d+\} or less$',
+            lambda: make_split("s_niah_2", 2, 0, {"length": 3_000_000}, split="test"),
+            r's_niah_2 at task=\{"length": 3000000\} needs more filler than the test text has '
+            r'\(books_val and the unread training books: [\d,]+ tokens at vocabulary 1024\): '
+            r'set task=\{"length": \d+\} or less$',
+        ),
+        (
+            lambda: make_split("s_niah_2", 2, 0, {"length": 1_000_000}, split="train"),
+            r'needs more filler than the train text has \(books_train: [\d,]+ tokens at vocabulary 1024\)',
         ),
         (
             lambda: make_split("qa3", 2, 0, {"num_facts": 2}),
