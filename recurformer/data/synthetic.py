@@ -34,6 +34,7 @@ from .needles import NEEDLES
 from .rows import Arrays, TaskData
 from .rows import need as _need
 from .rows import shift as _shift
+from .zoology import mqar_zoology
 
 # ----------------------------------------------------------------------------------------------
 # MAD tasks
@@ -427,6 +428,7 @@ TASKS: dict[str, Task] = {
         Task("delayed_copy", delayed_copy, "sequence", 12800, length_key=("delay",)),
         Task("passkey", passkey, "sequence", 12800, length_key=("length",)),
         Task("mqar", mqar, "token", 12800, length_key=("distance",)),
+        Task("mqar_zoology", mqar_zoology, "token", 100_000, length_key=("seq_len",)),  # Zoology: 100,000
         *(Task(k, f, "sequence", 12800, length_key=("length",), texts=True) for k, f in {**NEEDLES, **BABI}.items()),
     ]
 }
@@ -481,6 +483,7 @@ ROW_TOKENS: dict[str, Callable[[dict[str, Any]], int]] = {
     "delayed_copy": lambda p: 2 * p["copy_len"] + p["delay"],
     "passkey": lambda p: 2 * p["key_len"] + p["length"],
     "mqar": lambda p: max(p["seq_len"], 2 * p["num_pairs"] + p["distance"] + 2 * p["num_queries"] - 1),
+    "mqar_zoology": lambda p: p["seq_len"],
     **dict.fromkeys([*NEEDLES, *BABI], lambda p: p["length"]),
 }
 

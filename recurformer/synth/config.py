@@ -46,6 +46,10 @@ class SynthConfig(Checked):
     # recipes for memory (recurformer.curriculum): with any of the first three, training rows are drawn
     # fresh for every batch (disjoint from every test row) instead of from a fixed set of n_train rows
     train_lengths: list[int] = field(default_factory=list)  # [lo, hi]: each batch's length (mixed_range)
+    # task-parameter settings, e.g. {seq_len: 64, num_pairs: 4}: each batch draws one (FreshRows)
+    train_settings: list[dict[str, Any]] = field(default_factory=list)
+    # task-parameter settings tested after training, n_length_test rows each (the result's by_setting)
+    eval_settings: list[dict[str, Any]] = field(default_factory=list)
     schedule: dict[str, Any] = field(default_factory=dict)  # the task length / truncation by step
     fresh_data: bool = False  # fresh rows for every batch at the task's own length
     # segments of ``context`` tokens backpropagated before the state is detached
@@ -73,6 +77,18 @@ class SynthConfig(Checked):
             raise RecurformerError(
                 f"synth key 'train_lengths' must be [lo, hi] with 0 <= lo <= hi, got {self.train_lengths}"
             )
+        for key in ("train_settings", "eval_settings"):
+            for s in getattr(self, key):
+                if not isinstance(s, dict) or not s:
+                    raise RecurformerError(
+                        f"synth key '{key}' holds task-parameter settings, got {s!r}: give mappings, "
+                        "e.g. [{seq_len: 64, num_pairs: 4}]"
+                    )
+        if self.train_settings and self.train_lengths:
+            raise RecurformerError(
+                "synth keys 'train_settings' and 'train_lengths' both choose each batch's task parameters: "
+                "give one (a setting may set the length)"
+            )
         check_state_init_share(self.state_init_share, self.state_init, "synth.state_init")
 
     def curriculum(self) -> Schedule:
@@ -80,7 +96,22 @@ class SynthConfig(Checked):
 
     def fresh(self) -> bool:
         """Whether training rows are drawn for every batch (a recipe that changes the length does so)."""
-        return self.fresh_data or bool(self.train_lengths) or bool(self.schedule)
+        return self.fresh_data or bool(self.train_lengths) or bool(self.train_settings) or bool(self.schedule)
+
+
+def setting_name(setting: dict[str, Any]) -> str:
+    """A setting of ``train_settings`` / ``eval_settings`` as the result names it: ``seq_len=64,num_pairs=4``."""
+    return ",".join(f"{k}={v}" for k, v in setting.items())
+
+
+def with_setting(t: Task, params: dict[str, Any], setting: dict[str, Any], key: str) -> dict[str, Any]:
+    """``params`` updated with one setting of ``synth.<key>``, each of its keys checked as a
+    parameter of the task (one line naming the setting otherwise)."""
+    try:
+        checked = t.params(setting)
+    except RecurformerError as e:
+        raise RecurformerError(f"synth key '{key}', setting {setting_name(setting)}: {e.args[0]}") from None
+    return {**params, **{k: checked[k] for k in setting}}
 
 
 def synth_config(values: dict[str, Any]) -> SynthConfig:
@@ -156,7 +187,9 @@ def stage_base(t: Task, params: dict[str, Any], cfg: SynthConfig) -> dict[str, i
 def check_recipe(t: Task, params: dict[str, Any], cfg: SynthConfig) -> None:
     """One-line errors, before any work, for a recipe that does not fit the task: a schedule that
     is not monotone or names a key the task lacks, mixed lengths for a task without a length,
-    truncation through a decoder head, or more segments of ``context`` tokens than a row has."""
+    truncation through a decoder head, more segments of ``context`` tokens than a row has, or a
+    setting of ``train_settings`` / ``eval_settings`` whose keys are not the task's parameters
+    (or, for training, whose rows do not build)."""
     base = stage_base(t, params, cfg)
     sched = cfg.curriculum()
     sched.check("synth.schedule", tuple(base), base)
@@ -171,7 +204,18 @@ def check_recipe(t: Task, params: dict[str, Any], cfg: SynthConfig) -> None:
         raise RecurformerError(
             "synth key 'state_init' = passing needs batch_size >= 2 (a row takes another row's state)"
         )
-    if t.length_key:
+    if cfg.train_settings and sched.sets("length"):
+        raise RecurformerError(
+            "synth key 'train_settings' sets each batch's task parameters, synth.schedule its length: give one"
+        )
+    for s in cfg.eval_settings:
+        with_setting(t, params, s, "eval_settings")  # the keys now; the rows are built before training
+    if cfg.train_settings:  # every setting's rows build, and the shortest is the shortest training row
+        shortest = min(
+            make_split(t.name, 1, 0, with_setting(t, params, s, "train_settings")).inputs.shape[1]
+            for s in cfg.train_settings
+        )
+    elif t.length_key:
         lengths = sched.values("length", base)
         if cfg.train_lengths:  # the shortest length each stage draws (FreshRows.length)
             stages: list[int | None] = list(lengths) if sched.sets("length") else [None]

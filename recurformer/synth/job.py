@@ -29,7 +29,7 @@ from ..progress import Progress
 from ..tbptt import Update, start_state
 from ..training.loop import Cadence, run_loop
 from ..training.parts import ModelWeights, OptimizerState, Stateful, restore_parts, save_parts, state_dicts
-from .config import SynthConfig, mixed_range, scheduled_length, stage_base
+from .config import SynthConfig, mixed_range, scheduled_length, stage_base, with_setting
 from .learner import Learner, evaluate
 
 PROGRESS = "progress"  # the subdirectory of the --save directory that holds a run's progress (synth.save_every)
@@ -39,8 +39,11 @@ class FreshRows:
     """Training batches drawn fresh for every step (``SynthConfig.fresh``): batch k at the task
     length the schedule sets at step k, or drawn uniformly from ``train_lengths`` [lo, hi]; with
     both, from lo up to the stage's length (at most hi; a stage shorter than lo trains at its own
-    length), so mixed lengths can follow a curriculum. Rows from the seed ``(seed, k)``, none equal
-    to a row of ``exclude`` (the validation and test rows)."""
+    length), so mixed lengths can follow a curriculum; or at one of ``train_settings`` (task
+    parameters, e.g. Zoology's (seq_len, num_pairs) mixture) drawn uniformly, so the rows of a batch
+    share a shape (Zoology shuffles its settings within a batch; we mix them across batches). Rows
+    from the seed ``(seed, k)``, none equal to a row of ``exclude`` (the validation and test rows):
+    a function of the step alone, so a resumed run draws the batches an uninterrupted one does."""
 
     def __init__(self, task: str, params: dict[str, Any], cfg: SynthConfig, exclude: set[bytes]) -> None:
         self.task, self.t, self.params, self.cfg, self.exclude = task, get_task(task), params, cfg, exclude
@@ -56,9 +59,18 @@ class FreshRows:
             return int(np.random.default_rng([cfg.seed, step, 7]).integers(lo, hi + 1))
         return stage
 
+    def setting(self, step: int) -> dict[str, Any] | None:
+        """The ``train_settings`` entry batch ``step`` trains at (None: no settings)."""
+        settings = self.cfg.train_settings
+        if not settings:
+            return None
+        return settings[int(np.random.default_rng([self.cfg.seed, step, 11]).integers(len(settings)))]
+
     def batch(self, step: int, pace: Pace | None = None) -> TaskData:
         L = self.length(step, pace)
         params = self.params if L is None else self.t.at_length(self.params, L)
+        if (setting := self.setting(step)) is not None:
+            params = with_setting(self.t, params, setting, "train_settings")
         return make_split(
             self.task, self.cfg.batch_size, 10**9 + self.cfg.seed * 10**6 + step, params, exclude=self.exclude
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -22,7 +23,7 @@ from ..models import build_model
 from ..nn import ModelConfig, StreamingLM
 from ..progress import Progress
 from ..statesize import measure
-from .config import SynthConfig, check_recipe, model_values, trained_params
+from .config import SynthConfig, check_recipe, model_values, setting_name, trained_params, with_setting
 from .job import PROGRESS, FreshRows, SavedProgress, train_model
 from .learner import Learner, Scores, evaluate
 
@@ -38,6 +39,7 @@ class SynthResult:
     val_accuracy: float
     sweep: list[dict[str, Any]]  # per lr: final train loss, val accuracy (and the curve with eval_every)
     by_length: dict[int, float]  # headline test accuracy per length of ``eval_lengths``
+    by_setting: dict[str, float]  # headline test accuracy per setting of ``eval_settings`` (``setting_name``)
     task_params: dict[str, Any]
     model_config: dict[str, Any]
     num_params: int
@@ -76,26 +78,32 @@ def check_eval_budget(
     model: StreamingLM,
     lengths: list[int],
     n_rows: int | None = None,
+    settings: list[dict[str, Any]] | None = None,
 ) -> None:
-    """One line, before any work, when testing at one of ``lengths`` would hold more than
-    ``cfg.eval_memory_gb``: the ``n_rows`` test rows (default ``cfg.n_length_test``) and their
-    predictions (int64), and the model's state for ``cfg.eval_batch_size`` rows at the row's end
-    (fp32; measured, ``statesize.measure``: constant for a bounded state, a KV cache grows with the
-    row). Computed from sizes alone (``row_tokens``): no row is built, however long."""
-    if not lengths:
+    """One line, before any work, when testing at one of ``lengths`` (or of ``settings``, a
+    training run's ``eval_settings``) would hold more than ``cfg.eval_memory_gb``: the ``n_rows``
+    test rows (default ``cfg.n_length_test``) and their predictions (int64), and the model's state
+    for ``cfg.eval_batch_size`` rows at the row's end (fp32; measured, ``statesize.measure``:
+    constant for a bounded state, a KV cache grows with the row). Computed from sizes alone
+    (``row_tokens``): no row is built, however long."""
+    tests = [(f"length {L}", t.at_length(params, L), "synth.eval_lengths") for L in sorted(lengths, reverse=True)]
+    tests += [
+        (setting_name(s), with_setting(t, params, s, "eval_settings"), "synth.eval_settings") for s in settings or []
+    ]
+    if not tests:
         return
     n = cfg.n_length_test if n_rows is None else n_rows
-    # what to lower: a training run's config keys, or synth --evaluate's own options (n_rows given)
-    knobs = "synth.eval_lengths, synth.n_length_test" if n_rows is None else "--lengths, --n-test"
-    knobs += " or synth.eval_batch_size"
     size = measure(model)
-    for L in sorted(lengths, reverse=True):
-        T = row_tokens(t.name, t.at_length(params, L))
+    for where, p, key in tests:
+        # what to lower: a training run's config keys, or synth --evaluate's own options (n_rows given)
+        knobs = f"{key}, synth.n_length_test" if n_rows is None else "--lengths, --n-test"
+        knobs += " or synth.eval_batch_size"
+        T = row_tokens(t.name, p)
         rows = 3 * 8 * n * T
         state = 4 * cfg.eval_batch_size * size.at(T)
         if (need := (rows + state) / 2**30) > cfg.eval_memory_gb:
             raise RecurformerError(
-                f"testing {t.name} at length {L} ({T:,} tokens a row) needs about {need:.1f} GB "
+                f"testing {t.name} at {where} ({T:,} tokens a row) needs about {need:.1f} GB "
                 f"({rows / 2**30:.1f} for {n} rows, {state / 2**30:.1f} for the state of "
                 f"{cfg.eval_batch_size} rows{'' if size.bounded else ', which grows with the row'}), more than "
                 f"synth.eval_memory_gb = {cfg.eval_memory_gb:g}: lower {knobs}, or raise synth.eval_memory_gb"
@@ -155,7 +163,7 @@ def run_synth(
     built = build_model(model_name, values)  # validate before generating data
     start = saved_weights(cfg.init_from, model_name, built.config, log) if cfg.init_from else None
     check_recipe(t, params, cfg)
-    check_eval_budget(t, params, cfg, built, cfg.eval_lengths)
+    check_eval_budget(t, params, cfg, built, cfg.eval_lengths, settings=cfg.eval_settings)
     t0 = time.perf_counter()
     train: TaskData | FreshRows
     if cfg.fresh():  # held-out rows first; training rows are drawn per batch, none equal to one of them
@@ -165,7 +173,8 @@ def run_synth(
         test = make_split(task, cfg.n_test, cfg.seed + 2, held, exclude=seen, split="test")
         seen |= test.row_keys()
         length_data = {L: length_split(t, params, L, cfg.n_length_test, cfg.seed, seen) for L in cfg.eval_lengths}
-        for d in length_data.values():
+        setting_data = {setting_name(s): setting_split(t, params, s, cfg, seen) for s in cfg.eval_settings}
+        for d in [*length_data.values(), *setting_data.values()]:
             seen |= d.row_keys()
         train = FreshRows(task, params, cfg, seen)
         log(
@@ -179,6 +188,7 @@ def run_synth(
         test = make_split(task, cfg.n_test, cfg.seed + 2, params, exclude=seen, split="test")
         seen |= test.row_keys()
         length_data = {L: length_split(t, params, L, cfg.n_length_test, cfg.seed, seen) for L in cfg.eval_lengths}
+        setting_data = {setting_name(s): setting_split(t, params, s, cfg, seen) for s in cfg.eval_settings}
         log(
             f"{task} {params}: {len(train.inputs)} train / {cfg.n_val} val / {cfg.n_test} test rows of {train.inputs.shape[1]} tokens"
         )
@@ -213,10 +223,17 @@ def run_synth(
         if saving is not None:  # the run is saved whole: its progress is spent
             shutil.rmtree(saving.directory, ignore_errors=True)
     by_length: dict[int, float] = {}
-    bar = Progress(sum(d.inputs.numel() for d in length_data.values()), "test at eval_lengths", "token", show=progress)
+    tokens = sum(d.inputs.numel() for d in [*length_data.values(), *setting_data.values()])
+    bar = Progress(
+        tokens, "test at eval_lengths" + (" and eval_settings" if setting_data else ""), "token", show=progress
+    )
     for L, data in length_data.items():
         by_length[L] = evaluate(learner, data, cfg.chunk, cfg.eval_batch_size, bar.update).headline(t.metric)
         log(f"  {task} at length {L}: test accuracy {by_length[L]:.4f}")
+    by_setting: dict[str, float] = {}
+    for name, data in setting_data.items():
+        by_setting[name] = evaluate(learner, data, cfg.chunk, cfg.eval_batch_size, bar.update).headline(t.metric)
+        log(f"  {task} at {name}: test accuracy {by_setting[name]:.4f}")
     bar.close()
     return SynthResult(
         task=task,
@@ -228,6 +245,7 @@ def run_synth(
         val_accuracy=val_acc,
         sweep=sweep,
         by_length=by_length,
+        by_setting=by_setting,
         task_params=params,
         model_config=dataclasses.asdict(learner.model.config),
         num_params=learner.model.num_params(),
@@ -242,6 +260,23 @@ def length_split(
     """The test rows of ``t`` at length ``L`` of a run with seed ``seed`` (``run_synth``'s
     ``eval_lengths``, and ``score_lengths`` after it)."""
     return make_split(t.name, n, seed + 3 + L, t.at_length(params, L), exclude=exclude, split="test")
+
+
+def setting_split(
+    t: Task, params: dict[str, Any], setting: dict[str, Any], cfg: SynthConfig, exclude: set[bytes]
+) -> TaskData:
+    """The ``cfg.n_length_test`` test rows of ``t`` at one setting of ``eval_settings``, none in
+    ``exclude``, from a seed of the run's seed and the setting itself (its rows do not depend on
+    the other settings listed)."""
+    seed = cfg.seed + 5 + zlib.crc32(setting_name(setting).encode())
+    return make_split(
+        t.name,
+        cfg.n_length_test,
+        seed,
+        with_setting(t, params, setting, "eval_settings"),
+        exclude=exclude,
+        split="test",
+    )
 
 
 def score_lengths(
@@ -285,7 +320,8 @@ def result_dict(r: SynthResult) -> dict[str, Any]:
 def summary(r: SynthResult) -> str:
     kind = "micro token accuracy" if r.metric == "token" else "exact match"
     s = r.test
+    settings = "".join(f"\n  at {name}: test {kind} {acc:.4f}" for name, acc in r.by_setting.items())
     return (
         f"{r.task} / {r.model}: test {kind} {r.accuracy:.4f} (lr {r.lr:g}; token {s.token_accuracy:.4f}, "
         f"macro {s.macro_accuracy:.4f}, exact {s.exact_match:.4f} over {s.rows} rows)"
-    )
+    ) + settings

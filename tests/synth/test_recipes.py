@@ -742,6 +742,16 @@ class Killed(Exception):
             {"train_lengths": [4, 12], "state_init": "passing"},
         ),
         ("gated_deltanet", "in_context_recall", {"seq_len": 16}, {"n_train": 10}),
+        (  # Zoology's protocol: a batch at one of the task-parameter settings, tested at others after
+            "gated_deltanet",
+            "mqar_zoology",
+            {"vocab_size": 64, "seq_len": 16, "num_pairs": 2},
+            {
+                "train_settings": [{"seq_len": 8, "num_pairs": 1}, {"seq_len": 16, "num_pairs": 4}],
+                "eval_settings": [{"seq_len": 32, "num_pairs": 8}],
+                "n_length_test": 8,
+            },
+        ),
         (  # self-paced: stage 1 starts at step 2, before the save at step 3 (its start is saved)
             "llama",
             "mqar",
@@ -786,6 +796,7 @@ def test_resumed_synth_run_equals_the_uninterrupted_one(
     wa, wb = load_file(whole / "model.safetensors"), load_file(cut / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert b["sweep"] == a.sweep and b["test"] == dataclasses.asdict(a.test) and len(a.sweep[0]["curve"]) == 4
+    assert b["by_setting"] == a.by_setting and len(a.by_setting) == len(cfg.eval_settings)
     assert not (cut / "progress").exists() and not (whole / "progress").exists()
 
 

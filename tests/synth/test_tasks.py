@@ -30,6 +30,7 @@ SMALL = {  # small settings so the tests stay fast; defaults are the MAD baselin
     "delayed_copy": dict(delay=20),
     "passkey": dict(length=30),
     "mqar": dict(num_pairs=4, num_queries=4, distance=6),
+    "mqar_zoology": dict(vocab_size=64, seq_len=32, num_pairs=4),
     "s_niah_1": dict(length=160),
     "s_niah_2": dict(length=160),
     "s_niah_3": dict(length=256),
