@@ -518,7 +518,7 @@ def test_synth_config_files(tmp_path, capsys) -> None:
     # 6 recipes x 2 tasks, MQAR's twostage, twostage-mixed, recall-first, selfpaced and
     # selfpaced-mixed, 6 whole experiments (best results), the Block-Recurrent LSTM gate on passkey
     # and MQAR, the stage of the passkey's curriculum over segment counts, Gated DeltaNet's closed writes,
-    # the Zoology MQAR protocol, MK-NIAH and S-NIAH-2 in book text (Gated DeltaNet's closed writes),
+    # the Zoology MQAR protocol (mqar_zoology-fixed), MK-NIAH and S-NIAH-2 in book text (Gated DeltaNet's closed writes),
     # and the model-neutral recipes of S-NIAH-2, MK-NIAH and QA1 (experiments/memory/longcontext.sh)
     assert len(memory) == 33
     for name in memory:
