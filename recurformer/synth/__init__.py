@@ -32,9 +32,11 @@ truncation by step (a curriculum), ``train_lengths`` draws each batch's length f
 starts each training row from a noisy state or another row's final state, and ``truncation``
 backpropagates through that many segments of ``context`` tokens before detaching
 (``learner.Learner.backward``). Any of the first two, or ``fresh_data``, draws the
-training rows fresh for every batch (``job.FreshRows``), disjoint from every held-out row. Validation
-and test rows are at the task's own length, or at the length a schedule ends at (a curriculum is
-scored at the length it trains towards).
+training rows fresh for every batch (``job.FreshRows``), disjoint from every held-out row; so does
+``train_settings``, task-parameter settings a batch draws one of (Zoology's mixture of (seq_len,
+num_pairs), task ``mqar_zoology``), and ``eval_settings`` tests the model at more settings after
+training (the result's ``by_setting``). Validation and test rows are at the task's own parameters, or at
+the length a schedule ends at (a curriculum is scored at the length it trains towards).
 
 Modules: ``config`` (the protocol's settings and the recipe checks), ``learner`` (the model and its
 read-out, scored), ``job`` (one learning rate's training as a job of the one training loop,
