@@ -14,6 +14,15 @@ reports the ratio of the two:
 
     python benchmarks/generation.py --models llama,transformer_xl --contexts 1024,8192,65536 \
         --decode 64 --against /tmp/base --out out/decode.json
+
+``--batch 1,16`` decodes that many rows at once (tokens/s counts every row's tokens), and
+``--kinds`` the ways a token is decoded, alternating with each other in one run: ``eager`` (the
+model's call), ``step`` (its call captured, ``capture.DecodeGraphs``: the host samples and reads
+every token) and ``blocks`` (the sampling inside the captured step, the host reading the tokens
+every ``--block`` of them: ``DecodeGraphs.sampler``), captured with ``--backend`` (cuda on a GPU,
+trace on the CPU); ``--against`` takes ``eager`` only (an older checkout has no ``blocks``):
+
+    python benchmarks/generation.py --models rmt --contexts 1024 --batch 1,16 --kinds step,blocks --repeat 2
 """
 
 from __future__ import annotations
@@ -82,25 +91,32 @@ DECODE_CHILD = (
 import json, sys, time, torch
 from recurformer import build_model
 from recurformer.generate import new_session, read, stream
-name, context, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-cfg = json.loads(sys.argv[4])
+name, context, n, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+cfg = json.loads(sys.argv[5])
+kind, backend, block = sys.argv[6], sys.argv[7], int(sys.argv[8])
 """
     + DEVICE_CODE
     + """
 torch.manual_seed(0)
 model = build_model(name, cfg).eval().to(dev)
-s = new_session(model, 1, seed=0)
-tokens = torch.randint(0, cfg["vocab_size"], (1, context))
+s = new_session(model, batch, seed=0)
+tokens = torch.randint(0, cfg["vocab_size"], (batch, context))
 for a in range(0, context, 1024):
     read(model, s, tokens[:, a : a + 1024])
-for _ in stream(model, None, 2, temperature=0.0, session=s):  # warm-up
+how, notes = {}, []
+if kind != "eager":  # an older checkout: eager only
+    from recurformer.capture import DecodeGraphs
+    graphs = DecodeGraphs(model, backend)
+    how = dict(step=graphs.or_eager(notes.append)) if kind == "step" else dict(graphs=graphs, block=block, note=notes.append)
+# warm-up: a whole number of reset boundaries, so that every graph is recorded and the timed run starts where it did
+for _ in stream(model, None, max(2, model.reset_boundary), temperature=0.0, session=s, **how):
     pass
 sync()
 t0 = time.perf_counter()
-for _ in stream(model, None, n, temperature=0.0, session=s):
+for _ in stream(model, None, n, temperature=0.0, session=s, **how):
     pass
 sync()
-print(json.dumps(dict(tok_per_s=round(n / (time.perf_counter() - t0), 1))))
+print(json.dumps(dict(tok_per_s=round(batch * n / (time.perf_counter() - t0), 1), notes=notes)))
 """
 )
 
@@ -118,32 +134,51 @@ def child(script: str, args: list[str], code: str | None = None) -> dict | list:
 
 
 def decode_speed(args: argparse.Namespace) -> None:
-    """The ``--contexts`` table: tokens/s per model and context (and against another checkout)."""
+    """The ``--contexts`` table: tokens/s per model, context, batch and kind (and against another
+    checkout), the kinds and checkouts alternating ``--repeat`` times (the best of each kept)."""
     results: dict = {}
-    head = f"{'model':<16}{'context':>9}{'tok/s':>10}"
+    kinds = args.kinds.split(",")
+    if args.against and kinds != ["eager"]:
+        raise SystemExit(
+            "generation.py: error: --against measures --kinds eager only (an older checkout has no blocks)"
+        )
+    head = f"{'model':<16}{'context':>9}{'batch':>6}" + "".join(f"{k + ' tok/s':>14}" for k in kinds)
     print(head + (f"{'against':>10}{'ratio':>8}" if args.against else ""))
     for name in args.models.split(","):
         cfg = {**SMALL, **EXTRA.get(name, {}), **args.config}
         rows = []
-        for context in (int(c) for c in args.contexts.split(",")):
-            argv = [name, str(context), str(args.decode), json.dumps(cfg), args.device]
+        for context, batch in ((int(c), int(b)) for c in args.contexts.split(",") for b in args.batch.split(",")):
             codes = [None, args.against] if args.against else [None]
-            best = {code: 0.0 for code in codes}
+            best = {(kind, code): 0.0 for kind in kinds for code in codes}
+            notes: set[str] = set()
             try:
                 for _ in range(args.repeat):
-                    for code in codes:
-                        best[code] = max(best[code], child(DECODE_CHILD, argv, code)["tok_per_s"])  # type: ignore[index]
+                    for kind in kinds:
+                        argv = [name, str(context), str(args.decode), str(batch), json.dumps(cfg), kind]
+                        argv += [args.backend, str(args.block), args.device]
+                        for code in codes:
+                            got = child(DECODE_CHILD, argv, code)
+                            best[kind, code] = max(best[kind, code], got["tok_per_s"])  # type: ignore[index]
+                            notes.update(got.get("notes", []))  # type: ignore[union-attr]
             except RuntimeError as e:
-                print(f"{name:<16}{context:>9} failed ({e})")
+                print(f"{name:<16}{context:>9}{batch:>6} failed ({e})")
                 continue
-            row = dict(context=context, tok_per_s=best[None])
-            line = f"{name:<16}{context:>9,}{best[None]:>10,.1f}"
+            row = dict(context=context, batch=batch, tok_per_s={k: best[k, None] for k in kinds}, notes=sorted(notes))
+            line = f"{name:<16}{context:>9,}{batch:>6}" + "".join(f"{best[k, None]:>14,.1f}" for k in kinds)
             if args.against:
-                row.update(against=best[args.against], ratio=round(best[None] / best[args.against], 2))
-                line += f"{best[args.against]:>10,.1f}{row['ratio']:>7.2f}x"
+                theirs = best["eager", args.against]
+                row.update(against=theirs, ratio=round(best["eager", None] / theirs, 2))
+                line += f"{theirs:>10,.1f}{row['ratio']:>7.2f}x"
             rows.append(row)
-            print(line, flush=True)
-        results[name] = {"config": cfg, "decode_tokens": args.decode, "against": args.against, "contexts": rows}
+            print(line + "".join(f"\n  {n}" for n in sorted(notes)), flush=True)
+        results[name] = {
+            "config": cfg,
+            "decode_tokens": args.decode,
+            "backend": args.backend,
+            "block": args.block,
+            "against": args.against,
+            "contexts": rows,
+        }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")
@@ -157,6 +192,10 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64, help="tokens timed at each context")
     ap.add_argument("--against", default=None, help="another checkout's directory, to compare with")
     ap.add_argument("--repeat", type=int, default=1, help="alternating runs per context (the best is kept)")
+    ap.add_argument("--batch", default="1", help="with --contexts: rows decoded at once, e.g. 1,16")
+    ap.add_argument("--kinds", default="eager", help="with --contexts: eager, step and/or blocks (see above)")
+    ap.add_argument("--backend", choices=["cuda", "trace", "eager"], help="capture backend (default: cuda on CUDA)")
+    ap.add_argument("--block", type=int, default=16, help="tokens per host read of the blocks kind")
     ap.add_argument(
         "--config", type=json.loads, default={}, help="config values for every model, e.g. '{\"dim\": 512}'"
     )
@@ -166,6 +205,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     args.device = str(pick_device(args.device))
+    args.backend = args.backend or ("cuda" if args.device.startswith("cuda") else "trace")
     if args.contexts:
         args.out = args.out or "out/decode.json"
         return decode_speed(args)

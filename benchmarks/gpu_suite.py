@@ -811,7 +811,8 @@ def sum_graphs(r: dict) -> list[str]:
     out = [
         "training tokens/s and fraction of the measured peak, eager | graphed | compiled + graphed; the gradient "
         "check (graphed vs eager, accumulation 2: largest difference / largest gradient); kernels (or operators) "
-        "and GPU busy per step, eager -> graphed; batch-1 generation tokens/s, eager -> graphed",
+        "and GPU busy per step, eager -> graphed; generation tokens/s at batch 1 (and at 16, every row's tokens), "
+        "eager -> graphed step -> graphed blocks (sampling in the graph, the host reading every 16 tokens)",
         "",
         "| model | micro-batch | eager tok/s | graphed tok/s | compiled+graphed tok/s | grad check | kernels / step | GPU busy | generate tok/s |",
         "|---|---:|---:|---:|---:|---|---:|---:|---:|",
@@ -831,10 +832,18 @@ def sum_graphs(r: dict) -> list[str]:
             f"{'ok' if g.get('ok') else 'FAILED' if g else '-'} {g.get('max_diff_over_max_grad', float('nan')):.1e} | "
             f"{count(pr.get('eager', {}))} -> {count(pr.get('graphed', {}))} | "
             f"{busy(pr.get('eager', {}))} -> {busy(pr.get('graphed', {}))} | "
-            f"{gen.get('eager', {}).get('tokens_per_s', float('nan')):,.0f} -> {gen.get('graphed', {}).get('tokens_per_s', float('nan')):,.0f} |"
+            + " -> ".join(
+                f"{gen.get(k, {}).get('tokens_per_s', float('nan')):,.0f}" for k in ("eager", "graphed", "blocks")
+            )
+            + " ("
+            + " -> ".join(
+                f"{gen.get(k, {}).get('tokens_per_s_16', float('nan')):,.0f}" for k in ("eager", "graphed", "blocks")
+            )
+            + ") |"
             + (f" ({x['cut_off']})" if x.get("cut_off") else "")
         )
-        out += [f"  - {row_key(x).split('/')[0]} generation: {n}" for n in gen.get("graphed", {}).get("notes", [])]
+        notes = dict.fromkeys(n for k in ("graphed", "blocks") for n in gen.get(k, {}).get("notes", []))
+        out += [f"  - {row_key(x).split('/')[0]} generation: {n}" for n in notes]
     out += [f"- {k}: {v}" for k, v in {**r.get("skipped", {}), **r.get("failed", {})}.items()]
     mb = r.get("micro_batch", {})
     if mb:

@@ -14,8 +14,11 @@ Measured, each written to ``--out`` as soon as it is done (a run cut off keeps w
 * ``profile``: one training step of each kind under ``torch.profiler``: GPU kernels and kernel
   launches per step and the fraction of the step's wall time the GPU was busy (on a CPU: the
   operators per step).
-* ``generate``: batch-1 decoding tokens/s after a 16-token prompt, eager and graphed
-  (``DecodeGraphs``; a model it cannot hold says why and decodes eagerly).
+* ``generate``: greedy decoding tokens/s after a 16-token prompt at batch 1 (``tokens_per_s``)
+  and 16 (``tokens_per_s_16``, every row's tokens), eager, graphed (the model's step captured,
+  ``DecodeGraphs``: the host samples and reads every token) and blocks (the sampling inside the
+  captured step, the host reading the tokens every ``--decode-block``: ``DecodeGraphs.sampler``;
+  a model the graphs cannot hold says why and decodes eagerly).
 
     python benchmarks/graphs_bench.py --model memory_attention --config 125m --batch 16 --seq 1024 --out row.json
     python benchmarks/graphs_bench.py --model rmt --config toy --batch 2 --seq 64 --device cpu --backend trace --out r.json
@@ -181,29 +184,37 @@ class Bench:
             )
         return out
 
-    def generate_rate(self, model: StreamingLM, graphed: bool) -> dict[str, Any]:
-        """Batch-1 greedy decoding tokens/s (the second of two runs: graphs captured in the first)."""
+    def generate_rate(self, model: StreamingLM, kind: str) -> dict[str, Any]:
+        """Greedy decoding tokens/s of ``kind`` (eager, graphed, blocks) at batch 1 and 16: the
+        second of two runs (graphs captured in the first)."""
         model.eval()
         notes: list[str] = []
-        step = DecodeGraphs(model, self.args.backend).or_eager(notes.append) if graphed else None
-        prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(2))
-        n = self.args.gen_tokens
-        rate = 0.0
-        try:
-            for _ in range(2):
-                session = new_session(model, 1)
-                synchronize(self.dev)
-                t0 = time.perf_counter()
-                with self.amp():
-                    for _tok in stream(model, prompt, n, 0.0, session=session, step=step):
-                        pass
-                synchronize(self.dev)
-                rate = n / (time.perf_counter() - t0)
-        except RecurformerError as e:  # non-finite logits: say whether the weights themselves are
-            notes.append(f"{e} (weights finite: {finite(model)})")
-            rate = float("nan")
+        note = lambda s: notes.append(s) if s not in notes else None  # noqa: E731
+        graphs = DecodeGraphs(model, self.args.backend) if kind != "eager" else None
+        how: dict[str, Any] = dict(step=graphs.or_eager(note)) if kind == "graphed" and graphs else {}
+        if kind == "blocks":
+            how = dict(graphs=graphs, block=self.args.decode_block, note=note)
+        n, out = self.args.gen_tokens, dict(notes=notes)
+        for B in (1, 16):
+            g = torch.Generator().manual_seed(2)
+            prompt = torch.randint(0, model.config.vocab_size, (B, 16), generator=g)
+            rate = 0.0
+            try:
+                for _ in range(2):
+                    session = new_session(model, B)
+                    synchronize(self.dev)
+                    t0 = time.perf_counter()
+                    with self.amp():
+                        for _tok in stream(model, prompt, n, 0.0, session=session, **how):
+                            pass
+                    synchronize(self.dev)
+                    rate = B * n / (time.perf_counter() - t0)
+            except RecurformerError as e:  # non-finite logits: say whether the weights themselves are
+                note(f"{e} (weights finite: {finite(model)})")
+                rate = float("nan")
+            out["tokens_per_s" if B == 1 else f"tokens_per_s_{B}"] = rate
         model.train()
-        return dict(tokens_per_s=rate, notes=notes)
+        return out
 
 
 def main() -> None:
@@ -216,6 +227,7 @@ def main() -> None:
     )
     ap.add_argument("--steps", type=int, default=5, help="timed training steps per kind")
     ap.add_argument("--gen-tokens", type=int, default=256)
+    ap.add_argument("--decode-block", type=int, default=16, help="tokens per host read when decoding in blocks")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", choices=["cuda", "trace", "eager"], help="capture backend (default: cuda on CUDA)")
     ap.add_argument("--compile", action="store_true", help="also compiled + graphed training")
@@ -255,7 +267,10 @@ def main() -> None:
     write(args.out, row)
     row["profile"] = {kind: b.profile(model, make(model)) for kind, make in kinds}
     write(args.out, row)
-    row["generate"] = {kind: b.generate_rate(model, kind == "graphed") for kind in ("eager", "graphed")}
+    row["generate"] = {}
+    for kind in ("eager", "graphed", "blocks"):
+        row["generate"][kind] = b.generate_rate(model, kind)
+        write(args.out, row)
     write(args.out, row)
     if args.compile:
         model.compile_layers()

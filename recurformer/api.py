@@ -279,8 +279,9 @@ def generate_text(
     """``recurformer generate``: continue ``prompt`` with a checkpoint's model (``options``: the
     fields of ``generate.GenerateOptions``), streaming the text (the prompt first) to ``on_text`` as whole
     characters arrive; ``load_state`` continues a saved generation (the prompt is appended),
-    ``save_state`` saves it to continue later; ``cuda_graphs``: each new token through a captured
-    decoding step (``capture.DecodeGraphs``). Running out of memory is one line naming the model,
+    ``save_state`` saves it to continue later; ``cuda_graphs``: each new token sampled and read
+    through a captured decoding step, the host reading the tokens every ``decode_block`` of them
+    (``capture.DecodeGraphs.sampler``). Running out of memory is one line naming the model,
     the prompt's length and what to lower."""
     from .capture import DecodeGraphs
     from .device import (
@@ -307,7 +308,7 @@ def generate_text(
     ):
         loaded = load(o.checkpoint, dev)
     model, name, tok = loaded.model, loaded.name, loaded.tokenizer
-    decode = DecodeGraphs(model, graphs).or_eager(note) if graphs else None
+    decode = DecodeGraphs(model, graphs) if graphs else None
     if tok is None:
         raise RecurformerError("this checkpoint has no tokenizer.json, so it cannot read a text prompt")
     prompt = o.prompt
@@ -338,7 +339,9 @@ def generate_text(
             o.top_p,
             session=session,
             stop_tokens=stops,
-            step=decode,
+            graphs=decode,
+            block=o.decode_block,
+            note=note,
         ):
             t = int(step[0])
             if t < 0:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,11 +55,18 @@ StreamingLM = (
 )
 
 Backend = Literal["eager", "trace", "cuda"]
+Pick = Callable[[Tensor], Tensor]  # next-token logits [B, V] -> the tokens [B] chosen (a sampler)
 
 
 class CaptureFailed(RecurformerError):
     """Capturing a step failed (out of memory, an operator a capture cannot hold): one line; the
     caller may go on without the capture."""
+
+
+def failed(doing: str, e: BaseException) -> CaptureFailed:
+    """``doing`` failed, in one line: the first line of ``e`` (its type when it has no message)."""
+    what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return CaptureFailed(f"{doing} failed: {what}")
 
 
 def flatten(state: State) -> list[Tensor]:
@@ -122,16 +129,29 @@ def uncached_casts() -> Iterator[None]:
 
 @uncached_casts()
 def record(
-    fn: Callable[..., list[Tensor]], inputs: list[Tensor], backend: Backend, warmup: int
+    fn: Callable[..., list[Tensor]],
+    inputs: list[Tensor],
+    backend: Backend,
+    warmup: int,
+    generators: Sequence[torch.Generator] = (),
 ) -> tuple[list[Tensor], Callable[[], None]]:
     """``fn(*inputs)``'s outputs as static buffers and a replay that rewrites them from the
     current contents of ``inputs``: a CUDA graph (``warmup`` eager calls on a side stream first),
     a ``make_fx`` record replayed, or ``fn`` itself run again ("eager"). Recorded with autocast's
-    weight-cast cache off (``uncached_casts``)."""
+    weight-cast cache off (``uncached_casts``). ``generators``: the ones ``fn`` draws random
+    numbers from, registered with a CUDA graph so that every replay draws new ones
+    (``CUDAGraph.register_generator_state``; ``make_fx`` keeps the generator itself in its record).
+    Recording runs ``fn``: what it writes in place and draws is the caller's to restore."""
     if backend != "cuda":  # a CUDA graph's own protocol: static outputs, overwritten by every replay
         run = fn if backend == "eager" else torch.no_grad()(make_fx(fn)(*inputs))
         outputs = fn(*inputs)
-        return outputs, lambda: torch._foreach_copy_(outputs, run(*inputs))
+
+        def replay() -> None:
+            new = run(*inputs)
+            if outputs:  # a step may write its results into its inputs instead
+                torch._foreach_copy_(outputs, new)
+
+        return outputs, replay
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -139,6 +159,8 @@ def record(
             fn(*inputs)
     torch.cuda.current_stream().wait_stream(side)
     cuda_graph = torch.cuda.CUDAGraph()
+    for g in generators:
+        cuda_graph.register_generator_state(g)
     with torch.cuda.graph(cuda_graph):
         outputs = fn(*inputs)
     return outputs, cuda_graph.replay
@@ -219,10 +241,7 @@ class StepGraphs:
                 try:
                     self.graphs[key] = self.capture(tokens, targets, state)
                 except RuntimeError as e:  # torch.OutOfMemoryError too; the model's own RecurformerError passes
-                    what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    raise CaptureFailed(
-                        f"capturing the {self.backend} step of {tuple(tokens.shape)} tokens failed: {what}"
-                    ) from None
+                    raise failed(f"capturing the {self.backend} step of {tuple(tokens.shape)} tokens", e) from None
             graph = self.graphs[key]
             shift = graph.pos - state.pos  # a multiple of the reset boundary (0 unless shift-invariant)
             for buf, t in zip(graph.inputs, (tokens, targets, *flatten(state))):
@@ -257,6 +276,7 @@ class DecodeGraphs:
         check_backend(backend)
         self.model, self.backend, self.warmup = model, backend, warmup
         self.graphs: dict[tuple[Any, ...], Graph] = {}
+        self.samplers: dict[tuple[Any, ...], SampleGraphs] = {}
         self.why_not: str | None = None
         if not model.bounded_state:
             self.why_not = "its cache grows with every token (a graph per length)"
@@ -294,9 +314,8 @@ class DecodeGraphs:
                 try:
                     outputs, replay = record(self.function(state, state.pos), inputs, self.backend, self.warmup)
                 except RuntimeError as e:
-                    what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    raise CaptureFailed(
-                        f"capturing the {self.backend} forward step of {tuple(tokens.shape)} tokens failed: {what}"
+                    raise failed(
+                        f"capturing the {self.backend} forward step of {tuple(tokens.shape)} tokens", e
                     ) from None
                 self.graphs[key] = Graph(state.pos, inputs, outputs, replay)
             graph = self.graphs[key]
@@ -309,6 +328,30 @@ class DecodeGraphs:
         flat[1] -= shift
         new = unflatten(state, flat, state.pos + tokens.shape[1])
         return logits, dataclasses.replace(new, any_fresh=False, start_floor=state.start_floor)
+
+    def sampler(
+        self,
+        sampling: Hashable,
+        pick: Pick,
+        generator: torch.Generator | None,
+        state: State,
+        logits: Tensor,
+        stops: Sequence[int],
+        block: int,
+    ) -> SampleGraphs:
+        """The steps that sample with ``pick`` (which draws from ``generator``; ``sampling`` names
+        how, e.g. temperature, top-k and top-p) and read their token, in blocks of ``block`` (see
+        ``SampleGraphs``), loaded with ``state`` and the next-token ``logits`` [B, V]: made once
+        per kind of call, so a later generation of the same kind replays the graphs recorded."""
+        if self.why_not is not None:
+            raise RecurformerError(f"this model cannot decode through captured steps: {self.why_not}")
+        shapes = tuple((tuple(t.shape), t.dtype) for t in flatten(state))
+        key = (sampling, generator, shapes, tuple(logits.shape), tuple(stops), block)
+        if key not in self.samplers:
+            self.samplers[key] = SampleGraphs(self, pick, generator, state, logits, stops, block)
+        steps = self.samplers[key]
+        steps.load(state, logits)
+        return steps
 
     def or_eager(
         self, note: Callable[[str], object], only_aligned: bool = False, doing: str = "decoding"
@@ -342,3 +385,145 @@ class DecodeGraphs:
             return out.logits, out.state
 
         return step
+
+
+class SampleGraphs:
+    """Decoding with the sampling inside the captured step and the host reading the tokens in
+    blocks (made by ``DecodeGraphs.sampler``). One step: a token per row chosen from the current
+    logits (``pick``, greedy or drawing from ``generator``), read by the model
+    (``DecodeGraphs.function``), the new logits kept; the token (-1 in a row that produced a stop
+    token earlier) and two flags, whether the new logits are all finite and whether every row has
+    now produced a stop token, written into column ``col`` of ``out`` [B + 2, block]. The steps
+    read and write static buffers, so ``run(n)`` is n replays with no host work between them and
+    ``read(n)`` is the one host read of a block.
+
+    One graph per position within the reset boundary (the state's shapes may change with it: a
+    partial chunk's cache), each reading the state buffers of its residue r and writing those of
+    the next (its outputs become them, or it writes them in place where they exist: round the
+    chunk, back to the first). The graph of residue r runs at position ``base + r`` with the
+    document starts moved there (as ``DecodeGraphs`` moves them), the last residue's step moving
+    them back by one boundary as a chunk ends; ``pos`` is the true position, known on the host."""
+
+    def __init__(
+        self,
+        graphs: DecodeGraphs,
+        pick: Pick,
+        generator: torch.Generator | None,
+        state: State,
+        logits: Tensor,
+        stops: Sequence[int],
+        block: int,
+    ) -> None:
+        self.graphs, self.pick, self.block = graphs, pick, block
+        self.generators = [] if generator is None else [generator]
+        self.P = graphs.model.reset_boundary
+        self.base = state.pos - state.pos % self.P
+        self.like, self.pos = state, state.pos
+        dev = logits.device
+        self.logits = logits.float().clone()
+        self.done = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev)
+        self.stops = torch.tensor(list(stops), dtype=torch.long, device=dev)
+        self.out = torch.zeros(logits.shape[0] + 2, block, dtype=torch.long, device=dev)
+        self.col = torch.zeros(1, dtype=torch.long, device=dev)
+        self.flats: dict[int, list[Tensor]] = {}  # the state buffers of each residue
+        self.replays: dict[int, Callable[[], None]] = {}
+
+    @property
+    def shared(self) -> list[Tensor]:
+        """The buffers every step reads and writes, in the order of its first arguments."""
+        return [self.logits, self.done, self.stops, self.out, self.col]
+
+    @property
+    def moved(self) -> int:
+        """How far the buffers' document starts are moved from the true ones (``pos`` to ``base + r``)."""
+        return self.base - (self.pos - self.pos % self.P)
+
+    def load(self, state: State, logits: Tensor, done: Tensor | None = None) -> None:
+        """Start from ``state``, its next-token ``logits`` and the rows ``done`` (default: none)."""
+        self.graphs.model.check_state(state, self.done.shape[0])
+        self.like, self.pos = state, state.pos
+        self.logits.copy_(logits)
+        if done is None:
+            self.done.zero_()
+        else:
+            self.done.copy_(done)
+        r = self.pos % self.P
+        if r in self.flats:
+            torch._foreach_copy_(self.flats[r], flatten(state))
+        else:
+            self.flats[r] = [t.clone() for t in flatten(state)]
+        self.flats[r][1].add_(self.moved)
+
+    def state(self) -> State:
+        """The state after the steps run so far (a copy: later steps do not change it)."""
+        flat = [t.clone() for t in self.flats[self.pos % self.P]]
+        flat[1] -= self.moved
+        new = unflatten(self.like, flat, self.pos)
+        return dataclasses.replace(new, any_fresh=False, start_floor=self.like.start_floor)
+
+    def function(self, r: int) -> tuple[Callable[..., list[Tensor]], list[Tensor]]:
+        """The step of residue ``r`` as a function of tensors only (what is captured), and those
+        tensors: the shared buffers, the state of residue r and, where the next residue's state
+        buffers exist, those, written in place (else the step returns the next state)."""
+        after = (r + 1) % self.P
+        forward, wrap = self.graphs.function(self.like, self.base + r), self.P if after == 0 else 0
+        n, returns = len(self.flats[r]), after not in self.flats  # decided now: the outputs become them
+        into = [] if returns or after == r else self.flats[after]
+
+        def step(logits: Tensor, done: Tensor, stops: Tensor, out: Tensor, col: Tensor, *flats: Tensor) -> list[Tensor]:
+            tok = self.pick(logits)
+            new_logits, *new_flat = forward(tok[:, None], *flats[:n])
+            new_logits = new_logits[:, -1].float()
+            new_flat[1] = new_flat[1] - wrap
+            now = done | torch.isin(tok, stops)
+            flags = torch.stack([torch.isfinite(new_logits).all(), now.all()]).long()
+            out.index_copy_(1, col, torch.cat([torch.where(done, -1, tok), flags])[:, None])
+            col.add_(1)
+            logits.copy_(new_logits)
+            done.copy_(now)
+            if returns:
+                return new_flat
+            torch._foreach_copy_(list(flats[n:] or flats), new_flat)  # the residue's own buffers at P = 1
+            return []
+
+        return step, [*self.shared, *self.flats[r], *into]
+
+    def prepare(self, n: int) -> None:
+        """Record the graphs that the next ``n`` steps replay, in the order they run, leaving the
+        buffers and the generator as they were (recording runs the step)."""
+        for i in range(min(n, self.P)):
+            r = (self.pos + i) % self.P
+            if r in self.replays:
+                continue
+            kept = [t.clone() for t in (*self.shared, *(t for f in self.flats.values() for t in f))]
+            drawn = [g.get_state() for g in self.generators]
+            fn, inputs = self.function(r)
+            try:
+                with unchecked(self.graphs.model):
+                    outputs, self.replays[r] = record(
+                        fn, inputs, self.graphs.backend, self.graphs.warmup, self.generators
+                    )
+            except RuntimeError as e:
+                raise failed(f"capturing the {self.graphs.backend} sampling step", e) from None
+            finally:
+                torch._foreach_copy_([*self.shared, *(t for f in self.flats.values() for t in f)], kept)
+                for g, was in zip(self.generators, drawn):
+                    g.set_state(was)
+            if outputs:
+                self.flats[(r + 1) % self.P] = outputs
+
+    @torch.no_grad()
+    def run(self, n: int) -> None:
+        """``n`` <= ``block`` steps, their tokens and flags in ``out[:, :n]`` (no host read)."""
+        self.col.zero_()
+        self.prepare(n)
+        with unchecked(self.graphs.model):
+            for _ in range(n):
+                self.replays[self.pos % self.P]()
+                self.pos += 1
+
+    def read(self, n: int) -> tuple[Tensor, list[bool], list[bool]]:
+        """The one host read of a block of ``n`` steps: their tokens [B, n] (a host tensor), and
+        per step whether the logits were finite and whether every row had stopped."""
+        *tokens, finite, stopped = self.out[:, :n].tolist()
+        return torch.tensor(tokens), [bool(f) for f in finite], [bool(f) for f in stopped]

@@ -10,15 +10,17 @@ and continued later with exactly the result of one uninterrupted run."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from .capture import CaptureFailed, DecodeGraphs
 from .config import Checked, RecurformerError, check_values, option
 from .device import device_option
 from .files import atomic_write
@@ -44,7 +46,14 @@ class GenerateOptions(Checked):
     save_state: str | None = option(None, "save the generation state (safetensors) to continue later", metavar="FILE")
     load_state: str | None = option(None, "continue a saved generation (the prompt is appended)", metavar="FILE")
     device: str = device_option()
-    cuda_graphs: bool = option(False, "decode each new token through a captured CUDA graph (a CUDA GPU)")
+    cuda_graphs: bool = option(
+        False, "decode each new token through a captured CUDA graph, sampling included (a CUDA GPU)"
+    )
+    decode_block: int = option(
+        16,
+        "tokens decoded on the GPU between two reads of their ids by the host, through captured graphs",
+        range=">= 1",
+    )
 
 
 DEFAULTS = GenerateOptions(checkpoint="")  # the command line's: the Python API generates with the same
@@ -99,6 +108,10 @@ def sample(
 Step = Callable[[Tensor, State], tuple[Tensor, State]]  # (tokens, state) -> (logits, new state)
 
 
+def non_finite() -> RecurformerError:
+    return RecurformerError("the model gives non-finite logits (nan/inf) although its weights load; it cannot generate")
+
+
 @torch.no_grad()
 def read(model: StreamingModel, session: Session, tokens: Tensor, step: Step | None = None) -> Session:
     """Feed ``tokens`` [B, T] (a prompt, or forced tokens) and update the session; through
@@ -111,9 +124,7 @@ def read(model: StreamingModel, session: Session, tokens: Tensor, step: Step | N
         all_logits, state = step(tokens, session.state)
     logits = all_logits[:, -1].float()
     if not bool(torch.isfinite(logits).all()):
-        raise RecurformerError(
-            "the model gives non-finite logits (nan/inf) although its weights load; it cannot generate"
-        )
+        raise non_finite()
     session.state = state
     session.logits = logits
     return session
@@ -131,13 +142,31 @@ def stream(
     session: Session | None = None,
     stop_tokens: Sequence[int] = (),
     step: Step | None = None,
+    graphs: DecodeGraphs | None = None,
+    block: int = DEFAULTS.decode_block,
+    note: Callable[[str], object] = print,
 ) -> Iterator[Tensor]:
     """Yield new tokens [B] one step at a time, sampled by default as ``recurformer generate``
     samples (``DEFAULTS``; ``temperature=0`` is greedy). Rows that produced a stop token yield -1
     from then on; the iterator ends when every row has stopped or after ``max_new_tokens``. ``session``
     continues an earlier generation (and is updated in place); ``step`` reads each new token
-    (the prompt is read by the model's own call)."""
-    check_values(GenerateOptions, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    (the prompt is read by the model's own call).
+
+    ``graphs``: the sampling and the reading of each new token as one captured step
+    (``DecodeGraphs.sampler``), run ``block`` steps at a time with one host read of their tokens;
+    the same tokens, the same count and the same session as without, the tokens as host tensors.
+    A model the graphs cannot hold, or a capture that fails, says so in one line to ``note`` and
+    decodes eagerly from there."""
+    check_values(
+        GenerateOptions,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        decode_block=block,
+    )
+    if step is not None and graphs is not None:
+        raise RecurformerError("give stream() a step or graphs, not both")
     was_training = model.training
     model.eval()
     try:
@@ -153,8 +182,12 @@ def stream(
             raise RecurformerError("the session has no next-token logits: give a prompt")
         B = session.logits.shape[0]
         done = torch.zeros(B, dtype=torch.bool, device=session.logits.device)
+        left = max_new_tokens
+        if graphs is not None:
+            sampling = (temperature, top_k, top_p)
+            left, done = yield from blocks(graphs, session, sampling, stop_tokens, left, block, note)
         stops = torch.tensor(list(stop_tokens), dtype=torch.long, device=done.device)
-        for _ in range(max_new_tokens):
+        for _ in range(left):
             tok = sample(session.logits, temperature, top_k, top_p, session.generator)
             read(model, session, tok[:, None], step)
             yield torch.where(done, torch.full_like(tok, -1), tok)
@@ -163,6 +196,76 @@ def stream(
                 break
     finally:
         model.train(was_training)
+
+
+def blocks(
+    graphs: DecodeGraphs,
+    session: Session,
+    sampling: tuple[float, int | None, float | None],
+    stop_tokens: Sequence[int],
+    n: int,
+    block: int,
+    note: Callable[[str], object],
+) -> Generator[Tensor, None, tuple[int, Tensor]]:
+    """``stream``'s loop through ``graphs.sampler``: blocks of ``block`` captured steps, each read
+    by the host once, the session moved to the end of the last token yielded (a block that ends
+    early, at a stop, a non-finite logit or a consumer that stops asking, is run again to there
+    from its start: the state and the generator restored). Returns, where it gives way to the
+    eager loop, the tokens left and the rows done (no tokens left once every row has stopped)."""
+    B = session.logits.shape[0] if session.logits is not None else 0
+    done = torch.zeros(B, dtype=torch.bool, device=session.state.fresh.device)
+    model, state = graphs.model, session.state
+    if graphs.why_not is not None:
+        note(f"[{graphs.backend} graphs: {graphs.why_not}; decoding eagerly]")
+        return n, done
+    if state.pos % model.reset_boundary and state.any_fresh is not False:  # a loaded session mid-chunk: ask once
+        if state.any_fresh or bool(state.fresh.any()):
+            return n, done  # the model's own call says why it cannot go on
+        state = session.state = replace(state, any_fresh=False)
+    temperature, top_k, top_p = sampling
+    generator = session.generator if temperature > 0 else None
+    pick = functools.partial(sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=session.generator)
+    assert session.logits is not None
+    steps = graphs.sampler(sampling, pick, generator, state, session.logits, stop_tokens, block)
+
+    def back(to: int) -> None:
+        """The block run again from its start to ``to`` steps, and the session moved there."""
+        steps.load(first, first_logits, first_done)
+        if generator is not None and drawn is not None:
+            generator.set_state(drawn)
+        steps.run(to)
+        session.state, session.logits = steps.state(), steps.logits.clone()
+
+    while n:
+        k = min(block, n)
+        first, first_logits, first_done = session.state, session.logits, steps.done.clone()
+        drawn = generator.get_state() if generator is not None else None
+        try:
+            steps.run(k)
+        except CaptureFailed as e:  # before any step of the block ran: the session is at its start
+            note(f"[{e}; decoding eagerly]")
+            return n, first_done
+        tokens, finite, stopped = steps.read(k)
+        good = finite.index(False) if False in finite else k  # the steps before a non-finite logit
+        stop = next((i for i in range(good) if stopped[i]), None)  # the step after which every row stopped
+        end = good if stop is None else stop + 1
+        if end < k:
+            back(end)
+        else:
+            session.state, session.logits = steps.state(), steps.logits.clone()
+        for i in range(end):
+            try:
+                yield tokens[:, i]
+            except GeneratorExit:  # the consumer stops after token i: the session as if read to there
+                if i + 1 < end:
+                    back(i + 1)
+                raise
+        if stop is not None:
+            return 0, steps.done.clone()
+        if good < k:
+            raise non_finite()
+        n -= k
+    return 0, steps.done.clone()
 
 
 def generate(

@@ -37,7 +37,8 @@ def optimizer_to_flat(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tenso
     tensors = {
         f"opt.{pid}.{k}": v for pid, st in sd["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)
     }
-    groups = [{k: v for k, v in g.items()} for g in sd["param_groups"]]
+    # a learning rate held as a tensor (``tbptt.CapturedUpdate``) is saved as its value
+    groups = [{k: float(v) if isinstance(v, torch.Tensor) else v for k, v in g.items()} for g in sd["param_groups"]]
     return tensors, {"param_groups": groups}
 
 

@@ -29,7 +29,7 @@ from ..curriculum import Pace
 from ..device import autocast_context, to_device
 from ..nn import State
 from ..optim import make_optimizer
-from ..tbptt import Update, backprop, start_state
+from ..tbptt import CapturedUpdate, Update, backprop, start_state
 from .config import RunConfig, TrainConfig, build_from_run_config
 from .data import RunData, check_model, train_streams, val_streams
 from .meter import Notes, Throughput, UnreadLosses
@@ -74,9 +74,14 @@ class SegmentSteps:
 
     def capture_steps(self, backend: Backend) -> None:
         """Train through captured steps (``capture.StepGraphs``; ``train.cuda_graphs``: the cuda
-        backend), the optimizer eager; unless a carried state would need a graph per step (layers
-        that read absolute positions): then one line, and training stays eager."""
+        backend) and a captured optimizer step (``tbptt.CapturedUpdate``: clipping, AdamW and
+        zeroing the gradients, after the accumulation); the model's calls stay eager where a
+        carried state would need a graph per step (layers that read absolute positions), in one line."""
         t = self.cfg.train
+        u = self.update
+        self.update = CapturedUpdate(
+            u.module, u.opt, u.lr, u.min_lr, u.warmup, u.steps, u.grad_clip, backend, self._note
+        )
         graphs = StepGraphs(self.model, t.grad_accum, backend)
         if t.state == "carry" and not graphs.shift:
             self._note(

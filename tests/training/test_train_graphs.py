@@ -1,4 +1,5 @@
-"""``train.cuda_graphs``: the trainer's training calls through captured steps (``capture.StepGraphs``).
+"""``train.cuda_graphs``: the trainer's training calls through captured steps (``capture.StepGraphs``)
+and its optimizer step captured (``tbptt.CapturedUpdate``).
 Without a GPU the wiring runs with the ``eager`` and ``trace`` backends: over several steps with
 gradient accumulation 2 and rows whose streams wrap (a reset), the trainer through captured steps
 equals the plain trainer (losses, weights, the carried state); a call that cannot be captured or a
@@ -17,6 +18,7 @@ from helpers import tiny_config, write_corpus
 
 from recurformer import RecurformerError
 from recurformer.cli import main as cli_main
+from recurformer.tbptt import CapturedUpdate
 from recurformer.training.config import load_run_config
 from recurformer.training.trainer import Trainer
 
@@ -106,6 +108,7 @@ def test_captured_steps_equal_the_plain_trainer(corpus, tmp_path, plain, backend
     assert tr.graphs is not None
     got = run(tr)
     assert len(tr.graphs.graphs) >= 1  # the steps went through captured calls
+    assert isinstance(tr.update, CapturedUpdate) and tr.update.replay is not None  # and the optimizer's step
     exact = backend == "eager"
     assert got[0] == expect[0] if exact else got[0] == pytest.approx(expect[0], rel=1e-5)
     assert_same(got[1], expect[1], exact)
