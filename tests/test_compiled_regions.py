@@ -6,16 +6,22 @@ break), the model equals the eager one in logits, loss, state and every gradient
 several units, the second call continuing a partial unit from the first. Without gradients the
 compiled graph calls the region (``invoke_subgraph``) once per unit, one traced body for them all,
 where the loop would be unrolled; with gradients the region is inlined (inductor's gradients
-through a region are wrong in torch 2.13: ``test_inductor_gradients_of_a_compiled_layer``)."""
+through a region are wrong in torch 2.13: ``test_inductor_gradients_of_a_compiled_layer``, and
+dev/repro_inductor_region_grad.py, cut down to three steps of one multiplication)."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
 from recurformer.models import build_model
+from recurformer.modules import compiled_region
+
+REPRO = Path(__file__).resolve().parent.parent / "dev" / "repro_inductor_region_grad.py"
 
 CASES = {
     # (config, the lengths of two calls: several units, then the rest of a partial one and more)
@@ -102,3 +108,18 @@ def test_inductor_gradients_of_a_compiled_layer() -> None:
     for (name, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None, name
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_compiled_region_gives_eager_gradients_in_the_minimal_reproduction(size: int) -> None:
+    """dev/repro_inductor_region_grad.py's gated recurrence, three steps through
+    ``compiled_region`` and compiled by inductor: eager's gradient. Through a bare region torch
+    2.13's inductor gets it wrong (sizes 1 and 4: two ways, both of them inlining avoids), so this
+    goes red if ``compiled_region`` stops inlining under autograd; it passes as well where the
+    bug is fixed."""
+    spec = importlib.util.spec_from_file_location("repro_inductor_region_grad", REPRO)
+    assert spec is not None and spec.loader is not None
+    repro = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(repro)
+    eager, compiled = repro.gradients(compiled_region(repro.body), size)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-8)
