@@ -124,7 +124,11 @@ def layout(
     """The rows of ``parts`` (one per row; ``check_fits`` first), each ``length`` input tokens:
     filler from the ``split`` text (or ``noise`` repeated from its start), with the inserts in
     order at sorted uniform positions, then the question and the answer (scored)."""
-    source = np.resize(np.asarray(encode(vocab_size, noise)), length + 1) if noise else filler_stream(split, vocab_size, length)
+    source = (
+        np.resize(np.asarray(encode(vocab_size, noise)), length + 1)
+        if noise
+        else filler_stream(split, vocab_size, length)
+    )
     seq = np.empty((len(parts), length + 1), dtype=np.int64)
     scored = np.zeros_like(seq, dtype=bool)
     for i, (inserts, question, answer) in enumerate(parts):

@@ -176,12 +176,12 @@ def test_rows_are_length_tokens(task: str) -> None:
         (
             lambda: make_split("s_niah_2", 2, 0, {"length": 3_000_000}, split="test"),
             r's_niah_2 at task=\{"length": 3000000\} needs more filler than the test text has '
-            r'\(books_val and the unread training books: [\d,]+ tokens at vocabulary 1024\): '
+            r"\(books_val and the unread training books: [\d,]+ tokens at vocabulary 1024\): "
             r'set task=\{"length": \d+\} or less$',
         ),
         (
             lambda: make_split("s_niah_2", 2, 0, {"length": 1_000_000}, split="train"),
-            r'needs more filler than the train text has \(books_train: [\d,]+ tokens at vocabulary 1024\)',
+            r"needs more filler than the train text has \(books_train: [\d,]+ tokens at vocabulary 1024\)",
         ),
         (
             lambda: make_split("qa3", 2, 0, {"num_facts": 2}),
