@@ -51,7 +51,7 @@ FLOORS: list[list[str]] = [
     ["data", "loggers", "ops.recurrent_attention.tiled", "evaluate.results", "probe.results", "probe.samples"]
     + ["data.booktext"],
     # 4: loading models from disk or the Hub (the Hub methods of a model, as a mixin); the long-context tasks
-    ["hub", "ops.recurrent_attention", "data.needles", "data.babi"],
+    ["hub", "ops.recurrent_attention", "data.needles", "data.babi", "data.zoology"],
     # 5: generation (a mixin of the model; ``recurformer generate`` is ``api.generate_text``); the task registry
     ["generate", "data.synthetic"],
     # 6: the model around a stack of layers
