@@ -52,7 +52,8 @@ run_cell() {  # cell seed [width]
 }
 export -f run_cell
 
-for seed in $SEEDS; do for cell in $MODELS; do for w in "${WLIST[@]}"; do echo "$cell $seed $w"; done; done; done |
+# no trailing blank on a line: xargs -L would join it with the next (one cell's arguments would run as one)
+for seed in $SEEDS; do for cell in $MODELS; do for w in "${WLIST[@]}"; do echo "$cell $seed${w:+ $w}"; done; done; done |
   xargs -P "$JOBS" -L 1 bash -c 'run_cell "$@"' _
 # the picture at the longest eval length, or at the last eval setting (the recipe's hardest)
 AT=$($PY -c "

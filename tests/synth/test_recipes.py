@@ -830,3 +830,40 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys) -> None:
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert says in err and "\n" not in err, err
+
+
+def test_longcontext_script_runs_each_cell_once(tmp_path) -> None:
+    """experiments/memory/longcontext.sh runs one synth per (cell, seed[, width]) with that cell's
+    model and seed, and skips a cell whose JSON exists (a fake interpreter records each call)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("bash") is None or shutil.which("xargs") is None:
+        pytest.skip("needs bash and xargs")
+    calls = tmp_path / "calls"
+    fake = tmp_path / "py"
+    fake.write_text(f'#!/usr/bin/env bash\n[ "$1" = -m ] && echo "$*" >> {calls}\nexit 0\n')
+    fake.chmod(0o755)
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "out" / "mk_niah").mkdir(parents=True)
+    (tmp_path / "out" / "mk_niah" / "gated_deltanet.fixed.seed1.json").write_text("{}")
+
+    def run(**env: str) -> list[list[str]]:
+        calls.unlink(missing_ok=True)
+        base = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "OUT": str(tmp_path / "out")}
+        script = root / "experiments" / "memory" / "longcontext.sh"
+        subprocess.run(["bash", str(script), "mk_niah"], env={**base, **env}, check=True, capture_output=True)
+        return [line.split() for line in calls.read_text().splitlines()]
+
+    def cell(args: list[str]) -> tuple[str, str, str]:
+        sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+        width = next((s.split("=")[1] for s in sets if s.startswith("model.dim=")), "")
+        seed = next(s.split("=")[1] for s in sets if s.startswith("synth.seed="))
+        return args[args.index("--model") + 1], seed, width
+
+    got = sorted(cell(a) for a in run(MODELS="llama gdn armt", SEEDS="0 1"))
+    want = [(m, s, "") for m in ("gated_deltanet", "llama", "rmt") for s in "01" if (m, s) != ("gated_deltanet", "1")]
+    assert got == sorted(want)
+    got = sorted(cell(a) for a in run(MODELS="llama sliding_window", WIDTHS="64 128"))
+    assert got == sorted((m, "0", w) for m in ("llama", "sliding_window") for w in ("64", "128"))
