@@ -23,6 +23,7 @@ a uniform offset (or repeated noise sentences from their start), and the answer'
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,8 +36,15 @@ CORPORA = {"train": "books_train", "test": "books_val"}
 TRAIN_CHARS = 2_000_000
 LONG_TEST_CHARS = 4_200_000  # unread training books after books_val, for test rows longer than it
 
-# one row's pieces: the inserts (in order), the question, the answer (scored), as token lists
-Parts = tuple[list[list[int]], list[int], list[int]]
+
+class Parts(NamedTuple):
+    """One row's pieces as token lists: the inserts (in order), the question, the answer (scored),
+    and for each insert how many of its last tokens are scored too (an answer inside the story)."""
+
+    inserts: list[list[int]]
+    question: list[int]
+    answer: list[int]
+    scored_tails: list[int] | None = None
 
 
 def check_split(split: str) -> None:
@@ -123,7 +131,8 @@ def layout(
 ) -> Arrays:
     """The rows of ``parts`` (one per row; ``check_fits`` first), each ``length`` input tokens:
     filler from the ``split`` text (or ``noise`` repeated from its start), with the inserts in
-    order at sorted uniform positions, then the question and the answer (scored)."""
+    order at sorted uniform positions, then the question and the answer (scored; so are the last
+    ``scored_tails`` tokens of each insert)."""
     source = (
         np.resize(np.asarray(encode(vocab_size, noise)), length + 1)
         if noise
@@ -131,14 +140,17 @@ def layout(
     )
     seq = np.empty((len(parts), length + 1), dtype=np.int64)
     scored = np.zeros_like(seq, dtype=bool)
-    for i, (inserts, question, answer) in enumerate(parts):
+    for i, (inserts, question, answer, tails) in enumerate(parts):
         fill = length + 1 - sum(len(x) for x in inserts) - len(question) - len(answer)
         start = 0 if noise else int(rng.integers(0, len(source) - fill + 1))
         filler = source[start : start + fill]
         cuts = np.sort(rng.integers(0, fill + 1, size=len(inserts)))
         pieces: list[np.ndarray | list[int]] = []
-        for a, b, x in zip([0, *cuts[:-1]], cuts, inserts):
+        end = 0  # where the row's last piece ends
+        for a, b, x, tail in zip([0, *cuts[:-1]], cuts, inserts, tails or [0] * len(inserts)):
             pieces += [filler[a:b], x]
+            end += b - a + len(x)
+            scored[i, end - tail : end] = True
         seq[i] = np.concatenate([*pieces, filler[cuts[-1] if len(cuts) else 0 :], question, answer])
         scored[i, length + 1 - len(answer) :] = True
     return shift(seq, scored)

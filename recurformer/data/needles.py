@@ -94,7 +94,7 @@ def _niah(
         ]
         order = rng.permutation(num_needles)  # the queried needle at a random rank among the others
         question = list(encode(vocab_size, QUERY.format(kind=kind, key=keys[0])))
-        parts.append(([needles[j] for j in order], question, list(encode(vocab_size, " " + values[0]))))
+        parts.append(Parts([needles[j] for j in order], question, list(encode(vocab_size, " " + values[0]))))
     return layout(rng, length, vocab_size, split, parts, noise)
 
 

@@ -76,14 +76,15 @@ def test_a_needle_is_in_the_row_and_a_reader_of_the_text_finds_the_scored_value(
 
 
 def where(text: str, task: str) -> str:
-    """A trivial bAbI reader: the facts of ``text`` in order (regex), and the answer to its question."""
+    """A trivial bAbI reader: the facts of ``text`` in order (regex), and the answer to its last question."""
     place = r"the (\w+)\."
     at: dict[str, str] = {}
     holder: dict[str, str] = {}
     history: dict[str, list[str]] = {}
     fact = re.compile(rf"\b({'|'.join(ACTORS)}) (moved to|went to|travelled to|journeyed to|went back to|"
                       rf"picked up|got|grabbed|took|dropped|discarded|put down|left) {place}")  # fmt: skip
-    for actor, verb, what in fact.findall(text.split(" Question:")[0]):
+    story, q = text.rsplit(" Question: ", 1)  # the facts before the last question (and earlier answers)
+    for actor, verb, what in fact.findall(story):
         if what in OBJECTS:
             if verb in ("picked up", "got", "grabbed", "took"):
                 holder[what] = actor
@@ -94,7 +95,6 @@ def where(text: str, task: str) -> str:
             at[actor] = what
             for o in [o for o, a in holder.items() if a == actor]:
                 history[o].append(what)
-    q = text.split(" Question: ")[1]
     if m := re.match(r"Where is (\w+)\?", q):
         return at[m[1]]
     if m := re.match(r"Where is the (\w+)\?", q):
@@ -113,6 +113,24 @@ def test_babi_facts_are_in_the_row_and_a_reader_of_the_text_answers_the_question
         assert scored == " " + where(text, task), text
         answers.add(scored)
     assert len(answers) > 2, "the answers vary"
+
+
+@pytest.mark.parametrize("task", ["qa1", "qa2", "qa3"])
+def test_babi_questions_inside_the_story_are_answered_where_they_are_asked(task: str) -> None:
+    """With num_questions 3, up to two questions come right after a fact, each scored and answered
+    by the facts before it (the reader of the text so far); the last question ends the row."""
+    d = make_split(task, 32, seed=4, params={"length": 384, "num_facts": 6, "num_questions": 3}, split="test")
+    counts = []
+    for text, scored, _, _ in decoded(d):
+        asked = [m.start() for m in re.finditer(" Question: ", text)]
+        said = [where(text[: text.index("?", a) + 1], task) for a in asked]
+        assert scored == "".join(" " + a for a in said), text
+        assert all(re.search(r"the \w+\.$", text[:a]) for a in asked[:-1]), "each inner question right after a fact"
+        assert text[asked[-1] :].count(" Answer:") == 1 and "." not in text[asked[-1] :], (
+            "the last question ends the row"
+        )
+        counts.append(len(asked))
+    assert max(counts) == 3 and (min(counts) == 3 if task == "qa1" else min(counts) >= 1), counts
 
 
 def test_test_rows_filler_is_not_in_the_training_text() -> None:
@@ -186,6 +204,10 @@ def test_rows_are_length_tokens(task: str) -> None:
         (
             lambda: make_split("qa3", 2, 0, {"num_facts": 2}),
             r'qa3 needs at least 3 facts .* set task=\{"num_facts": 3\} or more$',
+        ),
+        (
+            lambda: make_split("qa1", 2, 0, {"num_facts": 2, "num_questions": 3}),
+            r'got task=\{"num_questions": 3\} for task=\{"num_facts": 2\}: set task=\{"num_questions": 1\} to 2$',
         ),
         (lambda: make_split("qa1", 2, 0, {"vocab_size": 100}), r"give one in \[258, 65536\]"),
         (lambda: make_split("qa1", 2, 0, split="val"), r"unknown text split 'val': the splits are 'train', 'test'$"),
