@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from recurformer.api import load  # noqa: E402
+from recurformer.config import RecurformerError  # noqa: E402
 from recurformer.data import booktext  # noqa: E402
 from recurformer.data.babi import ACTORS, MOVES, PLACES  # noqa: E402
 from recurformer.data.synthetic import get_task, make_split  # noqa: E402
@@ -47,7 +48,10 @@ def main() -> None:
     tok = booktext.tokenizer(t.params()["vocab_size"])
     right = [True] * args.rows
     if args.model:
-        model, _ = load(args.model)
+        try:
+            model, _ = load(args.model)
+        except RecurformerError as e:
+            sys.exit(f"babi_baselines: {e}")
         with torch.no_grad():
             pred = torch.cat([model(x).logits.argmax(-1) for x in d.inputs.split(50)])
         right = ((pred == d.targets) | (d.targets == IGNORE_INDEX)).all(1).tolist()
